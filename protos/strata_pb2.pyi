@@ -1,0 +1,598 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    JOB_STATE_UNSPECIFIED: _ClassVar[JobState]
+    PENDING: _ClassVar[JobState]
+    SCHEDULED: _ClassVar[JobState]
+    RUNNING: _ClassVar[JobState]
+    SUCCEEDED: _ClassVar[JobState]
+    FAILED: _ClassVar[JobState]
+    CANCELLED: _ClassVar[JobState]
+
+class TaskState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TASK_STATE_UNSPECIFIED: _ClassVar[TaskState]
+    TASK_PENDING: _ClassVar[TaskState]
+    TASK_STARTING: _ClassVar[TaskState]
+    TASK_RUNNING: _ClassVar[TaskState]
+    TASK_SUCCEEDED: _ClassVar[TaskState]
+    TASK_FAILED: _ClassVar[TaskState]
+    TASK_CANCELLED: _ClassVar[TaskState]
+
+class FailureKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FAILURE_NONE: _ClassVar[FailureKind]
+    FAILURE_EXIT_CODE: _ClassVar[FailureKind]
+    FAILURE_OOM: _ClassVar[FailureKind]
+    FAILURE_SIGNAL: _ClassVar[FailureKind]
+    FAILURE_LAUNCH: _ClassVar[FailureKind]
+    FAILURE_LOST: _ClassVar[FailureKind]
+    FAILURE_BAD_CONFIG: _ClassVar[FailureKind]
+
+class WorkerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WORKER_STATE_UNSPECIFIED: _ClassVar[WorkerState]
+    READY: _ClassVar[WorkerState]
+    BUSY: _ClassVar[WorkerState]
+    LOST: _ClassVar[WorkerState]
+    DRAINING: _ClassVar[WorkerState]
+JOB_STATE_UNSPECIFIED: JobState
+PENDING: JobState
+SCHEDULED: JobState
+RUNNING: JobState
+SUCCEEDED: JobState
+FAILED: JobState
+CANCELLED: JobState
+TASK_STATE_UNSPECIFIED: TaskState
+TASK_PENDING: TaskState
+TASK_STARTING: TaskState
+TASK_RUNNING: TaskState
+TASK_SUCCEEDED: TaskState
+TASK_FAILED: TaskState
+TASK_CANCELLED: TaskState
+FAILURE_NONE: FailureKind
+FAILURE_EXIT_CODE: FailureKind
+FAILURE_OOM: FailureKind
+FAILURE_SIGNAL: FailureKind
+FAILURE_LAUNCH: FailureKind
+FAILURE_LOST: FailureKind
+FAILURE_BAD_CONFIG: FailureKind
+WORKER_STATE_UNSPECIFIED: WorkerState
+READY: WorkerState
+BUSY: WorkerState
+LOST: WorkerState
+DRAINING: WorkerState
+
+class BuiltinModel(_message.Message):
+    __slots__ = ("kind", "input_shape", "hidden", "classes")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    INPUT_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    CLASSES_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    input_shape: _containers.RepeatedScalarFieldContainer[int]
+    hidden: _containers.RepeatedScalarFieldContainer[int]
+    classes: int
+    def __init__(self, kind: _Optional[str] = ..., input_shape: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Iterable[int]] = ..., classes: _Optional[int] = ...) -> None: ...
+
+class ModelSpec(_message.Message):
+    __slots__ = ("keras_json", "builtin")
+    KERAS_JSON_FIELD_NUMBER: _ClassVar[int]
+    BUILTIN_FIELD_NUMBER: _ClassVar[int]
+    keras_json: str
+    builtin: BuiltinModel
+    def __init__(self, keras_json: _Optional[str] = ..., builtin: _Optional[_Union[BuiltinModel, _Mapping]] = ...) -> None: ...
+
+class DataSpec(_message.Message):
+    __slots__ = ("source", "path", "batch_size", "examples")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EXAMPLES_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    path: str
+    batch_size: int
+    examples: int
+    def __init__(self, source: _Optional[str] = ..., path: _Optional[str] = ..., batch_size: _Optional[int] = ..., examples: _Optional[int] = ...) -> None: ...
+
+class OptimizerSpec(_message.Message):
+    __slots__ = ("name", "learning_rate")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    learning_rate: float
+    def __init__(self, name: _Optional[str] = ..., learning_rate: _Optional[float] = ...) -> None: ...
+
+class TrainingSpec(_message.Message):
+    __slots__ = ("epochs", "steps", "optimizer", "loss", "seed")
+    EPOCHS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    epochs: int
+    steps: int
+    optimizer: OptimizerSpec
+    loss: str
+    seed: int
+    def __init__(self, epochs: _Optional[int] = ..., steps: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., loss: _Optional[str] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class MemorySpec(_message.Message):
+    __slots__ = ("per_task_budget", "mixed_precision", "recompute")
+    PER_TASK_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    MIXED_PRECISION_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_FIELD_NUMBER: _ClassVar[int]
+    per_task_budget: str
+    mixed_precision: str
+    recompute: bool
+    def __init__(self, per_task_budget: _Optional[str] = ..., mixed_precision: _Optional[str] = ..., recompute: _Optional[bool] = ...) -> None: ...
+
+class CheckpointSpec(_message.Message):
+    __slots__ = ("every_steps",)
+    EVERY_STEPS_FIELD_NUMBER: _ClassVar[int]
+    every_steps: int
+    def __init__(self, every_steps: _Optional[int] = ...) -> None: ...
+
+class RestartSpec(_message.Message):
+    __slots__ = ("max_restarts",)
+    MAX_RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    max_restarts: int
+    def __init__(self, max_restarts: _Optional[int] = ...) -> None: ...
+
+class JobSpec(_message.Message):
+    __slots__ = ("name", "strategy", "workers", "parameter_servers", "stages", "microbatches", "model", "data", "training", "memory", "checkpoint", "restart")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    STRATEGY_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    PARAMETER_SERVERS_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    TRAINING_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    RESTART_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    strategy: str
+    workers: int
+    parameter_servers: int
+    stages: int
+    microbatches: int
+    model: ModelSpec
+    data: DataSpec
+    training: TrainingSpec
+    memory: MemorySpec
+    checkpoint: CheckpointSpec
+    restart: RestartSpec
+    def __init__(self, name: _Optional[str] = ..., strategy: _Optional[str] = ..., workers: _Optional[int] = ..., parameter_servers: _Optional[int] = ..., stages: _Optional[int] = ..., microbatches: _Optional[int] = ..., model: _Optional[_Union[ModelSpec, _Mapping]] = ..., data: _Optional[_Union[DataSpec, _Mapping]] = ..., training: _Optional[_Union[TrainingSpec, _Mapping]] = ..., memory: _Optional[_Union[MemorySpec, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointSpec, _Mapping]] = ..., restart: _Optional[_Union[RestartSpec, _Mapping]] = ...) -> None: ...
+
+class JobMetrics(_message.Message):
+    __slots__ = ("step", "total_steps", "loss", "test_accuracy", "examples_per_sec", "test_loss", "has_test_accuracy")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    TEST_ACCURACY_FIELD_NUMBER: _ClassVar[int]
+    EXAMPLES_PER_SEC_FIELD_NUMBER: _ClassVar[int]
+    TEST_LOSS_FIELD_NUMBER: _ClassVar[int]
+    HAS_TEST_ACCURACY_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    total_steps: int
+    loss: float
+    test_accuracy: float
+    examples_per_sec: float
+    test_loss: float
+    has_test_accuracy: bool
+    def __init__(self, step: _Optional[int] = ..., total_steps: _Optional[int] = ..., loss: _Optional[float] = ..., test_accuracy: _Optional[float] = ..., examples_per_sec: _Optional[float] = ..., test_loss: _Optional[float] = ..., has_test_accuracy: _Optional[bool] = ...) -> None: ...
+
+class TaskInfo(_message.Message):
+    __slots__ = ("role", "index", "worker", "state", "stage", "memory_budget_bytes", "peak_memory_bytes", "in_use_bytes", "estimated_memory_bytes", "failure", "exit_code", "message", "address", "weights_sha256", "model_path")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PEAK_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    IN_USE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ESTIMATED_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_SHA256_FIELD_NUMBER: _ClassVar[int]
+    MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    index: int
+    worker: str
+    state: TaskState
+    stage: int
+    memory_budget_bytes: int
+    peak_memory_bytes: int
+    in_use_bytes: int
+    estimated_memory_bytes: int
+    failure: FailureKind
+    exit_code: int
+    message: str
+    address: str
+    weights_sha256: str
+    model_path: str
+    def __init__(self, role: _Optional[str] = ..., index: _Optional[int] = ..., worker: _Optional[str] = ..., state: _Optional[_Union[TaskState, str]] = ..., stage: _Optional[int] = ..., memory_budget_bytes: _Optional[int] = ..., peak_memory_bytes: _Optional[int] = ..., in_use_bytes: _Optional[int] = ..., estimated_memory_bytes: _Optional[int] = ..., failure: _Optional[_Union[FailureKind, str]] = ..., exit_code: _Optional[int] = ..., message: _Optional[str] = ..., address: _Optional[str] = ..., weights_sha256: _Optional[str] = ..., model_path: _Optional[str] = ...) -> None: ...
+
+class Job(_message.Message):
+    __slots__ = ("id", "name", "state", "strategy", "message", "restarts", "created_at", "finished_at", "metrics", "tasks", "spec", "estimated_memory_bytes", "started_at")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    STRATEGY_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    TASKS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    ESTIMATED_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    name: str
+    state: JobState
+    strategy: str
+    message: str
+    restarts: int
+    created_at: float
+    finished_at: float
+    metrics: JobMetrics
+    tasks: _containers.RepeatedCompositeFieldContainer[TaskInfo]
+    spec: JobSpec
+    estimated_memory_bytes: int
+    started_at: float
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., strategy: _Optional[str] = ..., message: _Optional[str] = ..., restarts: _Optional[int] = ..., created_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., metrics: _Optional[_Union[JobMetrics, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[TaskInfo, _Mapping]]] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., estimated_memory_bytes: _Optional[int] = ..., started_at: _Optional[float] = ...) -> None: ...
+
+class JobEvent(_message.Message):
+    __slots__ = ("seq", "time", "kind", "message", "job")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    time: float
+    kind: str
+    message: str
+    job: Job
+    def __init__(self, seq: _Optional[int] = ..., time: _Optional[float] = ..., kind: _Optional[str] = ..., message: _Optional[str] = ..., job: _Optional[_Union[Job, _Mapping]] = ...) -> None: ...
+
+class PlannedTask(_message.Message):
+    __slots__ = ("role", "index", "worker", "stage", "layers", "estimated_memory_bytes", "memory_budget_bytes")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    ESTIMATED_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    index: int
+    worker: str
+    stage: int
+    layers: _containers.RepeatedScalarFieldContainer[str]
+    estimated_memory_bytes: int
+    memory_budget_bytes: int
+    def __init__(self, role: _Optional[str] = ..., index: _Optional[int] = ..., worker: _Optional[str] = ..., stage: _Optional[int] = ..., layers: _Optional[_Iterable[str]] = ..., estimated_memory_bytes: _Optional[int] = ..., memory_budget_bytes: _Optional[int] = ...) -> None: ...
+
+class Plan(_message.Message):
+    __slots__ = ("strategy", "feasible", "reason", "tasks")
+    STRATEGY_FIELD_NUMBER: _ClassVar[int]
+    FEASIBLE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    TASKS_FIELD_NUMBER: _ClassVar[int]
+    strategy: str
+    feasible: bool
+    reason: str
+    tasks: _containers.RepeatedCompositeFieldContainer[PlannedTask]
+    def __init__(self, strategy: _Optional[str] = ..., feasible: _Optional[bool] = ..., reason: _Optional[str] = ..., tasks: _Optional[_Iterable[_Union[PlannedTask, _Mapping]]] = ...) -> None: ...
+
+class MemoryStatus(_message.Message):
+    __slots__ = ("budget_bytes", "reserved_bytes", "in_use_bytes", "peak_bytes")
+    BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    IN_USE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    budget_bytes: int
+    reserved_bytes: int
+    in_use_bytes: int
+    peak_bytes: int
+    def __init__(self, budget_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., in_use_bytes: _Optional[int] = ..., peak_bytes: _Optional[int] = ...) -> None: ...
+
+class WorkerTask(_message.Message):
+    __slots__ = ("job_id", "role", "index", "state", "memory_budget_bytes", "in_use_bytes", "peak_bytes")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    IN_USE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    role: str
+    index: int
+    state: TaskState
+    memory_budget_bytes: int
+    in_use_bytes: int
+    peak_bytes: int
+    def __init__(self, job_id: _Optional[str] = ..., role: _Optional[str] = ..., index: _Optional[int] = ..., state: _Optional[_Union[TaskState, str]] = ..., memory_budget_bytes: _Optional[int] = ..., in_use_bytes: _Optional[int] = ..., peak_bytes: _Optional[int] = ...) -> None: ...
+
+class Worker(_message.Message):
+    __slots__ = ("name", "address", "state", "device", "memory", "tasks", "last_seen")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    TASKS_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    address: str
+    state: WorkerState
+    device: str
+    memory: MemoryStatus
+    tasks: _containers.RepeatedCompositeFieldContainer[WorkerTask]
+    last_seen: float
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[_Union[WorkerState, str]] = ..., device: _Optional[str] = ..., memory: _Optional[_Union[MemoryStatus, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[WorkerTask, _Mapping]]] = ..., last_seen: _Optional[float] = ...) -> None: ...
+
+class SubmitJobRequest(_message.Message):
+    __slots__ = ("spec",)
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    spec: JobSpec
+    def __init__(self, spec: _Optional[_Union[JobSpec, _Mapping]] = ...) -> None: ...
+
+class GetJobRequest(_message.Message):
+    __slots__ = ("id",)
+    ID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    def __init__(self, id: _Optional[str] = ...) -> None: ...
+
+class ListJobsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListJobsResponse(_message.Message):
+    __slots__ = ("jobs",)
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    jobs: _containers.RepeatedCompositeFieldContainer[Job]
+    def __init__(self, jobs: _Optional[_Iterable[_Union[Job, _Mapping]]] = ...) -> None: ...
+
+class CancelJobRequest(_message.Message):
+    __slots__ = ("id",)
+    ID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    def __init__(self, id: _Optional[str] = ...) -> None: ...
+
+class WatchJobRequest(_message.Message):
+    __slots__ = ("id", "after_seq")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    after_seq: int
+    def __init__(self, id: _Optional[str] = ..., after_seq: _Optional[int] = ...) -> None: ...
+
+class GetLogsRequest(_message.Message):
+    __slots__ = ("job_id", "role", "index", "all_tasks", "follow")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    ALL_TASKS_FIELD_NUMBER: _ClassVar[int]
+    FOLLOW_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    role: str
+    index: int
+    all_tasks: bool
+    follow: bool
+    def __init__(self, job_id: _Optional[str] = ..., role: _Optional[str] = ..., index: _Optional[int] = ..., all_tasks: _Optional[bool] = ..., follow: _Optional[bool] = ...) -> None: ...
+
+class LogChunk(_message.Message):
+    __slots__ = ("role", "index", "data")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    index: int
+    data: bytes
+    def __init__(self, role: _Optional[str] = ..., index: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PlanJobRequest(_message.Message):
+    __slots__ = ("spec",)
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    spec: JobSpec
+    def __init__(self, spec: _Optional[_Union[JobSpec, _Mapping]] = ...) -> None: ...
+
+class ListWorkersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListWorkersResponse(_message.Message):
+    __slots__ = ("workers",)
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    workers: _containers.RepeatedCompositeFieldContainer[Worker]
+    def __init__(self, workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ...) -> None: ...
+
+class TaskStatus(_message.Message):
+    __slots__ = ("job_id", "role", "index", "state", "failure", "exit_code", "message", "in_use_bytes", "peak_bytes", "step", "total_steps", "loss", "examples_per_sec", "has_result", "test_accuracy", "test_loss", "weights_sha256", "model_path", "first_step_time", "attempt")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    IN_USE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    EXAMPLES_PER_SEC_FIELD_NUMBER: _ClassVar[int]
+    HAS_RESULT_FIELD_NUMBER: _ClassVar[int]
+    TEST_ACCURACY_FIELD_NUMBER: _ClassVar[int]
+    TEST_LOSS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_SHA256_FIELD_NUMBER: _ClassVar[int]
+    MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    FIRST_STEP_TIME_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    role: str
+    index: int
+    state: TaskState
+    failure: FailureKind
+    exit_code: int
+    message: str
+    in_use_bytes: int
+    peak_bytes: int
+    step: int
+    total_steps: int
+    loss: float
+    examples_per_sec: float
+    has_result: bool
+    test_accuracy: float
+    test_loss: float
+    weights_sha256: str
+    model_path: str
+    first_step_time: float
+    attempt: int
+    def __init__(self, job_id: _Optional[str] = ..., role: _Optional[str] = ..., index: _Optional[int] = ..., state: _Optional[_Union[TaskState, str]] = ..., failure: _Optional[_Union[FailureKind, str]] = ..., exit_code: _Optional[int] = ..., message: _Optional[str] = ..., in_use_bytes: _Optional[int] = ..., peak_bytes: _Optional[int] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., loss: _Optional[float] = ..., examples_per_sec: _Optional[float] = ..., has_result: _Optional[bool] = ..., test_accuracy: _Optional[float] = ..., test_loss: _Optional[float] = ..., weights_sha256: _Optional[str] = ..., model_path: _Optional[str] = ..., first_step_time: _Optional[float] = ..., attempt: _Optional[int] = ...) -> None: ...
+
+class RegisterAgentRequest(_message.Message):
+    __slots__ = ("name", "host", "device", "budget_bytes", "free_ports", "tasks", "work_dir", "pid")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FREE_PORTS_FIELD_NUMBER: _ClassVar[int]
+    TASKS_FIELD_NUMBER: _ClassVar[int]
+    WORK_DIR_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    host: str
+    device: str
+    budget_bytes: int
+    free_ports: _containers.RepeatedScalarFieldContainer[int]
+    tasks: _containers.RepeatedCompositeFieldContainer[TaskStatus]
+    work_dir: str
+    pid: int
+    def __init__(self, name: _Optional[str] = ..., host: _Optional[str] = ..., device: _Optional[str] = ..., budget_bytes: _Optional[int] = ..., free_ports: _Optional[_Iterable[int]] = ..., tasks: _Optional[_Iterable[_Union[TaskStatus, _Mapping]]] = ..., work_dir: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
+
+class RegisterAgentResponse(_message.Message):
+    __slots__ = ("session", "heartbeat_interval_s")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    heartbeat_interval_s: float
+    def __init__(self, session: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("name", "session", "memory", "tasks", "free_ports")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    TASKS_FIELD_NUMBER: _ClassVar[int]
+    FREE_PORTS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    session: str
+    memory: MemoryStatus
+    tasks: _containers.RepeatedCompositeFieldContainer[TaskStatus]
+    free_ports: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., session: _Optional[str] = ..., memory: _Optional[_Union[MemoryStatus, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[TaskStatus, _Mapping]]] = ..., free_ports: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("reregister",)
+    REREGISTER_FIELD_NUMBER: _ClassVar[int]
+    reregister: bool
+    def __init__(self, reregister: _Optional[bool] = ...) -> None: ...
+
+class StartTask(_message.Message):
+    __slots__ = ("job_id", "role", "index", "tf_config", "memory_budget_bytes", "config_json", "attempt")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    TF_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    role: str
+    index: int
+    tf_config: str
+    memory_budget_bytes: int
+    config_json: str
+    attempt: int
+    def __init__(self, job_id: _Optional[str] = ..., role: _Optional[str] = ..., index: _Optional[int] = ..., tf_config: _Optional[str] = ..., memory_budget_bytes: _Optional[int] = ..., config_json: _Optional[str] = ..., attempt: _Optional[int] = ...) -> None: ...
+
+class StopTask(_message.Message):
+    __slots__ = ("job_id", "role", "index", "reason")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    role: str
+    index: int
+    reason: str
+    def __init__(self, job_id: _Optional[str] = ..., role: _Optional[str] = ..., index: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class AgentCommand(_message.Message):
+    __slots__ = ("start", "stop")
+    START_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    start: StartTask
+    stop: StopTask
+    def __init__(self, start: _Optional[_Union[StartTask, _Mapping]] = ..., stop: _Optional[_Union[StopTask, _Mapping]] = ...) -> None: ...
+
+class ConnectRequest(_message.Message):
+    __slots__ = ("name", "session")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    session: str
+    def __init__(self, name: _Optional[str] = ..., session: _Optional[str] = ...) -> None: ...
+
+class ReportTaskRequest(_message.Message):
+    __slots__ = ("name", "session", "status")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    session: str
+    status: TaskStatus
+    def __init__(self, name: _Optional[str] = ..., session: _Optional[str] = ..., status: _Optional[_Union[TaskStatus, _Mapping]] = ...) -> None: ...
+
+class ReportTaskResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AppendLogsRequest(_message.Message):
+    __slots__ = ("name", "session", "job_id", "role", "index", "data")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    session: str
+    job_id: str
+    role: str
+    index: int
+    data: bytes
+    def __init__(self, name: _Optional[str] = ..., session: _Optional[str] = ..., job_id: _Optional[str] = ..., role: _Optional[str] = ..., index: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class AppendLogsResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
