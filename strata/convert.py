@@ -1,0 +1,212 @@
+"""Paired ``x_to_proto`` / ``x_from_proto`` functions: the only module that maps between domain
+types and protobuf messages. Scheduler, store and planner never import ``*_pb2``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from google.protobuf import json_format
+from google.protobuf.message import Message
+
+from protos import strata_pb2 as pb
+from strata.types import (
+    FailureKind, Job, JobEvent, JobMetrics, JobState, MemoryStatus, Plan, PlannedTask, Task,
+    TaskReport, TaskState, WorkerInfo, WorkerState, WorkerTask,
+)
+
+
+# --- specs ------------------------------------------------------------------------------------
+
+def message_to_dict(msg: Message) -> dict[str, Any]:
+    """Only the fields that are set (optional scalars by presence), with native Python types.
+
+    Unlike json_format.MessageToDict this keeps int64 as int, so the one validation path
+    (``strata.spec.parse_job_spec``) sees the same types as from a YAML file.
+    """
+    out: dict[str, Any] = {}
+    for field, value in msg.ListFields():
+        if field.message_type is not None and not _is_repeated(field):
+            out[field.name] = message_to_dict(value)
+        elif _is_repeated(field):
+            out[field.name] = [message_to_dict(v) if isinstance(v, Message) else v for v in value]
+        else:
+            out[field.name] = value
+    return out
+
+
+def _is_repeated(field: Any) -> bool:
+    # protobuf 5+: field.is_repeated; older: label == LABEL_REPEATED.
+    rep = getattr(field, "is_repeated", None)
+    return bool(rep) if rep is not None else field.label == field.LABEL_REPEATED
+
+
+def spec_to_proto(spec: dict[str, Any]) -> pb.JobSpec:
+    """A spec mapping (raw or normalized) to a JobSpec message; unknown fields raise ParseError."""
+    return json_format.ParseDict(spec, pb.JobSpec())
+
+
+def spec_from_proto(msg: pb.JobSpec) -> dict[str, Any]:
+    return message_to_dict(msg)
+
+
+# --- jobs -------------------------------------------------------------------------------------
+
+def _task_state_to_proto(s: TaskState) -> int:
+    return pb.TaskState.Value("TASK_" + s.value)
+
+
+def _task_state_from_proto(v: int) -> TaskState:
+    name = pb.TaskState.Name(v)
+    return TaskState(name[len("TASK_"):]) if name != "TASK_STATE_UNSPECIFIED" else TaskState.PENDING
+
+
+def _failure_to_proto(f: FailureKind) -> int:
+    return pb.FailureKind.Value("FAILURE_" + f.value)
+
+
+def _failure_from_proto(v: int) -> FailureKind:
+    return FailureKind(pb.FailureKind.Name(v)[len("FAILURE_"):])
+
+
+def task_to_proto(t: Task) -> pb.TaskInfo:
+    return pb.TaskInfo(
+        role=t.role, index=t.index, worker=t.worker, state=_task_state_to_proto(t.state),
+        stage=t.stage, memory_budget_bytes=t.memory_budget_bytes,
+        peak_memory_bytes=t.peak_memory_bytes, in_use_bytes=t.in_use_bytes,
+        estimated_memory_bytes=t.estimated_memory_bytes, failure=_failure_to_proto(t.failure),
+        exit_code=t.exit_code, message=t.message, address=t.address,
+        weights_sha256=t.weights_sha256, model_path=t.model_path,
+    )
+
+
+def task_from_proto(job_id: str, m: pb.TaskInfo) -> Task:
+    return Task(
+        job_id=job_id, role=m.role, index=m.index, worker=m.worker,
+        state=_task_state_from_proto(m.state), stage=m.stage,
+        memory_budget_bytes=m.memory_budget_bytes, estimated_memory_bytes=m.estimated_memory_bytes,
+        peak_memory_bytes=m.peak_memory_bytes, in_use_bytes=m.in_use_bytes,
+        failure=_failure_from_proto(m.failure), exit_code=m.exit_code, message=m.message,
+        address=m.address, weights_sha256=m.weights_sha256, model_path=m.model_path,
+    )
+
+
+def job_to_proto(j: Job) -> pb.Job:
+    m = j.metrics
+    return pb.Job(
+        id=j.id, name=j.name, state=pb.JobState.Value(j.state.value), strategy=j.strategy,
+        message=j.message, restarts=j.restarts, created_at=j.created_at,
+        finished_at=j.finished_at, started_at=j.started_at,
+        estimated_memory_bytes=j.estimated_memory_bytes,
+        metrics=pb.JobMetrics(
+            step=m.step, total_steps=m.total_steps, loss=m.loss or 0.0,
+            test_accuracy=m.test_accuracy or 0.0, test_loss=m.test_loss or 0.0,
+            has_test_accuracy=m.test_accuracy is not None, examples_per_sec=m.examples_per_sec,
+        ),
+        tasks=[task_to_proto(t) for t in j.tasks],
+        spec=spec_to_proto(j.spec) if j.spec else None,
+    )
+
+
+def job_from_proto(m: pb.Job) -> Job:
+    mm = m.metrics
+    return Job(
+        id=m.id, name=m.name, state=JobState(pb.JobState.Name(m.state)), strategy=m.strategy,
+        spec=spec_from_proto(m.spec), message=m.message, restarts=m.restarts,
+        created_at=m.created_at, finished_at=m.finished_at, started_at=m.started_at,
+        estimated_memory_bytes=m.estimated_memory_bytes,
+        metrics=JobMetrics(
+            step=mm.step, total_steps=mm.total_steps,
+            loss=mm.loss if mm.step else None,
+            test_accuracy=mm.test_accuracy if mm.has_test_accuracy else None,
+            test_loss=mm.test_loss if mm.has_test_accuracy else None,
+            examples_per_sec=mm.examples_per_sec,
+        ),
+        tasks=[task_from_proto(m.id, t) for t in m.tasks],
+    )
+
+
+def event_to_proto(e: JobEvent) -> pb.JobEvent:
+    return pb.JobEvent(seq=e.seq, time=e.time, kind=e.kind, message=e.message,
+                       job=job_to_proto(e.job) if e.job else None)
+
+
+def event_from_proto(m: pb.JobEvent) -> JobEvent:
+    return JobEvent(seq=m.seq, time=m.time, kind=m.kind, message=m.message,
+                    job=job_from_proto(m.job) if m.HasField("job") else None)
+
+
+# --- workers ----------------------------------------------------------------------------------
+
+def memory_to_proto(m: MemoryStatus) -> pb.MemoryStatus:
+    return pb.MemoryStatus(budget_bytes=m.budget_bytes, reserved_bytes=m.reserved_bytes,
+                           in_use_bytes=m.in_use_bytes, peak_bytes=m.peak_bytes)
+
+
+def memory_from_proto(m: pb.MemoryStatus) -> MemoryStatus:
+    return MemoryStatus(budget_bytes=m.budget_bytes, reserved_bytes=m.reserved_bytes,
+                        in_use_bytes=m.in_use_bytes, peak_bytes=m.peak_bytes)
+
+
+def worker_to_proto(w: WorkerInfo) -> pb.Worker:
+    return pb.Worker(
+        name=w.name, address=w.address, state=pb.WorkerState.Value(w.state.value), device=w.device,
+        memory=memory_to_proto(w.memory), last_seen=w.last_seen,
+        tasks=[pb.WorkerTask(job_id=t.job_id, role=t.role, index=t.index,
+                             state=_task_state_to_proto(t.state),
+                             memory_budget_bytes=t.memory_budget_bytes,
+                             in_use_bytes=t.in_use_bytes, peak_bytes=t.peak_bytes) for t in w.tasks],
+    )
+
+
+def worker_from_proto(m: pb.Worker) -> WorkerInfo:
+    return WorkerInfo(
+        name=m.name, address=m.address, device=m.device, state=WorkerState(pb.WorkerState.Name(m.state)),
+        memory=memory_from_proto(m.memory), last_seen=m.last_seen,
+        tasks=[WorkerTask(job_id=t.job_id, role=t.role, index=t.index,
+                          state=_task_state_from_proto(t.state),
+                          memory_budget_bytes=t.memory_budget_bytes, in_use_bytes=t.in_use_bytes,
+                          peak_bytes=t.peak_bytes) for t in m.tasks],
+    )
+
+
+# --- plans ------------------------------------------------------------------------------------
+
+def plan_to_proto(p: Plan) -> pb.Plan:
+    return pb.Plan(strategy=p.strategy, feasible=p.feasible, reason=p.reason, tasks=[
+        pb.PlannedTask(role=t.role, index=t.index, worker=t.worker, stage=t.stage, layers=t.layers,
+                       estimated_memory_bytes=t.estimated_memory_bytes,
+                       memory_budget_bytes=t.memory_budget_bytes) for t in p.tasks])
+
+
+def plan_from_proto(m: pb.Plan) -> Plan:
+    return Plan(strategy=m.strategy, feasible=m.feasible, reason=m.reason, tasks=[
+        PlannedTask(role=t.role, index=t.index, worker=t.worker, stage=t.stage, layers=list(t.layers),
+                    estimated_memory_bytes=t.estimated_memory_bytes,
+                    memory_budget_bytes=t.memory_budget_bytes) for t in m.tasks])
+
+
+# --- agent reports ----------------------------------------------------------------------------
+
+def report_to_proto(r: TaskReport) -> pb.TaskStatus:
+    return pb.TaskStatus(
+        job_id=r.job_id, role=r.role, index=r.index, state=_task_state_to_proto(r.state),
+        attempt=r.attempt, failure=_failure_to_proto(r.failure), exit_code=r.exit_code,
+        message=r.message, in_use_bytes=r.in_use_bytes, peak_bytes=r.peak_bytes, step=r.step,
+        total_steps=r.total_steps, loss=r.loss or 0.0, examples_per_sec=r.examples_per_sec,
+        has_result=r.test_accuracy is not None, test_accuracy=r.test_accuracy or 0.0,
+        test_loss=r.test_loss or 0.0, weights_sha256=r.weights_sha256, model_path=r.model_path,
+        first_step_time=r.first_step_time,
+    )
+
+
+def report_from_proto(m: pb.TaskStatus) -> TaskReport:
+    return TaskReport(
+        job_id=m.job_id, role=m.role, index=m.index, state=_task_state_from_proto(m.state),
+        attempt=m.attempt, failure=_failure_from_proto(m.failure), exit_code=m.exit_code,
+        message=m.message, in_use_bytes=m.in_use_bytes, peak_bytes=m.peak_bytes, step=m.step,
+        total_steps=m.total_steps, loss=m.loss if m.step else None,
+        examples_per_sec=m.examples_per_sec,
+        test_accuracy=m.test_accuracy if m.has_result else None,
+        test_loss=m.test_loss if m.has_result else None, weights_sha256=m.weights_sha256,
+        model_path=m.model_path, first_step_time=m.first_step_time,
+    )

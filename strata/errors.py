@@ -1,0 +1,47 @@
+"""Typed errors under one root. Each carries structured fields; the coordinator maps them to gRPC
+status codes in exactly one place (``coordinator.service.status_for``), never by message text."""
+
+from __future__ import annotations
+
+
+class StrataError(Exception):
+    """Root of every error Strata raises on purpose."""
+
+
+class SpecError(StrataError):
+    """A job spec field is invalid. ``field`` is the dotted path a user edits (``data.batch_size``)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+class NotFoundError(StrataError):
+    def __init__(self, kind: str, name: str):
+        super().__init__(f"{kind} {name!r} not found")
+        self.kind = kind
+        self.name = name
+
+
+class InfeasibleError(StrataError):
+    """No cluster of the registered workers could ever run the job as specified."""
+
+    def __init__(self, message: str, estimate_bytes: int = 0, largest_budget_bytes: int = 0):
+        super().__init__(message)
+        self.estimate_bytes = estimate_bytes
+        self.largest_budget_bytes = largest_budget_bytes
+
+
+class InvalidTransition(StrataError):
+    """A lifecycle change that the transition table forbids (e.g. cancelling a finished job)."""
+
+    def __init__(self, kind: str, current: str, target: str):
+        super().__init__(f"{kind} cannot go from {current} to {target}")
+        self.kind = kind
+        self.current = current
+        self.target = target
+
+
+class UnknownAgentSession(StrataError):
+    """An agent called with a session the coordinator does not hold (e.g. after a restart)."""

@@ -1,0 +1,399 @@
+"""The job spec: one validation path for YAML files, JSON, ``--set`` overrides and gRPC requests.
+
+``parse_job_spec`` takes the plain mapping a user wrote (or that a ``JobSpec`` message converts to)
+and returns a frozen, fully defaulted :class:`JobSpec`, or raises :class:`SpecError` naming the
+dotted field to fix. ``JobSpec.to_dict()`` is the normalized mapping that task processes receive.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from typing import Any, Mapping
+
+from strata.errors import SpecError
+
+STRATEGIES = ("multi_worker_mirrored", "parameter_server", "pipeline", "hybrid")
+# Strategies this release can run. The others are part of the contract and are refused with a
+# message naming the field until their task runners land, rather than accepted and left to hang.
+RUNNABLE_STRATEGIES = ("multi_worker_mirrored",)
+DATA_SOURCES = ("digits", "synthetic", "npz")
+OPTIMIZERS = ("adam", "adamw", "sgd", "rmsprop", "adagrad")
+LOSSES = ("sparse_categorical_crossentropy", "categorical_crossentropy", "mean_squared_error")
+MIXED_PRECISION = ("none", "bfloat16", "float16")
+NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$")
+MAX_TASKS = 4096
+
+# Shape of the digits data set (scikit-learn): 8x8 images flattened, 10 classes.
+DIGITS_FEATURES = 64
+DIGITS_CLASSES = 10
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSpec:
+    source: str = "digits"
+    path: str = ""
+    batch_size: int = 256
+    examples: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerSpec:
+    name: str = "adam"
+    learning_rate: float = 0.001
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingSpec:
+    epochs: int = 0
+    steps: int = 0
+    optimizer: OptimizerSpec = OptimizerSpec()
+    loss: str = "sparse_categorical_crossentropy"
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class MemorySpec:
+    per_task_budget: str = ""
+    mixed_precision: str = "none"
+    recompute: bool = False
+
+    @property
+    def per_task_budget_bytes(self) -> int:
+        from strata.memory import parse_size
+
+        return parse_size(self.per_task_budget) if self.per_task_budget else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class JobSpec:
+    name: str
+    strategy: str
+    workers: int
+    parameter_servers: int
+    stages: int
+    microbatches: int
+    model: Mapping[str, Any]  # {"keras_json": str} or {"builtin": {...}}
+    data: DataSpec
+    training: TrainingSpec
+    memory: MemorySpec
+    checkpoint_every_steps: int = 0
+    max_restarts: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """The normalized mapping: every field present, the shape of the YAML file."""
+        return {
+            "name": self.name,
+            "strategy": self.strategy,
+            "workers": self.workers,
+            "parameter_servers": self.parameter_servers,
+            "stages": self.stages,
+            "microbatches": self.microbatches,
+            "model": json.loads(json.dumps(self.model)),
+            "data": dataclasses.asdict(self.data),
+            "training": dataclasses.asdict(self.training),
+            "memory": dataclasses.asdict(self.memory),
+            "checkpoint": {"every_steps": self.checkpoint_every_steps},
+            "restart": {"max_restarts": self.max_restarts},
+        }
+
+    @property
+    def per_replica_batch(self) -> int:
+        return self.data.batch_size // max(1, self.workers)
+
+
+_TOP_KEYS = {
+    "name", "strategy", "workers", "parameter_servers", "stages", "microbatches", "model", "data",
+    "training", "memory", "checkpoint", "restart",
+}
+
+
+def _section(d: Mapping[str, Any], key: str, allowed: set[str], prefix: str = "") -> Mapping[str, Any]:
+    field = prefix + key
+    value = d.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise SpecError(field, f"must be a mapping, got {type(value).__name__}")
+    for k in value:
+        if k not in allowed:
+            raise SpecError(f"{field}.{k}", f"unknown field (known: {', '.join(sorted(allowed))})")
+    return value
+
+
+def _int(d: Mapping[str, Any], key: str, field: str, default: int, lo: int = 0, hi: int | None = None) -> int:
+    value = d.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise SpecError(field, f"must be an integer, got {value!r}")
+    if isinstance(value, str):
+        try:
+            value = int(value.strip())
+        except ValueError:
+            raise SpecError(field, f"must be an integer, got {value!r}") from None
+    if value < lo:
+        raise SpecError(field, f"must be >= {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise SpecError(field, f"must be <= {hi}, got {value}")
+    return value
+
+
+def _float(d: Mapping[str, Any], key: str, field: str, default: float) -> float:
+    value = d.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool):
+        raise SpecError(field, f"must be a number, got {value!r}")
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        raise SpecError(field, f"must be a number, got {value!r}") from None
+    if not out > 0 or out != out or out == float("inf"):
+        raise SpecError(field, f"must be a positive finite number, got {value!r}")
+    return out
+
+
+def _choice(d: Mapping[str, Any], key: str, field: str, default: str, choices: tuple[str, ...]) -> str:
+    value = d.get(key)
+    if value is None or value == "":
+        return default
+    if not isinstance(value, str) or value not in choices:
+        raise SpecError(field, f"must be one of {', '.join(choices)}; got {value!r}")
+    return value
+
+
+def _bool(d: Mapping[str, Any], key: str, field: str, default: bool) -> bool:
+    value = d.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+        return value.lower() in ("true", "yes", "1")
+    raise SpecError(field, f"must be true or false, got {value!r}")
+
+
+def _str(d: Mapping[str, Any], key: str, field: str, default: str = "") -> str:
+    value = d.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, str):
+        raise SpecError(field, f"must be a string, got {type(value).__name__}")
+    return value
+
+
+def parse_job_spec(raw: Any) -> JobSpec:
+    """Validates a job spec mapping and fills in defaults.
+
+    Raises:
+        SpecError: naming the first invalid field, e.g. ``data.batch_size``.
+    """
+    if not isinstance(raw, Mapping):
+        raise SpecError("spec", f"must be a mapping of fields, got {type(raw).__name__}")
+    for k in raw:
+        if k not in _TOP_KEYS:
+            raise SpecError(str(k), f"unknown field (known: {', '.join(sorted(_TOP_KEYS))})")
+
+    name = raw.get("name")
+    if not isinstance(name, str) or not name:
+        raise SpecError("name", "is required: a lowercase name like 'digits-mlp'")
+    if not NAME_RE.match(name):
+        raise SpecError("name", f"{name!r} must be 1-40 characters of a-z, 0-9 and '-', "
+                                "starting and ending with a letter or digit")
+    strategy = _choice(raw, "strategy", "strategy", "multi_worker_mirrored", STRATEGIES)
+    if strategy not in RUNNABLE_STRATEGIES:
+        raise SpecError("strategy", f"{strategy!r} is not available in this release yet "
+                                    f"(available: {', '.join(RUNNABLE_STRATEGIES)})")
+    workers = _int(raw, "workers", "workers", 1, lo=1, hi=MAX_TASKS)
+    parameter_servers = _int(raw, "parameter_servers", "parameter_servers",
+                             1 if strategy == "parameter_server" else 0, hi=MAX_TASKS)
+    if strategy != "parameter_server" and parameter_servers:
+        raise SpecError("parameter_servers", "applies to strategy parameter_server only")
+    stages = _int(raw, "stages", "stages", 0, hi=MAX_TASKS)
+    if strategy not in ("pipeline", "hybrid") and stages:
+        raise SpecError("stages", "applies to strategies pipeline and hybrid only")
+    microbatches = _int(raw, "microbatches", "microbatches", 1, lo=1, hi=4096)
+
+    model = _section(raw, "model", {"keras_json", "builtin"})
+    if ("keras_json" in model) == ("builtin" in model):
+        raise SpecError("model", "give exactly one of model.keras_json or model.builtin")
+    model_out: dict[str, Any]
+    if "keras_json" in model:
+        text = model["keras_json"]
+        if not isinstance(text, str) or not text.strip():
+            raise SpecError("model.keras_json", "must be the text of keras.Model.to_json()")
+        model_out = {"keras_json": text}
+    else:
+        b = _section(model, "builtin", {"kind", "input_shape", "hidden", "classes"}, "model.")
+        kind = _choice(b, "kind", "model.builtin.kind", "mlp", ("mlp",))
+        model_out = {"builtin": {
+            "kind": kind,
+            "input_shape": _int_list(b, "input_shape", "model.builtin.input_shape", [DIGITS_FEATURES]),
+            "hidden": _int_list(b, "hidden", "model.builtin.hidden", [1024, 512, 256], allow_empty=True),
+            "classes": _int(b, "classes", "model.builtin.classes", DIGITS_CLASSES, lo=1, hi=1_000_000),
+        }}
+
+    d = _section(raw, "data", {"source", "path", "batch_size", "examples"})
+    data = DataSpec(
+        source=_choice(d, "source", "data.source", "digits", DATA_SOURCES),
+        path=_str(d, "path", "data.path"),
+        batch_size=_int(d, "batch_size", "data.batch_size", 256, lo=1, hi=1 << 24),
+        examples=_int(d, "examples", "data.examples", 0, hi=1 << 26),
+    )
+    if data.source == "npz" and not data.path:
+        raise SpecError("data.path", "is required when data.source is npz")
+    if data.source != "npz" and data.path:
+        raise SpecError("data.path", "applies to data.source npz only")
+    if data.source != "synthetic" and data.examples:
+        raise SpecError("data.examples", "applies to data.source synthetic only")
+    if data.batch_size % workers:
+        raise SpecError("data.batch_size", f"the global batch {data.batch_size} must divide evenly "
+                                           f"among {workers} workers")
+
+    t = _section(raw, "training", {"epochs", "steps", "optimizer", "loss", "seed"})
+    o = _section(t, "optimizer", {"name", "learning_rate"}, "training.")
+    epochs = _int(t, "epochs", "training.epochs", 0, hi=1_000_000)
+    steps = _int(t, "steps", "training.steps", 0, hi=1 << 40)
+    if epochs and steps:
+        raise SpecError("training.steps", "give training.epochs or training.steps, not both")
+    if not epochs and not steps:
+        epochs = 1
+    training = TrainingSpec(
+        epochs=epochs,
+        steps=steps,
+        optimizer=OptimizerSpec(
+            name=_choice(o, "name", "training.optimizer.name", "adam", OPTIMIZERS),
+            learning_rate=_float(o, "learning_rate", "training.optimizer.learning_rate", 0.001),
+        ),
+        loss=_choice(t, "loss", "training.loss", "sparse_categorical_crossentropy", LOSSES),
+        seed=_int(t, "seed", "training.seed", 0, hi=(1 << 31) - 1),
+    )
+
+    m = _section(raw, "memory", {"per_task_budget", "mixed_precision", "recompute"})
+    budget = m.get("per_task_budget")
+    if isinstance(budget, int) and not isinstance(budget, bool):
+        budget = str(budget)
+    budget = budget if budget is not None else ""
+    if not isinstance(budget, str):
+        raise SpecError("memory.per_task_budget", f"must be a size like 1GiB, got {budget!r}")
+    if budget:
+        from strata.memory import parse_size
+
+        try:
+            if parse_size(budget) <= 0:
+                raise ValueError("must be positive")
+        except ValueError as e:
+            raise SpecError("memory.per_task_budget", str(e)) from None
+    memory = MemorySpec(
+        per_task_budget=budget,
+        mixed_precision=_choice(m, "mixed_precision", "memory.mixed_precision", "none", MIXED_PRECISION),
+        recompute=_bool(m, "recompute", "memory.recompute", False),
+    )
+    if memory.recompute and strategy not in ("pipeline", "hybrid"):
+        raise SpecError("memory.recompute", "activation recomputation applies to pipeline and "
+                                            "hybrid jobs only")
+
+    c = _section(raw, "checkpoint", {"every_steps"})
+    r = _section(raw, "restart", {"max_restarts"})
+    spec = JobSpec(
+        name=name,
+        strategy=strategy,
+        workers=workers,
+        parameter_servers=parameter_servers,
+        stages=stages,
+        microbatches=microbatches,
+        model=model_out,
+        data=data,
+        training=training,
+        memory=memory,
+        checkpoint_every_steps=_int(c, "every_steps", "checkpoint.every_steps", 0, hi=1 << 40),
+        max_restarts=_int(r, "max_restarts", "restart.max_restarts", 0, hi=1000),
+    )
+    _check_model(spec)
+    return spec
+
+
+def _int_list(d: Mapping[str, Any], key: str, field: str, default: list[int],
+              allow_empty: bool = False) -> list[int]:
+    value = d.get(key)
+    if value is None:
+        return list(default)
+    if isinstance(value, str):
+        value = [v for v in re.split(r"[,\s]+", value.strip("[] ")) if v]
+    if not isinstance(value, (list, tuple)) or (not value and not allow_empty):
+        raise SpecError(field, f"must be a list of positive integers, got {value!r}")
+    out = []
+    for i, v in enumerate(value):
+        out.append(_int({"v": v}, "v", f"{field}[{i}]", 0, lo=1, hi=1 << 24))
+    return out
+
+
+def _check_model(spec: JobSpec) -> None:
+    """Profiles the model without building it: refuses unsafe or unsupported layers and checks
+    that its input and output fit the data source."""
+    from strata.modelspec import ModelSpecError, profile_model
+
+    try:
+        profile = profile_model(spec.model)
+    except ModelSpecError as e:
+        raise SpecError(e.field, e.message) from None
+    if spec.data.source == "digits":
+        field = "model.builtin.input_shape" if "builtin" in spec.model else "model.keras_json"
+        features = 1
+        for dim in profile.input_shape:
+            features *= dim
+        if features != DIGITS_FEATURES:
+            raise SpecError(field, f"the digits data has {DIGITS_FEATURES} features per example; the "
+                                   f"model takes input shape {list(profile.input_shape)}")
+        if profile.layers and profile.layers[-1].output_elems != DIGITS_CLASSES:
+            field = "model.builtin.classes" if "builtin" in spec.model else "model.keras_json"
+            raise SpecError(field, f"the digits data has {DIGITS_CLASSES} classes; the model's "
+                                   f"last layer has {profile.layers[-1].output_elems} outputs")
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Applies ``--set KEY=VALUE`` overrides (dotted keys, YAML-typed values) to a spec mapping."""
+    import yaml
+
+    out = json.loads(json.dumps(raw))
+    for item in overrides:
+        if "=" not in item:
+            raise SpecError(item, "--set takes KEY=VALUE, e.g. --set training.epochs=3")
+        key, _, text = item.partition("=")
+        parts = [p for p in key.strip().split(".") if p]
+        if not parts:
+            raise SpecError(item, "--set needs a field name before '='")
+        try:
+            value = yaml.safe_load(text) if text.strip() else ""
+        except yaml.YAMLError:
+            value = text
+        node = out
+        for i, p in enumerate(parts[:-1]):
+            nxt = node.get(p)
+            if nxt is None:
+                nxt = node[p] = {}
+            if not isinstance(nxt, dict):
+                raise SpecError(".".join(parts[: i + 1]), "is not a mapping; cannot set a field inside it")
+            node = nxt
+        node[parts[-1]] = value
+    return out
+
+
+def load_spec_file(path: str) -> dict[str, Any]:
+    """Reads a YAML or JSON job file into a mapping (validation is parse_job_spec's job)."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise SpecError("JOB", f"cannot read {path}: {e.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise SpecError("JOB", f"{path} is not valid YAML or JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise SpecError("JOB", f"{path} must hold a mapping of job fields")
+    return data

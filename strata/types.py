@@ -1,0 +1,276 @@
+"""Domain types shared by the coordinator, the agent, the client and the CLI.
+
+Plain dataclasses and enums; protobuf messages appear only at the service edge
+(``strata.convert``). The ``to_json`` functions produce the contract's ``--json`` shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from typing import Any
+
+
+class JobState(str, enum.Enum):
+    """PENDING: accepted, waiting for workers with enough free budget. SCHEDULED: placed, budgets
+    reserved, agents starting the processes. RUNNING: every task process runs. The rest are final."""
+
+    PENDING = "PENDING"
+    SCHEDULED = "SCHEDULED"
+    RUNNING = "RUNNING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+
+    @property
+    def final(self) -> bool:
+        return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
+
+
+class TaskState(str, enum.Enum):
+    PENDING = "PENDING"      # assigned, the agent has not started it yet
+    STARTING = "STARTING"    # process launched, joining its cluster
+    RUNNING = "RUNNING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+
+    @property
+    def final(self) -> bool:
+        return self in (TaskState.SUCCEEDED, TaskState.FAILED, TaskState.CANCELLED)
+
+
+class FailureKind(str, enum.Enum):
+    NONE = "NONE"
+    EXIT_CODE = "EXIT_CODE"
+    OOM = "OOM"
+    SIGNAL = "SIGNAL"
+    LAUNCH = "LAUNCH"
+    LOST = "LOST"
+    BAD_CONFIG = "BAD_CONFIG"
+
+
+class WorkerState(str, enum.Enum):
+    READY = "READY"
+    BUSY = "BUSY"
+    LOST = "LOST"
+    DRAINING = "DRAINING"
+
+
+# One table per lifecycle. Anything not listed is an illegal edge.
+JOB_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
+    JobState.PENDING: frozenset({JobState.SCHEDULED, JobState.FAILED, JobState.CANCELLED}),
+    JobState.SCHEDULED: frozenset({JobState.RUNNING, JobState.SUCCEEDED, JobState.FAILED,
+                                   JobState.CANCELLED}),
+    JobState.RUNNING: frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED}),
+    JobState.SUCCEEDED: frozenset(),
+    JobState.FAILED: frozenset(),
+    JobState.CANCELLED: frozenset(),
+}
+
+TASK_TRANSITIONS: dict[TaskState, frozenset[TaskState]] = {
+    TaskState.PENDING: frozenset({TaskState.STARTING, TaskState.RUNNING, TaskState.SUCCEEDED,
+                                  TaskState.FAILED, TaskState.CANCELLED}),
+    TaskState.STARTING: frozenset({TaskState.RUNNING, TaskState.SUCCEEDED, TaskState.FAILED,
+                                   TaskState.CANCELLED}),
+    TaskState.RUNNING: frozenset({TaskState.SUCCEEDED, TaskState.FAILED, TaskState.CANCELLED}),
+    TaskState.SUCCEEDED: frozenset(),
+    TaskState.FAILED: frozenset(),
+    TaskState.CANCELLED: frozenset(),
+}
+
+
+def can_transition(current: enum.Enum, target: enum.Enum) -> bool:
+    table: dict[Any, frozenset[Any]] = JOB_TRANSITIONS if isinstance(current, JobState) else TASK_TRANSITIONS
+    return target in table[current]
+
+
+@dataclasses.dataclass
+class JobMetrics:
+    step: int = 0
+    total_steps: int = 0
+    loss: float | None = None
+    test_accuracy: float | None = None
+    test_loss: float | None = None
+    examples_per_sec: float = 0.0
+
+
+@dataclasses.dataclass
+class Task:
+    """One task of a job as the coordinator knows it."""
+
+    job_id: str
+    role: str
+    index: int
+    worker: str = ""
+    state: TaskState = TaskState.PENDING
+    stage: int = 0
+    memory_budget_bytes: int = 0
+    estimated_memory_bytes: int = 0
+    peak_memory_bytes: int = 0
+    in_use_bytes: int = 0
+    failure: FailureKind = FailureKind.NONE
+    exit_code: int = 0
+    message: str = ""
+    address: str = ""
+    weights_sha256: str = ""
+    model_path: str = ""
+    attempt: int = 0
+
+    @property
+    def key(self) -> tuple[str, str, int]:
+        return (self.job_id, self.role, self.index)
+
+
+@dataclasses.dataclass
+class Job:
+    id: str
+    name: str
+    state: JobState
+    strategy: str
+    spec: dict[str, Any]
+    message: str = ""
+    restarts: int = 0
+    created_at: float = 0.0
+    finished_at: float = 0.0
+    started_at: float = 0.0
+    estimated_memory_bytes: int = 0
+    metrics: JobMetrics = dataclasses.field(default_factory=JobMetrics)
+    tasks: list[Task] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class MemoryStatus:
+    budget_bytes: int = 0
+    reserved_bytes: int = 0
+    in_use_bytes: int = 0
+    peak_bytes: int = 0
+
+
+@dataclasses.dataclass
+class WorkerTask:
+    job_id: str
+    role: str
+    index: int
+    state: TaskState
+    memory_budget_bytes: int = 0
+    in_use_bytes: int = 0
+    peak_bytes: int = 0
+
+
+@dataclasses.dataclass
+class WorkerInfo:
+    name: str
+    address: str
+    device: str
+    state: WorkerState
+    memory: MemoryStatus
+    tasks: list[WorkerTask] = dataclasses.field(default_factory=list)
+    last_seen: float = 0.0
+
+
+@dataclasses.dataclass
+class PlannedTask:
+    role: str
+    index: int
+    worker: str
+    stage: int
+    layers: list[str]
+    estimated_memory_bytes: int
+    memory_budget_bytes: int
+
+
+@dataclasses.dataclass
+class Plan:
+    strategy: str
+    feasible: bool
+    reason: str
+    tasks: list[PlannedTask] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class JobEvent:
+    seq: int
+    time: float
+    kind: str
+    message: str
+    job: Job | None
+
+
+# --- the contract's --json shapes -------------------------------------------------------------
+
+def task_to_json(t: Task) -> dict[str, Any]:
+    return {
+        "role": t.role, "index": t.index, "worker": t.worker, "state": t.state.value,
+        "stage": t.stage, "memory_budget_bytes": t.memory_budget_bytes,
+        "peak_memory_bytes": t.peak_memory_bytes, "in_use_bytes": t.in_use_bytes,
+        "estimated_memory_bytes": t.estimated_memory_bytes, "failure": t.failure.value,
+        "exit_code": t.exit_code, "message": t.message, "address": t.address,
+        "weights_sha256": t.weights_sha256, "model_path": t.model_path,
+    }
+
+
+def _finite(x: float | None) -> float | None:
+    return x if x is None or math.isfinite(x) else None
+
+
+def job_to_json(j: Job) -> dict[str, Any]:
+    m = j.metrics
+    return {
+        "id": j.id, "name": j.name, "state": j.state.value, "strategy": j.strategy,
+        "message": j.message, "restarts": j.restarts, "created_at": j.created_at,
+        "finished_at": j.finished_at or None, "started_at": j.started_at or None,
+        "estimated_memory_bytes": j.estimated_memory_bytes,
+        "metrics": {"step": m.step, "total_steps": m.total_steps, "loss": _finite(m.loss),
+                    "test_accuracy": m.test_accuracy, "test_loss": m.test_loss,
+                    "examples_per_sec": m.examples_per_sec},
+        "tasks": [task_to_json(t) for t in j.tasks],
+    }
+
+
+def worker_to_json(w: WorkerInfo) -> dict[str, Any]:
+    return {
+        "name": w.name, "address": w.address, "state": w.state.value, "device": w.device,
+        "memory": dataclasses.asdict(w.memory),
+        "tasks": [{"job_id": t.job_id, "role": t.role, "index": t.index, "state": t.state.value,
+                   "memory_budget_bytes": t.memory_budget_bytes, "in_use_bytes": t.in_use_bytes,
+                   "peak_bytes": t.peak_bytes} for t in w.tasks],
+        "last_seen": w.last_seen,
+    }
+
+
+def plan_to_json(p: Plan) -> dict[str, Any]:
+    return {
+        "strategy": p.strategy, "feasible": p.feasible, "reason": p.reason,
+        "tasks": [dataclasses.asdict(t) for t in p.tasks],
+    }
+
+
+@dataclasses.dataclass
+class TaskReport:
+    """What an agent says about one of its task processes (progress, final state, memory)."""
+
+    job_id: str
+    role: str
+    index: int
+    state: TaskState
+    attempt: int = 0
+    failure: FailureKind = FailureKind.NONE
+    exit_code: int = 0
+    message: str = ""
+    in_use_bytes: int = 0
+    peak_bytes: int = 0
+    step: int = 0
+    total_steps: int = 0
+    loss: float | None = None
+    examples_per_sec: float = 0.0
+    test_accuracy: float | None = None
+    test_loss: float | None = None
+    weights_sha256: str = ""
+    model_path: str = ""
+    first_step_time: float = 0.0
+
+    @property
+    def key(self) -> tuple[str, str, int]:
+        return (self.job_id, self.role, self.index)
