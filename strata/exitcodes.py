@@ -1,0 +1,48 @@
+"""Exit codes of a Strata task process (``python -m worker.task``).
+
+The worker agent launches one task process per job task and classifies how it ended from
+its exit status (the task also writes an ``error`` event with a ``kind`` before a failing
+exit; the exit status is the authoritative signal when the event pipe is lost):
+
+- ``TASK_EXIT_OK`` (0): training and evaluation finished and the ``result`` event was written.
+- ``TASK_EXIT_ERROR`` (1): any other failure (a crash, a lost peer, a collective timeout,
+  the parent agent died). Retrying may help.
+- ``TASK_EXIT_OOM`` (75): TensorFlow raised ``tf.errors.ResourceExhaustedError``: the
+  task's allocator went over its memory budget (``TF_CPU_BFC_MEM_LIMIT_IN_MB`` on CPU, the
+  logical-device ``memory_limit`` on GPU). Retrying with the same budget will fail again;
+  give the task a larger budget or a smaller per-replica batch.
+- ``TASK_EXIT_BAD_CONFIG`` (76): the task configuration cannot be run (unsupported
+  strategy or option, unsafe or unparsable model, unreadable data file). Retrying will
+  fail again; the ``error`` event's message names the offending field.
+
+75 and 76 come from the BSD ``sysexits.h`` range (EX_TEMPFAIL, EX_PROTOCOL) so they do not
+collide with Python's own 1/2 or with 128+N signal deaths.
+"""
+
+TASK_EXIT_OK = 0
+TASK_EXIT_ERROR = 1
+TASK_EXIT_OOM = 75
+TASK_EXIT_BAD_CONFIG = 76
+
+#: exit status -> the ``kind`` of the matching ``error`` event (0 has none).
+EXIT_KIND = {
+    TASK_EXIT_ERROR: "error",
+    TASK_EXIT_OOM: "oom",
+    TASK_EXIT_BAD_CONFIG: "bad_config",
+}
+
+
+def describe_exit(code: int) -> str:
+    """A short human-readable description of a task process exit status.
+
+    Negative values are deaths by signal, as ``subprocess`` reports them.
+    """
+    if code == TASK_EXIT_OK:
+        return "succeeded"
+    if code == TASK_EXIT_OOM:
+        return "out of memory (exceeded its memory budget)"
+    if code == TASK_EXIT_BAD_CONFIG:
+        return "bad configuration"
+    if code < 0:
+        return f"killed by signal {-code}"
+    return f"failed (exit status {code})"
