@@ -1,0 +1,261 @@
+"""Memory sizes and the per-task memory estimate of a training task.
+
+Pure Python (no TensorFlow, Keras or NumPy): the coordinator plans with it.
+
+``estimate_task_memory`` predicts the PEAK bytes that a task process's allocator holds (what
+``tf.config.experimental.get_memory_info(...)["peak"]`` reports in the task, and what the
+BFC allocator's limit, ``TF_CPU_BFC_MEM_LIMIT_IN_MB`` or the GPU ``memory_limit``, is checked
+against). The model is built from what the task really allocates (worker/task.py) and its
+coefficients were calibrated on this code base with TF 2.21 / Keras 3.15 on CPU with the BFC
+allocator, two MultiWorkerMirroredStrategy workers, Adam, the seed MLP (64-1024-512-256-10
+on digits and 784-1024-512-256-10 on synthetic data) at per-replica batches 64-2048. Measured
+peaks (MiB, the larger of the two workers; the estimate in brackets):
+
+    digits  global 256:  16.7-17.5  [17.5]      digits  global 2048: 28.6-28.9  [30.3]
+    784-in  global 256:  39.0-41.1  [42.3]      784-in  global 2048: 63.5-68.5  [67.5]
+    bfloat16, the same four:  20.1 [20.6]  41.3 [44.3]  43.0 [46.8]  80.2 [83.0]
+
+The two workers of one job differ by up to ~20% (the BFC allocator's chunk rounding depends
+on the order in which concurrent threads allocate; worker 0 is usually the higher one), and
+the same task varies by a few percent from run to run.
+
+Terms (bytes, per task):
+
+- ``weights``: every parameter as float32. With mixed precision the variables stay float32
+  and each step casts them to 16-bit compute copies: +2 bytes per parameter.
+- ``gradients``: one float32 gradient per trainable parameter.
+- ``optimizer_slots``: Keras 3 slot variables per trainable parameter (checked by counting
+  ``optimizer.variables`` after ``build``): adam and adamw 2 (m, v), rmsprop 1 (velocity,
+  momentum=0 and centered=False by default), adagrad 1 (accumulator), sgd 0 (momentum=0).
+  float16 adds a LossScaleOptimizer (two scalars: nothing).
+- ``collective``: the all-reduce packs all gradients into one buffer: one more gradient-sized
+  buffer (measured also with a single MWMS worker).
+- ``activations``: 1.8 x the layers' output elements per example x the per-replica batch x 4
+  bytes. 1.8 is the measured slope of the peak against the batch size after taking out the
+  input batches: forward outputs kept for the backward pass plus the backward pass's gradient
+  buffers. Mixed precision does NOT save activation memory on CPU with TF 2.21: the 16-bit
+  kernels keep float32 and 16-bit copies (casts) alive, and the measured slope is 14 bytes per
+  output element (1.9x float32: digits global 2048 peaks at 41 MiB in bfloat16, 29 MiB in
+  float32). The estimate follows the CPU measurement; on a GPU it is conservative.
+- ``data``: the task's shard of the training set, held once as tensors (one shard of
+  ``ceil(n_train / workers)`` rows; for digits 1,437 train rows of 64 float32 features, for
+  synthetic ``examples`` or 4,096 rows of the model's input shape; labels int64 for sparse
+  crossentropy, else float32 one-hot), rounded up to a power of two when over 1 MiB (the BFC
+  allocator hands one large tensor a fresh region of a power-of-two size and does not split
+  it when the rest is under half: a 6.1 MiB shard measures 8 MiB), plus 4.8 input batches in
+  flight (tf.data prefetch, the distributed iterator's buffer, the batch in the step: the
+  measured slope). For ``npz`` the coordinator cannot see the file, so the shard counts as 0
+  unless the caller passes ``train_examples``; give large npz jobs an explicit
+  ``memory.per_task_budget``. The start-up moment when the input pipeline is created holds
+  the shard twice (weights are the only other thing allocated then); when that is larger
+  than the training peak the difference is added to ``data``.
+- ``overhead``: 1 MiB fixed (tf.data and collective runtime buffers, the first-step tracing
+  temporaries) plus 5% of everything else for BFC chunk rounding (allocation sizes are
+  rounded up to bins and big tensors can get whole regions).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from strata.modelspec import ModelProfile, profile_model
+
+__all__ = [
+    "MemoryEstimate", "estimate_task_memory", "default_budget", "parse_size", "format_size",
+    "OPTIMIZER_SLOTS",
+]
+
+KiB = 1 << 10
+MiB = 1 << 20
+GiB = 1 << 30
+
+#: Keras 3 optimizer slot variables per trainable parameter, with the optimizers' defaults.
+OPTIMIZER_SLOTS = {"adam": 2, "adamw": 2, "rmsprop": 1, "adagrad": 1, "sgd": 0}
+
+ACTIVATION_FACTOR = 1.8        # live float32 activations per layer output element (fwd + bwd)
+MIXED_ACTIVATION_BYTES = 14.0  # bytes per layer output element with bfloat16/float16 (CPU)
+INPUT_BATCHES_IN_FLIGHT = 4.8  # input batches alive at the peak
+FIXED_OVERHEAD = 1 * MiB
+FRAGMENTATION = 0.05           # BFC rounding, as a fraction of the rest
+BFC_ROUND_FROM = 1 * MiB       # single tensors from this size get a power-of-two region
+
+DIGITS_TRAIN = 1437            # worker/data.py: ceil(20%) of 1,797 rows are the test split
+DIGITS_FEATURES = 64
+SYNTHETIC_DEFAULT_TRAIN = 4096
+
+HEADROOM_FRACTION = 0.25
+HEADROOM_MIN = 16 * MiB
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Peak allocator bytes of one task, by cause (see the module docstring)."""
+
+    weights: int
+    gradients: int
+    optimizer_slots: int
+    activations: int
+    data: int
+    overhead: int
+    collective: int = 0
+
+    @property
+    def total(self) -> int:
+        return (self.weights + self.gradients + self.optimizer_slots + self.activations
+                + self.data + self.overhead + self.collective)
+
+    def as_dict(self) -> dict[str, int]:
+        d = asdict(self)
+        d["total"] = self.total
+        return d
+
+
+def _bfc_round(n: int) -> int:
+    if n < BFC_ROUND_FROM:
+        return n
+    return 1 << (n - 1).bit_length()
+
+
+def _get(d: Any, *keys: str, default: Any = None) -> Any:
+    for k in keys:
+        if not isinstance(d, dict):
+            return default
+        d = d.get(k)
+    return default if d is None else d
+
+
+def estimate_task_memory(spec: dict, per_replica_batch: int, profile: ModelProfile | None = None,
+                         *, train_examples: int | None = None) -> MemoryEstimate:
+    """Estimates the peak memory of one data-parallel training task of ``spec`` (a normalized
+    job spec) at ``per_replica_batch`` examples per step. ``profile`` saves re-profiling
+    ``spec["model"]``; ``train_examples`` gives the size of an npz training set when known."""
+    if profile is None:
+        profile = profile_model(spec["model"])
+    b = max(1, int(per_replica_batch))
+    mixed = _get(spec, "memory", "mixed_precision", default="none") not in ("none", "", None)
+    optimizer = str(_get(spec, "training", "optimizer", "name", default="adam")).lower()
+    loss = _get(spec, "training", "loss", default="sparse_categorical_crossentropy")
+    strategy = _get(spec, "strategy", default="multi_worker_mirrored")
+    workers = max(1, int(_get(spec, "workers", default=1) or 1))
+
+    params = profile.total_params
+    trainable = profile.trainable_params
+    weights = 4 * params + (2 * params if mixed else 0)
+    gradients = 4 * trainable
+    slots = 4 * trainable * OPTIMIZER_SLOTS.get(optimizer, 2)
+    collective = 4 * trainable if strategy in ("multi_worker_mirrored", "hybrid") else 0
+
+    per_elem = MIXED_ACTIVATION_BYTES if mixed else ACTIVATION_FACTOR * 4
+    activations = int(math.ceil(per_elem * b * profile.activation_elems))
+
+    # data: this task's shard as tensors plus the input batches in flight
+    out_elems = profile.layers[-1].output_elems if profile.layers else 1
+    label_bytes = 8 if loss == "sparse_categorical_crossentropy" else 4 * out_elems
+    source = _get(spec, "data", "source", default="digits")
+    if source == "digits":
+        n_train, feat_bytes = DIGITS_TRAIN, 4 * DIGITS_FEATURES
+    else:
+        feat_bytes = 4 * profile.input_elems
+        if source == "synthetic":
+            n_train = int(_get(spec, "data", "examples", default=0) or 0) or SYNTHETIC_DEFAULT_TRAIN
+        else:
+            n_train = int(train_examples or 0)
+    shard_rows = -(-n_train // workers) if n_train else 0
+    shard = _bfc_round(shard_rows * feat_bytes) + _bfc_round(shard_rows * label_bytes)
+    inflight = int(math.ceil(INPUT_BATCHES_IN_FLIGHT * b * (feat_bytes + label_bytes)))
+    data = shard + inflight
+
+    train_peak = weights + gradients + slots + collective + activations + data
+    startup_peak = 4 * params + 2 * shard
+    if startup_peak > train_peak:
+        data += startup_peak - train_peak
+        train_peak = startup_peak
+    overhead = FIXED_OVERHEAD + int(math.ceil(FRAGMENTATION * train_peak))
+    return MemoryEstimate(weights=weights, gradients=gradients, optimizer_slots=slots,
+                          activations=activations, data=data, overhead=overhead,
+                          collective=collective)
+
+
+def default_budget(estimate: MemoryEstimate | int) -> int:
+    """The memory budget to reserve for a task when the job names none: the estimate plus
+    25%, and at least 16 MiB more, rounded up to a whole MiB (the BFC limit is set in MiB).
+
+    Why: the estimate aims at the measured peak, but (1) the two workers of one job differ by
+    up to ~20% and a task varies a few percent between runs, because BFC chunk rounding depends
+    on the order concurrent threads allocate in; (2) the BFC limit caps the allocator's REGIONS,
+    which also hold free fragments, so a task needs a limit somewhat above its peak in-use
+    bytes (measured: a 784-input task peaking at 68.5 MiB ran with a 70 MiB limit and failed
+    with 66 MiB; a digits task peaking at 18 MiB ran with 20 MiB and failed with 18 MiB);
+    (3) a small task's allocator grows in power-of-two regions (2, 4, 8 MiB...), so a fixed
+    16 MiB floor covers one more region step for small models. An over-tight budget costs a
+    failed task (exit 75) and a restart; a loose one only idles memory."""
+    total = estimate.total if isinstance(estimate, MemoryEstimate) else int(estimate)
+    budget = total + max(int(math.ceil(total * HEADROOM_FRACTION)), HEADROOM_MIN)
+    return -(-budget // MiB) * MiB
+
+
+# --------------------------------------------------------------------------------------------
+# sizes
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000 ** 2, "mb": 1000 ** 2, "g": 1000 ** 3, "gb": 1000 ** 3,
+    "t": 1000 ** 4, "tb": 1000 ** 4,
+    "ki": KiB, "kib": KiB, "mi": MiB, "mib": MiB, "gi": GiB, "gib": GiB,
+    "ti": 1 << 40, "tib": 1 << 40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: Any) -> int:
+    """Parses a memory size: plain bytes ("123"), decimal units ("1.5GB", "100MB", "10kB":
+    powers of 1000) or binary units ("512MiB", "2GiB", "1KiB": powers of 1024); units are
+    case-insensitive, the "B" optional ("2Gi"). Returns whole bytes (rounded down).
+    Raises ValueError with a clear message otherwise."""
+    if isinstance(text, bool):
+        raise ValueError(f"not a memory size: {text!r}")
+    if isinstance(text, int):
+        if text < 0:
+            raise ValueError(f"memory size must not be negative: {text}")
+        return text
+    if isinstance(text, float):
+        if not math.isfinite(text) or text < 0:
+            raise ValueError(f"not a memory size: {text!r}")
+        return int(text)
+    if not isinstance(text, str):
+        raise ValueError(f"not a memory size: {text!r}")
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise ValueError(f"not a memory size: {text!r} (use e.g. 512MiB, 2GiB, 1.5GB, 100MB or "
+                         "a plain number of bytes)")
+    number, unit = m.group(1), m.group(2).lower()
+    if unit not in _UNITS:
+        raise ValueError(f"unknown size unit {m.group(2)!r} in {text!r} (use B, KB, MB, GB, TB "
+                         "or KiB, MiB, GiB, TiB)")
+    if unit in ("", "b") and "." in number:
+        raise ValueError(f"a size in bytes must be a whole number: {text!r}")
+    value = float(number) * _UNITS[unit]
+    if value != value or value > 1 << 62:
+        raise ValueError(f"memory size out of range: {text!r}")
+    return int(value)
+
+
+def format_size(n: int | float) -> str:
+    """Human-readable binary size: "512 B", "1.5 KiB", "40.2 MiB", "1.5 GiB", "2 GiB"
+    (one decimal, dropped when it is 0)."""
+    n = int(n)
+    sign = "-" if n < 0 else ""
+    n = abs(n)
+    if n < KiB:
+        return f"{sign}{n} B"
+    units = (("KiB", KiB), ("MiB", MiB), ("GiB", GiB), ("TiB", 1 << 40))
+    for i, (unit, size) in enumerate(units):
+        text = f"{n / size:.1f}"
+        if float(text) < 1024 or i == len(units) - 1:
+            if text.endswith(".0"):
+                text = text[:-2]
+            return f"{sign}{text} {unit}"
+    raise AssertionError("unreachable")  # pragma: no cover
