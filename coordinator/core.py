@@ -1,0 +1,605 @@
+"""The coordinator's state and control loop.
+
+Everything here runs on one asyncio event loop (the gRPC aio server's), so the live state needs no
+locks: gRPC handlers and the control loop take turns. Every change is written through to the
+``Store`` so that a restarted coordinator resumes from it. Decisions (placement, admission) are
+pure functions in ``coordinator.placement``; this module applies them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import secrets
+import time
+from typing import AsyncIterator, Callable
+
+from coordinator.placement import Capacity, TaskDemand, admission_error, place
+from coordinator.store import Store, WorkerRecord
+from strata.errors import InfeasibleError, InvalidTransition, NotFoundError, UnknownAgentSession
+from strata.memory import default_budget, estimate_task_memory, format_size
+from strata.spec import JobSpec, parse_job_spec
+from strata.tfconfig import build_tf_config
+from strata.types import (
+    FailureKind, Job, JobEvent, JobState, MemoryStatus, Plan, PlannedTask, Task, TaskReport,
+    TaskState, WorkerInfo, WorkerState, WorkerTask, can_transition,
+)
+
+log = logging.getLogger("strata.coordinator")
+
+# How often progress metrics are written to the store (they are always live in memory).
+METRICS_PERSIST_INTERVAL_S = 2.0
+
+
+@dataclasses.dataclass
+class StartTaskCommand:
+    job_id: str
+    role: str
+    index: int
+    attempt: int
+    tf_config: str
+    memory_budget_bytes: int
+    config: dict
+
+
+@dataclasses.dataclass
+class StopTaskCommand:
+    job_id: str
+    role: str = ""   # empty: every task of the job on that agent
+    index: int = 0
+    reason: str = ""
+
+
+AgentCommand = StartTaskCommand | StopTaskCommand
+
+
+@dataclasses.dataclass
+class LiveWorker:
+    """A worker agent as the coordinator sees it now."""
+
+    record: WorkerRecord
+    session: str = ""            # empty until the agent (re-)registers after a coordinator start
+    last_seen: float = 0.0
+    lost: bool = False
+    memory: MemoryStatus = dataclasses.field(default_factory=MemoryStatus)
+    free_ports: list[int] = dataclasses.field(default_factory=list)
+    queue: asyncio.Queue | None = None
+
+    @property
+    def connected(self) -> bool:
+        return bool(self.session) and not self.lost
+
+
+class Coordinator:
+    def __init__(self, store: Store, state_dir: str, *, heartbeat_timeout_s: float = 10.0,
+                 heartbeat_interval_s: float = 1.0, tick_interval_s: float = 0.5,
+                 clock: Callable[[], float] = time.time):
+        self.store = store
+        self.state_dir = state_dir
+        self.log_dir = os.path.join(state_dir, "logs")
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.tick_interval_s = tick_interval_s
+        self.clock = clock
+        self.jobs: dict[str, Job] = {j.id: j for j in store.load_jobs()}
+        self.workers: dict[str, LiveWorker] = {}
+        now = clock()
+        for rec in store.load_workers():
+            # Known from before a restart: not schedulable until the agent registers again, and
+            # declared LOST if it has not done so within one heartbeat timeout.
+            self.workers[rec.name] = LiveWorker(record=rec, last_seen=now)
+        self._signals: dict[str, asyncio.Event] = {}
+        self._wake = asyncio.Event()
+        self._metrics_saved: dict[str, float] = {}
+        self._stopping = False
+
+    # --- notifications ------------------------------------------------------------------------
+
+    def _notify(self, job_id: str) -> None:
+        ev = self._signals.pop(job_id, None)
+        if ev is not None:
+            ev.set()
+
+    def _signal(self, job_id: str) -> asyncio.Event:
+        ev = self._signals.get(job_id)
+        if ev is None:
+            ev = self._signals[job_id] = asyncio.Event()
+        return ev
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def _event(self, job: Job, kind: str, message: str) -> None:
+        self.store.add_event(job.id, self.clock(), kind, message)
+        log.info("job %s: %s", job.id, message)
+        self._notify(job.id)
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    def _set_job_state(self, job: Job, target: JobState, message: str) -> None:
+        if not can_transition(job.state, target):
+            raise InvalidTransition("job", job.state.value, target.value)
+        job.state = target
+        job.message = message
+        if target.final:
+            job.finished_at = self.clock()
+        self.store.put_job(job)
+        self._event(job, "state", f"{target.value}: {message}" if message else target.value)
+        if target.final:
+            self.wake()  # its reservations are free once its processes are gone
+
+    def _set_task_state(self, task: Task, target: TaskState) -> bool:
+        if task.state == target:
+            return False
+        if not can_transition(task.state, target):
+            raise InvalidTransition("task", task.state.value, target.value)
+        task.state = target
+        return True
+
+    # --- job API ------------------------------------------------------------------------------
+
+    def _estimate(self, spec: JobSpec) -> tuple[int, int]:
+        """(estimated bytes per task, budget bytes per task)."""
+        estimate = estimate_task_memory(spec.to_dict(), spec.per_replica_batch)
+        return estimate.total, spec.memory.per_task_budget_bytes or default_budget(estimate)
+
+    def _worker_budgets(self) -> list[int]:
+        return [w.record.budget_bytes for w in self.workers.values() if not w.lost]
+
+    def submit(self, raw_spec: dict) -> Job:
+        spec = parse_job_spec(raw_spec)
+        estimate, budget = self._estimate(spec)
+        why = admission_error(budget, self._worker_budgets())
+        if why:
+            raise InfeasibleError(
+                f"job {spec.name!r} fits no worker: {why} (estimate {format_size(estimate)} per "
+                f"task; the budget adds headroom, or set memory.per_task_budget)",
+                estimate_bytes=estimate, largest_budget_bytes=max(self._worker_budgets()))
+        now = self.clock()
+        job_id = f"{spec.name}-{secrets.token_hex(3)}"
+        while job_id in self.jobs:
+            job_id = f"{spec.name}-{secrets.token_hex(3)}"
+        job = Job(id=job_id, name=spec.name, state=JobState.PENDING, strategy=spec.strategy,
+                  spec=spec.to_dict(), created_at=now, estimated_memory_bytes=estimate,
+                  message="waiting for workers")
+        job.tasks = [Task(job_id=job_id, role="worker", index=i, memory_budget_bytes=budget,
+                          estimated_memory_bytes=estimate) for i in range(spec.workers)]
+        self.jobs[job_id] = job
+        self.store.put_job(job)
+        self.store.put_tasks(job.tasks)
+        self._event(job, "state", f"PENDING: submitted; {spec.workers} x {spec.strategy} task(s), "
+                                  f"estimate {format_size(estimate)}, budget {format_size(budget)} each")
+        if spec.memory.per_task_budget and budget < estimate:
+            self._event(job, "message", f"warning: memory.per_task_budget {format_size(budget)} is "
+                                        f"below the estimate {format_size(estimate)}; tasks may run "
+                                        "out of memory")
+        self.wake()
+        return job
+
+    def get(self, job_id: str) -> Job:
+        job = self.jobs.get(job_id)
+        if job is None:
+            raise NotFoundError("job", job_id)
+        return job
+
+    def list_jobs(self) -> list[Job]:
+        return sorted(self.jobs.values(), key=lambda j: (j.created_at, j.id))
+
+    def cancel(self, job_id: str) -> Job:
+        job = self.get(job_id)
+        if job.state.final:
+            raise InvalidTransition("job", job.state.value, JobState.CANCELLED.value)
+        self._stop_job(job, JobState.CANCELLED, "cancelled by user")
+        return job
+
+    def _stop_job(self, job: Job, target: JobState, message: str) -> None:
+        """Moves the job to a final state and tells agents to stop its remaining processes.
+
+        Tasks never started are cancelled at once; running ones stay reserved until their agent
+        reports the process gone (or the agent is lost), so budgets are never double-booked.
+        """
+        self._set_job_state(job, target, message)
+        by_worker: set[str] = set()
+        for t in job.tasks:
+            if t.state.final:
+                continue
+            w = self.workers.get(t.worker) if t.worker else None
+            if w is None or t.state == TaskState.PENDING and not t.worker:
+                self._set_task_state(t, TaskState.CANCELLED)
+                t.message = t.message or message
+            elif w.lost:
+                self._set_task_state(t, TaskState.FAILED)
+                t.failure = FailureKind.LOST
+            else:
+                by_worker.add(t.worker)
+        self.store.put_tasks(job.tasks)
+        for name in by_worker:
+            self._send(name, StopTaskCommand(job_id=job.id, reason=message))
+        self._notify(job.id)
+
+    def plan(self, raw_spec: dict) -> Plan:
+        spec = parse_job_spec(raw_spec)
+        estimate, budget = self._estimate(spec)
+        why = admission_error(budget, self._worker_budgets())
+        demands = [TaskDemand("worker", i, budget) for i in range(spec.workers)]
+        placement = place(demands, self._capacities())
+        layers = self._layer_names(spec)
+        tasks = [PlannedTask(role="worker", index=i, worker=placement.assignments.get(("worker", i), ""),
+                             stage=0, layers=layers, estimated_memory_bytes=estimate,
+                             memory_budget_bytes=budget) for i in range(spec.workers)]
+        if why:
+            return Plan(spec.strategy, False, f"fits no worker: {why}", tasks)
+        if not placement.assignments:
+            return Plan(spec.strategy, True, f"admissible; would wait: {placement.reason}", tasks)
+        return Plan(spec.strategy, True, "fits now", tasks)
+
+    @staticmethod
+    def _layer_names(spec: JobSpec) -> list[str]:
+        from strata.modelspec import profile_model
+
+        return [layer.name for layer in profile_model(spec.model).layers]
+
+    async def watch(self, job_id: str, after_seq: int = 0,
+                    max_interval_s: float = 5.0) -> AsyncIterator[JobEvent]:
+        """Stored events after ``after_seq``, then a snapshot at every change, until the job ends."""
+        job = self.get(job_id)
+        seq = after_seq
+        first = True
+        while True:
+            final = job.state.final
+            new = self.store.events(job_id, seq)
+            for rec in new:
+                seq = rec.seq
+                yield JobEvent(rec.seq, rec.time, rec.kind, rec.message, job)
+            if first or not new:
+                yield JobEvent(0, self.clock(), "progress", "", job)
+            first = False
+            if final:
+                return
+            try:
+                await asyncio.wait_for(self._signal(job_id).wait(), timeout=max_interval_s)
+            except asyncio.TimeoutError:
+                pass
+
+    # --- logs ---------------------------------------------------------------------------------
+
+    def log_path(self, job_id: str, role: str, index: int) -> str:
+        return os.path.join(self.log_dir, job_id, f"{role}-{index}.log")
+
+    def append_logs(self, worker: str, session: str, job_id: str, role: str, index: int,
+                    data: bytes) -> None:
+        self._check_session(worker, session)
+        job = self.jobs.get(job_id)
+        if job is None or not any(t.role == role and t.index == index for t in job.tasks):
+            return
+        path = self.log_path(job_id, role, index)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "ab") as f:
+            f.write(data)
+        self._notify(job_id)
+
+    async def read_logs(self, job_id: str, tasks: list[tuple[str, int]],
+                        follow: bool) -> AsyncIterator[tuple[str, int, bytes]]:
+        job = self.get(job_id)
+        offsets = {t: 0 for t in tasks}
+        while True:
+            final = job.state.final and all(t.state.final for t in job.tasks)
+            got = False
+            for (role, index) in tasks:
+                path = self.log_path(job_id, role, index)
+                try:
+                    with open(path, "rb") as f:
+                        f.seek(offsets[(role, index)])
+                        data = f.read(1 << 20)
+                except FileNotFoundError:
+                    continue
+                if data:
+                    got = True
+                    offsets[(role, index)] += len(data)
+                    yield role, index, data
+            if got:
+                continue
+            if not follow or final:
+                return
+            try:
+                await asyncio.wait_for(self._signal(job_id).wait(), timeout=1.0)
+            except asyncio.TimeoutError:
+                pass
+
+    # --- cluster API --------------------------------------------------------------------------
+
+    def register(self, name: str, host: str, device: str, budget_bytes: int, free_ports: list[int],
+                 reports: list[TaskReport], work_dir: str = "") -> str:
+        now = self.clock()
+        live = self.workers.get(name)
+        rec = WorkerRecord(name=name, address=host, device=device, budget_bytes=budget_bytes,
+                           work_dir=work_dir, last_seen=now)
+        if live is None:
+            live = self.workers[name] = LiveWorker(record=rec)
+        else:
+            rec.draining = live.record.draining
+            live.record = rec
+        old_queue = live.queue
+        live.session = secrets.token_hex(8)
+        live.last_seen = now
+        live.lost = False
+        live.free_ports = list(free_ports)
+        live.queue = asyncio.Queue()
+        if old_queue is not None:
+            old_queue.put_nowait(None)  # ends the previous Connect stream, if one is still open
+        self.store.put_worker(rec)
+        log.info("worker %s registered (%s, %s, budget %s)", name, host, device,
+                 format_size(budget_bytes))
+        self._reconcile(live, reports)
+        self.wake()
+        return live.session
+
+    def _reconcile(self, live: LiveWorker, reports: list[TaskReport]) -> None:
+        """Aligns what the agent runs with what the coordinator assigned to it."""
+        reported = {r.key: r for r in reports}
+        for key, r in reported.items():
+            task = self._task(*key)
+            if task is None or task.worker != live.record.name or task.state.final:
+                live.queue.put_nowait(StopTaskCommand(job_id=r.job_id, role=r.role, index=r.index,
+                                                      reason="not assigned to this worker"))
+            else:
+                self.report(live.record.name, live.session, r)
+        for job in self.jobs.values():
+            for t in job.tasks:
+                if t.worker != live.record.name or t.state.final or t.key in reported:
+                    continue
+                if job.state.final:
+                    self._set_task_state(t, TaskState.CANCELLED)
+                    self.store.put_tasks([t])
+                elif t.state == TaskState.PENDING and job.state == JobState.SCHEDULED:
+                    self._send_start(job, t)  # the start never reached the agent
+                else:
+                    self._fail_task(job, t, FailureKind.LOST, "the agent restarted and no longer "
+                                                              "runs this task")
+
+    def _check_session(self, name: str, session: str) -> LiveWorker:
+        live = self.workers.get(name)
+        if live is None or not live.session or live.session != session:
+            raise UnknownAgentSession(f"worker {name!r} is not registered with this session")
+        return live
+
+    def heartbeat(self, name: str, session: str, memory: MemoryStatus, reports: list[TaskReport],
+                  free_ports: list[int]) -> None:
+        live = self._check_session(name, session)
+        was_lost = live.lost
+        live.last_seen = self.clock()
+        live.memory = memory
+        live.free_ports = list(free_ports)
+        if was_lost:
+            live.lost = False
+            log.info("worker %s is back", name)
+            self.wake()
+        for r in reports:
+            self.report(name, session, r)
+
+    async def commands(self, name: str, session: str) -> AsyncIterator[AgentCommand]:
+        live = self._check_session(name, session)
+        queue = live.queue
+        while True:
+            cmd = await queue.get()
+            if cmd is None:
+                return
+            yield cmd
+
+    def _send(self, worker: str, cmd: AgentCommand) -> None:
+        live = self.workers.get(worker)
+        if live is not None and live.queue is not None:
+            live.queue.put_nowait(cmd)
+
+    def _task(self, job_id: str, role: str, index: int) -> Task | None:
+        job = self.jobs.get(job_id)
+        if job is None:
+            return None
+        return next((t for t in job.tasks if t.role == role and t.index == index), None)
+
+    def report(self, worker: str, session: str, r: TaskReport) -> None:
+        self._check_session(worker, session)
+        job = self.jobs.get(r.job_id)
+        task = self._task(*r.key)
+        if job is None or task is None or task.worker != worker or r.attempt != task.attempt:
+            return
+        if task.state.final:
+            return
+        task.in_use_bytes = r.in_use_bytes
+        task.peak_memory_bytes = max(task.peak_memory_bytes, r.peak_bytes)
+        if r.weights_sha256:
+            task.weights_sha256 = r.weights_sha256
+        if r.model_path:
+            task.model_path = r.model_path
+        if task.index == 0 and r.step:
+            m = job.metrics
+            m.step, m.total_steps, m.loss = r.step, r.total_steps, r.loss
+            if r.examples_per_sec:
+                m.examples_per_sec = r.examples_per_sec
+            if r.first_step_time and not job.started_at:
+                job.started_at = r.first_step_time
+        if task.index == 0 and r.test_accuracy is not None:
+            job.metrics.test_accuracy = r.test_accuracy
+            job.metrics.test_loss = r.test_loss
+        changed = False
+        if r.state != task.state and r.state != TaskState.PENDING:
+            if r.state == TaskState.FAILED:
+                self._fail_task(job, task, r.failure, r.message, exit_code=r.exit_code)
+                return
+            if can_transition(task.state, r.state):
+                self._set_task_state(task, r.state)
+                task.exit_code = r.exit_code
+                task.message = r.message
+                changed = True
+        if changed:
+            self.store.put_tasks([task])
+            self._after_task_change(job, task)
+        else:
+            now = self.clock()
+            if now - self._metrics_saved.get(job.id, 0.0) >= METRICS_PERSIST_INTERVAL_S:
+                self._metrics_saved[job.id] = now
+                self.store.put_job(job)
+                self.store.put_tasks([task])
+        self._notify(job.id)
+
+    def _fail_task(self, job: Job, task: Task, failure: FailureKind, message: str,
+                   exit_code: int = 0) -> None:
+        self._set_task_state(task, TaskState.FAILED)
+        task.failure = failure
+        task.exit_code = exit_code
+        task.message = message
+        self.store.put_tasks([task])
+        self._event(job, "task", f"task {task.role}:{task.index} on {task.worker} failed "
+                                 f"({failure.value}): {_describe_failure(task)}")
+        if not job.state.final:
+            self._stop_job(job, JobState.FAILED, f"task {task.role}:{task.index} failed: "
+                                                 f"{_describe_failure(task)}")
+
+    def _after_task_change(self, job: Job, task: Task) -> None:
+        self._event(job, "task", f"task {task.role}:{task.index} on {task.worker}: {task.state.value}")
+        if job.state.final:
+            if task.state.final:
+                self.wake()
+            return
+        states = [t.state for t in job.tasks]
+        if all(s == TaskState.SUCCEEDED for s in states):
+            acc = job.metrics.test_accuracy
+            self._set_job_state(job, JobState.SUCCEEDED,
+                                f"test accuracy {acc:.4f}" if acc is not None else "done")
+        elif job.state == JobState.SCHEDULED and all(
+                s in (TaskState.RUNNING, TaskState.SUCCEEDED) for s in states):
+            self._set_job_state(job, JobState.RUNNING, "all tasks running")
+
+    # --- control loop -------------------------------------------------------------------------
+
+    def _reserved(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for job in self.jobs.values():
+            for t in job.tasks:
+                if t.worker and not t.state.final:
+                    out[t.worker] = out.get(t.worker, 0) + t.memory_budget_bytes
+        return out
+
+    def _capacities(self) -> list[Capacity]:
+        reserved = self._reserved()
+        return [Capacity(name=w.record.name, budget_bytes=w.record.budget_bytes,
+                         free_bytes=w.record.budget_bytes - reserved.get(w.record.name, 0),
+                         free_ports=len(w.free_ports))
+                for w in self.workers.values() if w.connected and not w.record.draining]
+
+    def tick(self) -> None:
+        """One step of the control loop: detect lost agents, then schedule pending jobs."""
+        now = self.clock()
+        for w in self.workers.values():
+            if not w.lost and now - w.last_seen > self.heartbeat_timeout_s:
+                self._mark_lost(w)
+        for job in sorted(self.jobs.values(), key=lambda j: (j.created_at, j.id)):
+            if job.state == JobState.PENDING:
+                self._try_schedule(job)
+
+    def _mark_lost(self, w: LiveWorker) -> None:
+        w.lost = True
+        log.warning("worker %s lost: no heartbeat for %.1f s", w.record.name, self.heartbeat_timeout_s)
+        if w.queue is not None:
+            w.queue.put_nowait(None)
+        w.session = ""
+        for job in self.jobs.values():
+            for t in job.tasks:
+                if t.worker == w.record.name and not t.state.final:
+                    self._fail_task(job, t, FailureKind.LOST,
+                                    f"worker {w.record.name} lost (no heartbeat for "
+                                    f"{self.heartbeat_timeout_s:g} s)")
+
+    def _try_schedule(self, job: Job) -> None:
+        demands = [TaskDemand(t.role, t.index, t.memory_budget_bytes) for t in job.tasks]
+        placement = place(demands, self._capacities())
+        if not placement.assignments:
+            if job.message != placement.reason:
+                job.message = placement.reason
+                self.store.put_job(job)
+                self._event(job, "message", placement.reason)
+            return
+        cluster: dict[str, list[str]] = {}
+        for t in sorted(job.tasks, key=lambda t: (t.role, t.index)):
+            live = self.workers[placement.assignments[(t.role, t.index)]]
+            port = live.free_ports.pop(0)
+            t.worker = live.record.name
+            t.address = f"{live.record.address}:{port}"
+            t.attempt += 1
+            cluster.setdefault(t.role, []).append(t.address)
+        self.store.put_tasks(job.tasks)
+        self._set_job_state(job, JobState.SCHEDULED, "placed on " + ", ".join(
+            f"{t.role}:{t.index}->{t.worker}" for t in job.tasks))
+        for t in job.tasks:
+            self._send_start(job, t, cluster)
+
+    def _send_start(self, job: Job, t: Task, cluster: dict[str, list[str]] | None = None) -> None:
+        if cluster is None:
+            cluster = {}
+            for x in sorted(job.tasks, key=lambda x: (x.role, x.index)):
+                cluster.setdefault(x.role, []).append(x.address)
+        config = {"job_id": job.id, "role": t.role, "index": t.index, "spec": job.spec,
+                  "memory_budget_bytes": t.memory_budget_bytes, "report_interval_s": 0.5}
+        self._send(t.worker, StartTaskCommand(
+            job_id=job.id, role=t.role, index=t.index, attempt=t.attempt,
+            tf_config=build_tf_config(cluster, t.role, t.index),
+            memory_budget_bytes=t.memory_budget_bytes, config=config))
+
+    async def run(self) -> None:
+        """The control loop: a tick on every wake-up, and at least every tick_interval_s."""
+        while not self._stopping:
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=self.tick_interval_s)
+            except asyncio.TimeoutError:
+                pass
+            self._wake.clear()
+            try:
+                self.tick()
+            except Exception:  # a bug in one tick must not stop the control plane
+                log.exception("control loop tick failed")
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        for w in self.workers.values():
+            if w.queue is not None:
+                w.queue.put_nowait(None)
+
+    # --- views --------------------------------------------------------------------------------
+
+    def list_workers(self) -> list[WorkerInfo]:
+        reserved = self._reserved()
+        out = []
+        for w in sorted(self.workers.values(), key=lambda w: w.record.name):
+            tasks = [WorkerTask(job_id=t.job_id, role=t.role, index=t.index, state=t.state,
+                                memory_budget_bytes=t.memory_budget_bytes,
+                                in_use_bytes=t.in_use_bytes, peak_bytes=t.peak_memory_bytes)
+                     for j in self.jobs.values() for t in j.tasks
+                     if t.worker == w.record.name and not t.state.final]
+            if w.lost:
+                state = WorkerState.LOST
+            elif w.record.draining:
+                state = WorkerState.DRAINING
+            else:
+                state = WorkerState.BUSY if tasks else WorkerState.READY
+            out.append(WorkerInfo(
+                name=w.record.name, address=w.record.address, device=w.record.device, state=state,
+                memory=MemoryStatus(budget_bytes=w.record.budget_bytes,
+                                    reserved_bytes=reserved.get(w.record.name, 0),
+                                    in_use_bytes=w.memory.in_use_bytes,
+                                    peak_bytes=w.memory.peak_bytes),
+                tasks=tasks, last_seen=w.last_seen))
+        return out
+
+
+def _describe_failure(t: Task) -> str:
+    if t.failure == FailureKind.OOM:
+        return (f"out of memory: the task exceeded its memory slice of "
+                f"{format_size(t.memory_budget_bytes)} (peak seen {format_size(t.peak_memory_bytes)})"
+                + (f"; {t.message}" if t.message else ""))
+    if t.failure == FailureKind.EXIT_CODE:
+        return f"exited with code {t.exit_code}" + (f": {t.message}" if t.message else "")
+    return t.message or t.failure.value.lower()
+

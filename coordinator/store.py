@@ -1,0 +1,191 @@
+"""Durable state of the control plane: jobs, their tasks and events, and known workers.
+
+``Store`` is the interface; ``SqliteStore`` keeps everything in one SQLite file under
+``--state-dir`` (WAL mode, so readers never block the writer). The coordinator holds the live
+copies in memory and writes every change through, so a restarted coordinator starts from here.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import json
+import os
+import sqlite3
+import threading
+from typing import Any, Iterable
+
+from strata.types import FailureKind, Job, JobMetrics, JobState, Task, TaskState
+
+
+@dataclasses.dataclass
+class WorkerRecord:
+    name: str
+    address: str
+    device: str
+    budget_bytes: int
+    work_dir: str = ""
+    last_seen: float = 0.0
+    draining: bool = False
+
+
+@dataclasses.dataclass
+class EventRecord:
+    job_id: str
+    seq: int
+    time: float
+    kind: str
+    message: str
+
+
+class Store(abc.ABC):
+    @abc.abstractmethod
+    def put_job(self, job: Job) -> None:
+        """Inserts or replaces a job row (not its tasks)."""
+
+    @abc.abstractmethod
+    def put_tasks(self, tasks: Iterable[Task]) -> None:
+        """Inserts or replaces task rows."""
+
+    @abc.abstractmethod
+    def delete_tasks(self, job_id: str) -> None: ...
+
+    @abc.abstractmethod
+    def load_jobs(self) -> list[Job]:
+        """Every job with its tasks, oldest first."""
+
+    @abc.abstractmethod
+    def add_event(self, job_id: str, time: float, kind: str, message: str) -> int:
+        """Appends an event and returns its sequence number within the job (1, 2, ...)."""
+
+    @abc.abstractmethod
+    def events(self, job_id: str, after_seq: int = 0) -> list[EventRecord]: ...
+
+    @abc.abstractmethod
+    def put_worker(self, worker: WorkerRecord) -> None: ...
+
+    @abc.abstractmethod
+    def load_workers(self) -> list[WorkerRecord]: ...
+
+    def close(self) -> None:
+        pass
+
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+  id TEXT PRIMARY KEY, name TEXT NOT NULL, state TEXT NOT NULL, strategy TEXT NOT NULL,
+  spec TEXT NOT NULL, message TEXT NOT NULL, restarts INTEGER NOT NULL,
+  created_at REAL NOT NULL, finished_at REAL NOT NULL, started_at REAL NOT NULL,
+  estimated_memory_bytes INTEGER NOT NULL, metrics TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS tasks (
+  job_id TEXT NOT NULL, role TEXT NOT NULL, idx INTEGER NOT NULL, body TEXT NOT NULL,
+  PRIMARY KEY (job_id, role, idx)
+);
+CREATE TABLE IF NOT EXISTS events (
+  job_id TEXT NOT NULL, seq INTEGER NOT NULL, time REAL NOT NULL, kind TEXT NOT NULL,
+  message TEXT NOT NULL, PRIMARY KEY (job_id, seq)
+);
+CREATE TABLE IF NOT EXISTS workers (
+  name TEXT PRIMARY KEY, body TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+"""
+SCHEMA_VERSION = "1"
+
+
+class SqliteStore(Store):
+    """One SQLite file; a single connection behind a lock (writes are small and short)."""
+
+    def __init__(self, path: str):
+        if path != ":memory:":
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self.path = path
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(_SCHEMA)
+        row = self._db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
+        if row is None:
+            self._db.execute("INSERT INTO meta VALUES ('schema', ?)", (SCHEMA_VERSION,))
+        elif row[0] != SCHEMA_VERSION:
+            raise RuntimeError(f"{path}: state schema {row[0]} is not {SCHEMA_VERSION}; "
+                               "use a new --state-dir")
+        self._next_seq: dict[str, int] = {}
+
+    def put_job(self, job: Job) -> None:
+        m = dataclasses.asdict(job.metrics)
+        with self._lock:
+            self._db.execute(
+                "INSERT OR REPLACE INTO jobs VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                (job.id, job.name, job.state.value, job.strategy, json.dumps(job.spec), job.message,
+                 job.restarts, job.created_at, job.finished_at, job.started_at,
+                 job.estimated_memory_bytes, json.dumps(m)))
+
+    def put_tasks(self, tasks: Iterable[Task]) -> None:
+        rows = []
+        for t in tasks:
+            body = dataclasses.asdict(t)
+            body["state"] = t.state.value
+            body["failure"] = t.failure.value
+            rows.append((t.job_id, t.role, t.index, json.dumps(body)))
+        with self._lock:
+            self._db.execute("BEGIN")
+            self._db.executemany("INSERT OR REPLACE INTO tasks VALUES (?,?,?,?)", rows)
+            self._db.execute("COMMIT")
+
+    def delete_tasks(self, job_id: str) -> None:
+        with self._lock:
+            self._db.execute("DELETE FROM tasks WHERE job_id=?", (job_id,))
+
+    def load_jobs(self) -> list[Job]:
+        with self._lock:
+            jobs = self._db.execute("SELECT * FROM jobs ORDER BY created_at, id").fetchall()
+            tasks = self._db.execute("SELECT job_id, body FROM tasks ORDER BY job_id, role, idx").fetchall()
+        by_job: dict[str, list[Task]] = {}
+        for job_id, body in tasks:
+            d: dict[str, Any] = json.loads(body)
+            d["state"] = TaskState(d["state"])
+            d["failure"] = FailureKind(d["failure"])
+            by_job.setdefault(job_id, []).append(Task(**d))
+        out = []
+        for (jid, name, state, strategy, spec, message, restarts, created, finished, started,
+             estimate, metrics) in jobs:
+            out.append(Job(
+                id=jid, name=name, state=JobState(state), strategy=strategy, spec=json.loads(spec),
+                message=message, restarts=restarts, created_at=created, finished_at=finished,
+                started_at=started, estimated_memory_bytes=estimate,
+                metrics=JobMetrics(**json.loads(metrics)), tasks=by_job.get(jid, [])))
+        return out
+
+    def add_event(self, job_id: str, time: float, kind: str, message: str) -> int:
+        with self._lock:
+            seq = self._next_seq.get(job_id)
+            if seq is None:
+                row = self._db.execute("SELECT MAX(seq) FROM events WHERE job_id=?", (job_id,)).fetchone()
+                seq = (row[0] or 0) + 1
+            self._db.execute("INSERT INTO events VALUES (?,?,?,?,?)", (job_id, seq, time, kind, message))
+            self._next_seq[job_id] = seq + 1
+            return seq
+
+    def events(self, job_id: str, after_seq: int = 0) -> list[EventRecord]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT job_id, seq, time, kind, message FROM events WHERE job_id=? AND seq>? "
+                "ORDER BY seq", (job_id, after_seq)).fetchall()
+        return [EventRecord(*r) for r in rows]
+
+    def put_worker(self, worker: WorkerRecord) -> None:
+        with self._lock:
+            self._db.execute("INSERT OR REPLACE INTO workers VALUES (?,?)",
+                             (worker.name, json.dumps(dataclasses.asdict(worker))))
+
+    def load_workers(self) -> list[WorkerRecord]:
+        with self._lock:
+            rows = self._db.execute("SELECT body FROM workers ORDER BY name").fetchall()
+        return [WorkerRecord(**json.loads(b)) for (b,) in rows]
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
