@@ -1,0 +1,489 @@
+"""The worker agent: owns one device and its memory budget, runs and supervises task processes.
+
+It registers with the coordinator, keeps a server stream open on which the coordinator pushes
+StartTask / StopTask commands, heartbeats its memory status, and reports every task state change
+at once. Each task is one ``python -m worker.task`` process in its own process group, so a stop
+kills the whole tree. The memory slice is enforced by TensorFlow's allocator: on CPU through
+``TF_CPU_ALLOCATOR_USE_BFC`` + ``TF_CPU_BFC_MEM_LIMIT_IN_MB``, on GPU through the logical device's
+``memory_limit`` (the task applies it from its config).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import grpc
+
+from protos import strata_pb2 as pb
+from protos import strata_pb2_grpc as pb_grpc
+from strata import convert, exitcodes
+from strata.types import FailureKind, MemoryStatus, TaskReport, TaskState
+
+log = logging.getLogger("strata.worker")
+
+RPC_TIMEOUT_S = 5.0
+STOP_GRACE_S = 5.0
+PORT_POOL = 4
+LOG_FLUSH_INTERVAL_S = 0.3
+FINISHED_KEEP_S = 120.0   # finished tasks stay in heartbeats this long, in case a report was lost
+MAX_LOG_CHUNK = 256 * 1024
+
+
+def advertise_host(coordinator: str) -> str:
+    """The local address that routes to the coordinator: what task peers should dial."""
+    host = coordinator.rsplit(":", 1)[0].strip("[]")
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+def _pick_port() -> int:
+    import portpicker
+
+    return portpicker.pick_unused_port()
+
+
+@dataclasses.dataclass
+class AgentConfig:
+    coordinator: str
+    name: str
+    budget_bytes: int
+    device: str = "CPU"
+    work_dir: str = ".strata/worker"
+    host: str = ""
+    threads: int = 0
+    python: str = sys.executable
+
+
+class TaskProcess:
+    """One task process and the threads that watch it."""
+
+    def __init__(self, agent: "Agent", cmd: pb.StartTask):
+        self.agent = agent
+        self.job_id, self.role, self.index = cmd.job_id, cmd.role, cmd.index
+        self.attempt = cmd.attempt
+        self.budget = cmd.memory_budget_bytes
+        self.dir = os.path.join(agent.cfg.work_dir, "jobs", cmd.job_id, f"{cmd.role}-{cmd.index}")
+        self.output_dir = os.path.join(agent.cfg.work_dir, "jobs", cmd.job_id, "output")
+        self.status = TaskReport(job_id=self.job_id, role=self.role, index=self.index,
+                                 state=TaskState.PENDING, attempt=self.attempt)
+        self.proc: subprocess.Popen | None = None
+        self.stop_requested = False
+        self.finished_at = 0.0
+        self.error_kind = ""
+        self._log_buf = bytearray()
+        self._log_lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._cmd = cmd
+
+    @property
+    def key(self) -> tuple[str, str, int]:
+        return (self.job_id, self.role, self.index)
+
+    def start(self) -> None:
+        cmd = self._cmd
+        os.makedirs(self.dir, exist_ok=True)
+        config: dict[str, Any] = json.loads(cmd.config_json)
+        config["output_dir"] = os.path.abspath(self.output_dir)
+        config["threads"] = self.agent.cfg.threads
+        config["device"] = "GPU:0" if self.agent.cfg.device.startswith("GPU") else "CPU"
+        config["memory_budget_bytes"] = self.budget
+        config_path = os.path.join(self.dir, "config.json")
+        with open(config_path, "w") as f:
+            json.dump(config, f)
+        env = dict(os.environ)
+        env["TF_CONFIG"] = cmd.tf_config
+        env["TF_CPP_MIN_LOG_LEVEL"] = env.get("TF_CPP_MIN_LOG_LEVEL", "1")
+        env["PYTHONUNBUFFERED"] = "1"
+        budget_mib = max(1, self.budget // (1 << 20))
+        if self.agent.cfg.device.startswith("GPU"):
+            env["CUDA_VISIBLE_DEVICES"] = self.agent.cfg.device.split(":", 1)[1]
+        else:
+            env["CUDA_VISIBLE_DEVICES"] = ""
+            env["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
+            env["TF_CPU_BFC_MEM_LIMIT_IN_MB"] = str(budget_mib)
+        # The task imports the project's packages; make them importable however the agent runs.
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        read_fd, write_fd = os.pipe()
+        try:
+            self.proc = subprocess.Popen(
+                [self.agent.cfg.python, "-m", "worker.task", "--config", config_path,
+                 "--events-fd", str(write_fd)],
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                pass_fds=(write_fd,), start_new_session=True, cwd=self.dir, env=env)
+        except OSError as e:
+            os.close(read_fd)
+            os.close(write_fd)
+            self._finish(TaskState.FAILED, FailureKind.LAUNCH, -1, f"cannot start the task: {e}")
+            return
+        os.close(write_fd)
+        self.status.state = TaskState.STARTING
+        self.agent.report(self)
+        log.info("task %s/%s:%d started (pid %d, budget %d MiB)", self.job_id, self.role, self.index,
+                 self.proc.pid, budget_mib)
+        for target, args in ((self._read_logs, (self.proc.stdout,)), (self._read_events, (read_fd,)),
+                             (self._wait, ())):
+            t = threading.Thread(target=target, args=args, daemon=True,
+                                 name=f"{target.__name__}-{self.role}{self.index}")
+            t.start()
+            self._threads.append(t)
+
+    # --- watchers -----------------------------------------------------------------------------
+
+    def _read_logs(self, stream) -> None:
+        path = os.path.join(self.dir, "task.log")
+        with open(path, "ab") as local:
+            for line in iter(stream.readline, b""):
+                local.write(line)
+                local.flush()
+                with self._log_lock:
+                    self._log_buf += line
+        stream.close()
+
+    def take_logs(self) -> bytes:
+        with self._log_lock:
+            data = bytes(self._log_buf[:MAX_LOG_CHUNK])
+            del self._log_buf[:MAX_LOG_CHUNK]
+        return data
+
+    def _read_events(self, fd: int) -> None:
+        with os.fdopen(fd, "r", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                try:
+                    ev = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(ev, dict):
+                    self._on_event(ev)
+
+    def _on_event(self, ev: dict) -> None:
+        try:
+            self._apply_event(ev)
+        except (TypeError, ValueError, AttributeError) as e:  # a malformed event is not fatal
+            log.warning("ignoring malformed event from %s:%d: %s", self.role, self.index, e)
+
+    def _apply_event(self, ev: dict) -> None:
+        s = self.status
+        kind = ev.get("event")
+        mem = ev.get("memory") or {}
+        if mem:
+            s.in_use_bytes = int(mem.get("current", 0))
+            s.peak_bytes = max(s.peak_bytes, int(mem.get("peak", 0)))
+        if kind == "started":
+            s.state = TaskState.RUNNING
+        elif kind == "first_step":
+            s.first_step_time = float(ev.get("time", time.time()))
+        elif kind == "progress":
+            s.state = TaskState.RUNNING
+            s.step = int(ev.get("step", 0))
+            s.total_steps = int(ev.get("total_steps", 0))
+            s.loss = float(ev["loss"]) if ev.get("loss") is not None else float("nan")
+            s.examples_per_sec = float(ev.get("examples_per_sec") or 0.0)
+        elif kind == "result":
+            s.test_accuracy = float(ev.get("test_accuracy") or 0.0)
+            s.test_loss = float(ev.get("test_loss") or 0.0)
+            s.weights_sha256 = str(ev.get("weights_sha256") or "")
+            s.model_path = str(ev.get("model_path") or "")
+        elif kind == "error":
+            self.error_kind = str(ev.get("kind", "error"))
+            s.message = str(ev.get("message", ""))[:2000]
+        else:
+            return
+        self.agent.report(self)
+
+    def _wait(self) -> None:
+        assert self.proc is not None
+        code = self.proc.wait()
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(timeout=5.0)
+        self.agent.flush_logs(self)
+        if self.stop_requested:
+            self._finish(TaskState.CANCELLED, FailureKind.NONE, code, "stopped")
+        elif code == 0 and self.status.test_accuracy is not None:
+            self._finish(TaskState.SUCCEEDED, FailureKind.NONE, 0, "")
+        elif code == exitcodes.TASK_EXIT_OOM or self.error_kind == "oom":
+            self._finish(TaskState.FAILED, FailureKind.OOM, code, self.status.message)
+        elif code == exitcodes.TASK_EXIT_BAD_CONFIG or self.error_kind == "bad_config":
+            self._finish(TaskState.FAILED, FailureKind.BAD_CONFIG, code, self.status.message)
+        elif code < 0:
+            name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(-code)
+            hint = " (SIGKILL from outside: possibly the kernel's OOM killer)" if -code == 9 else ""
+            self._finish(TaskState.FAILED, FailureKind.SIGNAL, code, f"killed by {name}{hint}")
+        elif code == 0:
+            self._finish(TaskState.FAILED, FailureKind.EXIT_CODE, 0, "exited without a result")
+        else:
+            self._finish(TaskState.FAILED, FailureKind.EXIT_CODE, code,
+                         self.status.message or self._log_tail())
+
+    def _log_tail(self) -> str:
+        try:
+            with open(os.path.join(self.dir, "task.log"), "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 600))
+                lines = f.read().decode("utf-8", "replace").strip().splitlines()
+            return " | ".join(lines[-3:])
+        except OSError:
+            return ""
+
+    def _finish(self, state: TaskState, failure: FailureKind, code: int, message: str) -> None:
+        s = self.status
+        s.state, s.failure, s.exit_code, s.message = state, failure, code, message
+        s.in_use_bytes = 0
+        self.finished_at = time.time()
+        log.info("task %s/%s:%d %s%s", self.job_id, self.role, self.index, state.value,
+                 f" ({failure.value}: {message})" if failure != FailureKind.NONE else "")
+        self.agent.report(self)
+
+    # --- control ------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """SIGTERM to the task's process group, SIGKILL after a grace period."""
+        self.stop_requested = True
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return
+        with _suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            with _suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            with _suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=STOP_GRACE_S)
+        # The group may hold children that outlived the leader.
+        with _suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+    @property
+    def running(self) -> bool:
+        return not self.status.state.final
+
+
+class _suppress:
+    def __init__(self, *exc):
+        self.exc = exc
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, et, ev, tb):
+        return et is not None and issubclass(et, self.exc)
+
+
+class Agent:
+    def __init__(self, cfg: AgentConfig):
+        self.cfg = cfg
+        if not cfg.host:
+            cfg.host = advertise_host(cfg.coordinator)
+        os.makedirs(cfg.work_dir, exist_ok=True)
+        self.channel = grpc.insecure_channel(cfg.coordinator)
+        self.stub = pb_grpc.ClusterServiceStub(self.channel)
+        self.session = ""
+        self.heartbeat_interval = 1.0
+        self.tasks: dict[tuple[str, str, int], TaskProcess] = {}
+        self.lock = threading.RLock()
+        self.peak_bytes = 0
+        self.free_ports: list[int] = [_pick_port() for _ in range(PORT_POOL)]
+        self.stopping = threading.Event()
+        self._reregister = threading.Event()
+
+    # --- coordinator calls --------------------------------------------------------------------
+
+    def _reports(self) -> list[pb.TaskStatus]:
+        now = time.time()
+        with self.lock:
+            for key in [k for k, t in self.tasks.items()
+                        if not t.running and now - t.finished_at > FINISHED_KEEP_S]:
+                del self.tasks[key]
+            return [convert.report_to_proto(t.status) for t in self.tasks.values()]
+
+    def memory(self) -> MemoryStatus:
+        with self.lock:
+            live = [t for t in self.tasks.values() if t.running]
+            in_use = sum(t.status.in_use_bytes for t in live)
+            # Peak: the highest sum of the live tasks' allocator peaks seen since the agent started.
+            self.peak_bytes = max(self.peak_bytes, sum(t.status.peak_bytes for t in live))
+            reserved = sum(t.budget for t in live)
+        return MemoryStatus(budget_bytes=self.cfg.budget_bytes, reserved_bytes=reserved,
+                            in_use_bytes=in_use, peak_bytes=self.peak_bytes)
+
+    def register(self) -> None:
+        resp = self.stub.RegisterAgent(pb.RegisterAgentRequest(
+            name=self.cfg.name, host=self.cfg.host, device=self.cfg.device,
+            budget_bytes=self.cfg.budget_bytes, free_ports=self.free_ports, tasks=self._reports(),
+            work_dir=os.path.abspath(self.cfg.work_dir), pid=os.getpid()), timeout=RPC_TIMEOUT_S)
+        self.session = resp.session
+        self.heartbeat_interval = resp.heartbeat_interval_s or 1.0
+        log.info("registered with %s as %s (%s, host %s)", self.cfg.coordinator, self.cfg.name,
+                 self.cfg.device, self.cfg.host)
+
+    def report(self, task: TaskProcess) -> None:
+        session = self.session
+        if not session:
+            return  # the next registration carries it
+        try:
+            self.stub.ReportTask(pb.ReportTaskRequest(
+                name=self.cfg.name, session=session, status=convert.report_to_proto(task.status)),
+                timeout=RPC_TIMEOUT_S)
+        except grpc.RpcError as e:
+            log.warning("report of %s:%d failed (%s); the next heartbeat carries it",
+                        task.role, task.index, e.code())
+            if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                self._reregister.set()
+
+    def flush_logs(self, task: TaskProcess | None = None) -> None:
+        with self.lock:
+            tasks = [task] if task is not None else list(self.tasks.values())
+        for t in tasks:
+            while True:
+                data = t.take_logs()
+                if not data:
+                    break
+                try:
+                    self.stub.AppendLogs(pb.AppendLogsRequest(
+                        name=self.cfg.name, session=self.session, job_id=t.job_id, role=t.role,
+                        index=t.index, data=data), timeout=RPC_TIMEOUT_S)
+                except grpc.RpcError:
+                    break  # the lines stay in the task's local log file
+
+    # --- commands -----------------------------------------------------------------------------
+
+    def handle(self, cmd: pb.AgentCommand) -> None:
+        which = cmd.WhichOneof("command")
+        if which == "start":
+            self.start_task(cmd.start)
+        elif which == "stop":
+            s = cmd.stop
+            threading.Thread(target=self.stop_tasks, args=(s.job_id, s.role, s.index), daemon=True).start()
+
+    def start_task(self, start: pb.StartTask) -> None:
+        key = (start.job_id, start.role, start.index)
+        with self.lock:
+            old = self.tasks.get(key)
+            if old is not None and old.running:
+                if old.attempt == start.attempt:
+                    return  # a repeated delivery
+                old.stop()
+            task = self.tasks[key] = TaskProcess(self, start)
+            try:
+                port = int(json.loads(start.tf_config)["cluster"][start.role][start.index].rsplit(":", 1)[1])
+                if port in self.free_ports:
+                    self.free_ports.remove(port)
+            except (KeyError, IndexError, ValueError):
+                pass
+            while len(self.free_ports) < PORT_POOL:
+                self.free_ports.append(_pick_port())
+        task.start()
+
+    def stop_tasks(self, job_id: str, role: str = "", index: int = 0) -> None:
+        with self.lock:
+            victims = [t for t in self.tasks.values() if t.job_id == job_id and t.running
+                       and (not role or (t.role == role and t.index == index))]
+        for t in victims:
+            log.info("stopping task %s/%s:%d", t.job_id, t.role, t.index)
+            t.stop()
+
+    def stop_all(self) -> None:
+        with self.lock:
+            victims = [t for t in self.tasks.values() if t.running]
+        threads = [threading.Thread(target=t.stop, daemon=True) for t in victims]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(timeout=2 * STOP_GRACE_S + 1)
+
+    # --- loops --------------------------------------------------------------------------------
+
+    def _command_loop(self, session: str) -> None:
+        try:
+            for cmd in self.stub.Connect(pb.ConnectRequest(name=self.cfg.name, session=session)):
+                self.handle(cmd)
+        except grpc.RpcError as e:
+            if not self.stopping.is_set():
+                log.warning("command stream closed (%s)", e.code())
+        if not self.stopping.is_set() and self.session == session:
+            self._reregister.set()
+
+    def run(self) -> None:
+        """Registers (retrying with backoff), then heartbeats until stopped."""
+        backoff = 0.2
+        last_flush = 0.0
+        while not self.stopping.is_set():
+            if not self.session or self._reregister.is_set():
+                self._reregister.clear()
+                self.session = ""
+                try:
+                    self.register()
+                except grpc.RpcError as e:
+                    log.warning("cannot register with %s (%s); retrying in %.1f s",
+                                self.cfg.coordinator, e.code(), backoff)
+                    self.stopping.wait(backoff)
+                    backoff = min(backoff * 2, 5.0)
+                    continue
+                backoff = 0.2
+                threading.Thread(target=self._command_loop, args=(self.session,), daemon=True,
+                                 name="commands").start()
+            try:
+                resp = self.stub.Heartbeat(pb.HeartbeatRequest(
+                    name=self.cfg.name, session=self.session,
+                    memory=convert.memory_to_proto(self.memory()), tasks=self._reports(),
+                    free_ports=self.free_ports), timeout=RPC_TIMEOUT_S)
+                if resp.reregister:
+                    self._reregister.set()
+                    continue
+            except grpc.RpcError as e:
+                log.warning("heartbeat failed (%s)", e.code())
+                if e.code() == grpc.StatusCode.UNAVAILABLE:
+                    self._reregister.set()
+            # Logs go out several times per heartbeat so `strata logs --follow` stays live.
+            deadline = time.monotonic() + self.heartbeat_interval
+            while not self.stopping.is_set() and not self._reregister.is_set():
+                now = time.monotonic()
+                if now - last_flush >= LOG_FLUSH_INTERVAL_S:
+                    self.flush_logs()
+                    last_flush = now
+                if now >= deadline:
+                    break
+                self.stopping.wait(min(LOG_FLUSH_INTERVAL_S, max(0.0, deadline - now)))
+
+    def shutdown(self) -> None:
+        self.stopping.set()
+        self.stop_all()
+        self.flush_logs()
+        self.channel.close()
+
+
+def main(cfg: AgentConfig) -> int:
+    agent = Agent(cfg)
+    done = threading.Event()
+
+    def on_signal(signum, frame):  # noqa: ARG001
+        agent.stopping.set()
+        done.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    print(f"strata worker {cfg.name}: device {cfg.device}, budget {cfg.budget_bytes} bytes, "
+          f"coordinator {cfg.coordinator}", flush=True)
+    runner = threading.Thread(target=agent.run, daemon=True, name="agent")
+    runner.start()
+    done.wait()
+    agent.shutdown()
+    runner.join(timeout=RPC_TIMEOUT_S + 1)
+    return 0
