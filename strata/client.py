@@ -1,0 +1,184 @@
+"""A small typed Python client for the coordinator's job API; the CLI is built on it.
+
+    from strata.client import Client
+    with Client("127.0.0.1:50051") as c:
+        job = c.submit("job.yaml")
+        final = c.wait(job.id, timeout=600)
+        print(final.state, final.metrics.test_accuracy)
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Iterator, Mapping
+
+import grpc
+
+from protos import strata_pb2 as pb
+from protos import strata_pb2_grpc as pb_grpc
+from strata import convert
+from strata.errors import SpecError, StrataError
+from strata.spec import JobSpec, load_spec_file, parse_job_spec
+from strata.types import Job, JobEvent, Plan, WorkerInfo
+
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+
+
+def default_address() -> str:
+    return os.environ.get("STRATA_COORDINATOR") or DEFAULT_ADDRESS
+
+
+class CoordinatorError(StrataError):
+    """The coordinator answered with an error status (or could not be reached)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class JobRejected(CoordinatorError):
+    """INVALID_ARGUMENT: the spec is invalid; the message (and ``field``, when known) names it.
+
+    Raised for the client's own validation too, which applies the coordinator's rules before
+    sending, so a caller handles one exception whichever side found the fault."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, field: str = ""):
+        super().__init__(code, message)
+        self.field = field or message.split(":", 1)[0]
+
+
+class Infeasible(CoordinatorError):
+    """FAILED_PRECONDITION: e.g. no worker could ever hold the job, or the job already ended."""
+
+
+class NotFound(CoordinatorError):
+    pass
+
+
+class Unavailable(CoordinatorError):
+    """The coordinator cannot be reached."""
+
+
+_ERRORS = {
+    grpc.StatusCode.INVALID_ARGUMENT: JobRejected,
+    grpc.StatusCode.FAILED_PRECONDITION: Infeasible,
+    grpc.StatusCode.NOT_FOUND: NotFound,
+    grpc.StatusCode.UNAVAILABLE: Unavailable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: Unavailable,
+}
+
+
+def _wrap(e: grpc.RpcError, address: str) -> CoordinatorError:
+    code = e.code()
+    message = e.details() or str(code)
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        message = f"cannot reach the coordinator at {address} ({message})"
+    return _ERRORS.get(code, CoordinatorError)(code, message)
+
+
+SpecInput = str | Mapping[str, Any] | JobSpec
+
+
+def _spec_proto(spec: SpecInput, overrides: list[str] | None = None) -> pb.JobSpec:
+    """Validates locally (the same rules the coordinator applies) and converts to the message."""
+    from strata.spec import apply_overrides
+
+    try:
+        if isinstance(spec, JobSpec):
+            raw: Any = spec.to_dict()
+        elif isinstance(spec, str):
+            raw = load_spec_file(spec)
+        else:
+            raw = dict(spec)
+        if overrides:
+            raw = apply_overrides(raw, overrides)
+        return convert.spec_to_proto(parse_job_spec(raw).to_dict())
+    except SpecError as e:
+        raise JobRejected(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.field) from None
+
+
+class Client:
+    def __init__(self, address: str | None = None, timeout: float = 10.0):
+        self.address = address or default_address()
+        self.timeout = timeout
+        self._channel = grpc.insecure_channel(self.address)
+        self._stub = pb_grpc.JobServiceStub(self._channel)
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def _call(self, method: str, request: Any) -> Any:
+        try:
+            return getattr(self._stub, method)(request, timeout=self.timeout)
+        except grpc.RpcError as e:
+            raise _wrap(e, self.address) from None
+
+    def submit(self, spec: SpecInput, overrides: list[str] | None = None) -> Job:
+        """Submits a job (a path to YAML/JSON, a mapping, or a JobSpec). Raises JobRejected with
+        the field name for an invalid spec, Infeasible if no worker could ever hold it."""
+        return convert.job_from_proto(self._call("SubmitJob", pb.SubmitJobRequest(
+            spec=_spec_proto(spec, overrides))))
+
+    def plan(self, spec: SpecInput, overrides: list[str] | None = None) -> Plan:
+        return convert.plan_from_proto(self._call("PlanJob", pb.PlanJobRequest(
+            spec=_spec_proto(spec, overrides))))
+
+    def get(self, job_id: str) -> Job:
+        return convert.job_from_proto(self._call("GetJob", pb.GetJobRequest(id=job_id)))
+
+    def jobs(self) -> list[Job]:
+        return [convert.job_from_proto(j) for j in self._call("ListJobs", pb.ListJobsRequest()).jobs]
+
+    def cancel(self, job_id: str) -> Job:
+        return convert.job_from_proto(self._call("CancelJob", pb.CancelJobRequest(id=job_id)))
+
+    def workers(self) -> list[WorkerInfo]:
+        resp = self._call("ListWorkers", pb.ListWorkersRequest())
+        return [convert.worker_from_proto(w) for w in resp.workers]
+
+    def watch(self, job_id: str, after_seq: int = 0, timeout: float | None = None) -> Iterator[JobEvent]:
+        """Stored events, then live snapshots, until the job ends (or ``timeout`` seconds pass)."""
+        try:
+            for m in self._stub.WatchJob(pb.WatchJobRequest(id=job_id, after_seq=after_seq),
+                                         timeout=timeout):
+                yield convert.event_from_proto(m)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and timeout is not None:
+                raise TimeoutError(f"job {job_id} did not end within {timeout:g} s") from None
+            raise _wrap(e, self.address) from None
+
+    def wait(self, job_id: str, timeout: float | None = None) -> Job:
+        """Blocks until the job reaches a final state; returns it. Raises TimeoutError."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            remaining = None if deadline is None else max(0.1, deadline - time.monotonic())
+            try:
+                for ev in self.watch(job_id, after_seq=1 << 62, timeout=remaining):
+                    if ev.job is not None and ev.job.state.final:
+                        return ev.job
+            except Unavailable:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(f"job {job_id} did not end within {timeout:g} s") from None
+                time.sleep(0.5)  # the coordinator may be restarting
+                continue
+            job = self.get(job_id)
+            if job.state.final:
+                return job
+
+    def logs(self, job_id: str, role: str | None = None, index: int = 0, follow: bool = False,
+             timeout: float | None = None) -> Iterator[tuple[str, int, bytes]]:
+        req = pb.GetLogsRequest(job_id=job_id, role=role or "", index=index, all_tasks=role is None,
+                                follow=follow)
+        try:
+            for chunk in self._stub.GetLogs(req, timeout=timeout):
+                yield chunk.role, chunk.index, chunk.data
+        except grpc.RpcError as e:
+            raise _wrap(e, self.address) from None

@@ -1,0 +1,156 @@
+"""A local cluster: one coordinator and N worker agents as child processes of this one.
+
+Used by ``strata up``, ``strata demo`` and the integration tests. Every process started here is
+stopped by ``stop()`` (agents first, so they stop their task processes, then the coordinator).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+from strata.client import Client
+
+START_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 20.0
+
+
+class LocalCluster:
+    def __init__(self, workers: int = 2, memory_budget: str = "1GiB", *, state_dir: str | None = None,
+                 listen: str = "127.0.0.1:0", threads: int | None = None,
+                 heartbeat_timeout_s: float = 10.0, quiet: bool = True, log_dir: str | None = None):
+        self.n_workers = workers
+        self.memory_budget = memory_budget
+        self._tmp = None
+        if state_dir is None:
+            self._tmp = tempfile.mkdtemp(prefix="strata-")
+            state_dir = self._tmp
+        self.state_dir = os.path.abspath(state_dir)
+        self.listen = listen
+        self.threads = threads if threads is not None else max(1, (os.cpu_count() or 1) // max(1, workers))
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.quiet = quiet
+        self.log_dir = log_dir or os.path.join(self.state_dir, "process-logs")
+        self.address = ""
+        self.coordinator: subprocess.Popen | None = None
+        self.agents: dict[str, subprocess.Popen] = {}
+
+    def _spawn(self, args: list[str], log_name: str) -> subprocess.Popen:
+        os.makedirs(self.log_dir, exist_ok=True)
+        out = open(os.path.join(self.log_dir, log_name), "ab") if self.quiet else None
+        env = dict(os.environ)
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        try:
+            return subprocess.Popen([sys.executable, "-m", "strata.cli", *args], stdout=out,
+                                    stderr=subprocess.STDOUT if out else None,
+                                    stdin=subprocess.DEVNULL, start_new_session=True, env=env)
+        finally:
+            if out is not None:
+                out.close()
+
+    def start_coordinator(self) -> str:
+        port_file = os.path.join(self.state_dir, "coordinator.address")
+        if os.path.exists(port_file):
+            os.unlink(port_file)
+        listen = self.address or self.listen  # a restart keeps the port the agents know
+        self.coordinator = self._spawn(
+            ["coordinator", "--listen", listen, "--state-dir", self.state_dir,
+             "--heartbeat-timeout", str(self.heartbeat_timeout_s), "--port-file", port_file],
+            "coordinator.log")
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not os.path.exists(port_file):
+            if self.coordinator.poll() is not None:
+                raise RuntimeError(f"the coordinator exited with {self.coordinator.returncode}; "
+                                   f"see {self.log_dir}/coordinator.log")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError("the coordinator did not start within "
+                                   f"{START_TIMEOUT_S:g} s")
+            time.sleep(0.05)
+        with open(port_file) as f:
+            self.address = f.read().strip()
+        return self.address
+
+    def add_worker(self, name: str, memory_budget: str | None = None, wait: bool = True) -> None:
+        work_dir = os.path.join(self.state_dir, "workers", name)
+        self.agents[name] = self._spawn(
+            ["worker", "--coordinator", self.address, "--memory-budget",
+             memory_budget or self.memory_budget, "--name", name, "--work-dir", work_dir,
+             "--threads", str(self.threads)], f"{name}.log")
+        if wait:
+            self.wait_for_workers({name})
+
+    def wait_for_workers(self, names: set[str], timeout: float = START_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        with Client(self.address) as c:
+            while True:
+                ready = {w.name for w in c.workers() if w.state.value in ("READY", "BUSY")}
+                if names <= ready:
+                    return
+                for n in names:
+                    p = self.agents.get(n)
+                    if p is not None and p.poll() is not None:
+                        raise RuntimeError(f"worker {n} exited with {p.returncode}; see "
+                                           f"{self.log_dir}/{n}.log")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"workers {sorted(names - ready)} did not register within "
+                                       f"{timeout:g} s")
+                time.sleep(0.1)
+
+    def start(self) -> "LocalCluster":
+        try:
+            self.start_coordinator()
+            for i in range(self.n_workers):
+                self.add_worker(f"worker-{i}", wait=False)
+            self.wait_for_workers({f"worker-{i}" for i in range(self.n_workers)})
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def client(self) -> Client:
+        return Client(self.address)
+
+    @staticmethod
+    def _terminate(procs: list[subprocess.Popen], sig: int = signal.SIGTERM) -> None:
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, sig)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.wait(timeout=5)
+
+    def kill_worker(self, name: str, sig: int = signal.SIGTERM) -> None:
+        p = self.agents.pop(name)
+        self._terminate([p], sig)
+
+    def stop_coordinator(self) -> None:
+        if self.coordinator is not None:
+            self._terminate([self.coordinator])
+            self.coordinator = None
+
+    def stop(self) -> None:
+        self._terminate(list(self.agents.values()))
+        self.agents.clear()
+        self.stop_coordinator()
+
+    def __enter__(self) -> "LocalCluster":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
