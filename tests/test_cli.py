@@ -1,0 +1,130 @@
+"""The CLI against a real coordinator (no agents, no TensorFlow): flags, errors, exit codes, --json."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from strata.local import LocalCluster
+
+
+@pytest.fixture(scope="module")
+def coord(tmp_path_factory):
+    c = LocalCluster(workers=0, state_dir=str(tmp_path_factory.mktemp("cli")))
+    c.start_coordinator()
+    yield c
+    c.stop()
+
+
+def strata(*args, timeout=60):
+    return subprocess.run([sys.executable, "-m", "strata.cli", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def write_job(tmp_path, **extra):
+    spec = {"name": "cli-job", "workers": 2,
+            "model": {"builtin": {"kind": "mlp", "input_shape": [64], "hidden": [32], "classes": 10}},
+            "data": {"source": "digits", "batch_size": 64}, "training": {"steps": 3}, **extra}
+    path = tmp_path / "job.yaml"
+    path.write_text(json.dumps(spec))
+    return str(path)
+
+
+def test_submit_prints_id_and_job_lists_as_pending(coord, tmp_path):
+    r = strata("submit", write_job(tmp_path), "--coordinator", coord.address)
+    assert r.returncode == 0, r.stderr
+    job_id = r.stdout.strip()
+    assert job_id.startswith("cli-job-")
+    r = strata("status", job_id, "--json", "--coordinator", coord.address)
+    job = json.loads(r.stdout)
+    for key in ("id", "name", "state", "strategy", "message", "restarts", "created_at",
+                "finished_at", "metrics", "tasks"):
+        assert key in job
+    assert job["state"] == "PENDING" and len(job["tasks"]) == 2
+    assert set(job["metrics"]) >= {"step", "total_steps", "loss", "test_accuracy", "examples_per_sec"}
+    assert set(job["tasks"][0]) >= {"role", "index", "worker", "state", "stage",
+                                    "memory_budget_bytes", "peak_memory_bytes"}
+    r = strata("jobs", "--json", "--coordinator", coord.address)
+    assert job_id in [j["id"] for j in json.loads(r.stdout)]
+    r = strata("cancel", job_id, "--coordinator", coord.address)
+    assert r.returncode == 0 and "CANCELLED" in r.stdout
+    r = strata("cancel", job_id, "--coordinator", coord.address)
+    assert r.returncode == 1 and "CANCELLED" in r.stderr
+
+
+def test_plan_json(coord, tmp_path):
+    r = strata("plan", write_job(tmp_path), "--json", "--coordinator", coord.address)
+    plan = json.loads(r.stdout)
+    assert plan["strategy"] == "multi_worker_mirrored" and plan["feasible"] is True
+    assert len(plan["tasks"]) == 2 and plan["tasks"][0]["estimated_memory_bytes"] > 0
+    assert set(plan["tasks"][0]) >= {"role", "index", "worker", "stage", "layers", "estimated_memory_bytes"}
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--set", "data.batch_size=63"], "data.batch_size"),
+    (["--set", "strategy=magic"], "strategy"),
+    (["--set", "model.builtin.hidden=[0]"], "model.builtin.hidden[0]"),
+    (["--set", "nonsense"], "KEY=VALUE"),
+])
+def test_rejected_spec_exits_2_naming_the_field(coord, tmp_path, args, needle):
+    r = strata("submit", write_job(tmp_path), *args, "--coordinator", coord.address)
+    assert r.returncode == 2 and needle in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_bad_flags_and_missing_things(coord, tmp_path):
+    r = strata("worker", "--coordinator", coord.address, "--memory-budget", "lots")
+    assert r.returncode == 2 and "--memory-budget" in r.stderr
+    r = strata("worker", "--coordinator", coord.address, "--memory-budget", "1GiB", "--device", "TPU")
+    assert r.returncode == 2 and "--device" in r.stderr
+    r = strata("status", "nope-123456", "--coordinator", coord.address)
+    assert r.returncode == 4 and "not found" in r.stderr
+    r = strata("logs", "nope-123456", "--task", "worker", "--coordinator", coord.address)
+    assert r.returncode == 2 and "--task" in r.stderr
+    r = strata("submit", str(tmp_path / "missing.yaml"), "--coordinator", coord.address)
+    assert r.returncode == 2 and "missing.yaml" in r.stderr
+    r = strata("jobs", "--coordinator", "not-an-address")
+    assert r.returncode == 2 and "--coordinator" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_unreachable_coordinator_exits_3():
+    import portpicker
+    r = strata("jobs", "--coordinator", f"127.0.0.1:{portpicker.pick_unused_port()}", timeout=60)
+    assert r.returncode == 3 and "cannot reach" in r.stderr
+
+
+def test_health_and_reflection(coord):
+    with grpc.insecure_channel(coord.address) as ch:
+        resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+        assert resp.status == health_pb2.HealthCheckResponse.SERVING
+        resp = health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service="strata.v1.JobService"), timeout=5)
+        assert resp.status == health_pb2.HealthCheckResponse.SERVING
+        stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+        (answer,) = list(stub.ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5))
+        names = {s.name for s in answer.list_services_response.service}
+        assert {"strata.v1.JobService", "strata.v1.ClusterService", "grpc.health.v1.Health"} <= names
+
+
+def test_hostile_agent_calls_are_refused_not_crashing(coord):
+    from protos import strata_pb2 as pb
+    from protos import strata_pb2_grpc as pb_grpc
+    with grpc.insecure_channel(coord.address) as ch:
+        stub = pb_grpc.ClusterServiceStub(ch)
+        with pytest.raises(grpc.RpcError) as e:
+            stub.RegisterAgent(pb.RegisterAgentRequest(name="", budget_bytes=-1), timeout=5)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert stub.Heartbeat(pb.HeartbeatRequest(name="ghost", session="x"), timeout=5).reregister
+        with pytest.raises(grpc.RpcError) as e:
+            stub.ReportTask(pb.ReportTaskRequest(name="ghost", session="x"), timeout=5)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    r = strata("jobs", "--coordinator", coord.address)
+    assert r.returncode == 0

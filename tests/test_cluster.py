@@ -1,0 +1,104 @@
+"""End to end on one shared local cluster: real coordinator, agents and TensorFlow processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import spec, task_processes, wait_until
+from strata.client import Infeasible, JobRejected
+from strata.types import FailureKind, JobState, TaskState
+
+pytestmark = pytest.mark.integration
+GiB = 1 << 30
+
+
+def test_two_worker_digits_job_trains_and_releases_memory(cluster, client):
+    job = client.submit(spec())
+    assert job.state == JobState.PENDING and len(job.tasks) == 2
+    final = client.wait(job.id, timeout=300)
+    assert final.state == JobState.SUCCEEDED, final.message
+    assert final.metrics.test_accuracy >= 0.90
+    assert final.metrics.step == final.metrics.total_steps > 0
+    hashes = {t.weights_sha256 for t in final.tasks}
+    assert len(hashes) == 1 and "" not in hashes, "replicas ended with different weights"
+    assert {t.worker for t in final.tasks} == {"worker-0", "worker-1"}
+    for t in final.tasks:
+        assert t.state == TaskState.SUCCEEDED
+        assert 0 < t.peak_memory_bytes <= t.memory_budget_bytes
+    (saved,) = [t.model_path for t in final.tasks if t.model_path]
+    assert saved.endswith("model.keras") and os.path.getsize(saved) > 0
+    # Reservations go at once; in-use memory returns to the idle figure with the next heartbeat.
+    def idle():
+        ws = client.workers()
+        ok = all(w.memory.reserved_bytes == 0 and w.memory.in_use_bytes == 0
+                 and w.state.value == "READY" for w in ws)
+        return ws if ok and len(ws) == 2 else None
+
+    workers = wait_until(idle, 10, what="idle workers")
+    assert all(w.memory.peak_bytes > 0 for w in workers)
+    logs = b"".join(data for _, _, data in client.logs(job.id))
+    assert b"step" in logs
+    assert not task_processes(job.id)
+
+
+def test_cancel_leaves_no_task_process(cluster, client):
+    job = client.submit(spec(name="long", training={"steps": 1_000_000}))
+    wait_until(lambda: client.get(job.id).state == JobState.RUNNING, 120, what="RUNNING")
+    assert len(task_processes(job.id)) == 2
+    client.cancel(job.id)
+    final = client.wait(job.id, timeout=60)
+    assert final.state == JobState.CANCELLED
+    wait_until(lambda: all(t.state == TaskState.CANCELLED for t in client.get(job.id).tasks), 30,
+               what="tasks CANCELLED")
+    assert not task_processes(job.id)
+    wait_until(lambda: all(w.memory.reserved_bytes == 0 for w in client.workers()), 10,
+               what="reservations released")
+
+
+def test_over_budget_job_is_refused(cluster, client, tmp_path):
+    with pytest.raises(Infeasible) as e:
+        client.submit(spec(name="huge", memory={"per_task_budget": "64GiB"}))
+    assert "64 GiB" in e.value.message and "1 GiB" in e.value.message
+    # The same through the CLI: the reason and exit code 2.
+    import json
+    path = tmp_path / "huge.yaml"
+    path.write_text(json.dumps(spec(name="huge")))
+    r = subprocess.run([sys.executable, "-m", "strata.cli", "submit", str(path), "--coordinator",
+                        cluster.address, "--set", "memory.per_task_budget=64GiB"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert "fits no worker" in r.stderr and "64 GiB" in r.stderr
+
+
+def test_invalid_spec_names_the_field(cluster, client):
+    bad = spec(data={"source": "digits", "batch_size": 255})
+    from protos import strata_pb2 as pb
+    from strata import convert
+    import grpc
+    # Bypass the client's local validation: the coordinator itself must refuse.
+    stub = client._stub
+    with pytest.raises(grpc.RpcError) as e:
+        stub.SubmitJob(pb.SubmitJobRequest(spec=convert.spec_to_proto(bad)), timeout=10)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details().startswith("data.batch_size")
+    with pytest.raises(JobRejected):
+        client.submit(bad)
+
+
+def test_task_over_its_slice_fails_as_oom_and_agent_survives(cluster, client):
+    job = client.submit(spec(name="tight", memory={"per_task_budget": "12MiB"},
+                             training={"steps": 20}))
+    final = client.wait(job.id, timeout=180)
+    assert final.state == JobState.FAILED
+    oom = [t for t in final.tasks if t.failure == FailureKind.OOM]
+    assert oom, [(t.failure, t.message) for t in final.tasks]
+    assert "out of memory" in final.message
+    wait_until(lambda: not task_processes(job.id), 30, what="task processes gone")
+    # The agents are unharmed: both still registered and able to run the next job.
+    assert all(p.poll() is None for p in cluster.agents.values())
+    ok = client.wait(client.submit(spec(name="after-oom", training={"steps": 5})).id, timeout=180)
+    assert ok.state == JobState.SUCCEEDED, ok.message

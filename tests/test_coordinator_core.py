@@ -1,0 +1,155 @@
+"""The coordinator's control logic driven tick by tick with a manual clock (no processes)."""
+
+import json
+
+import pytest
+
+from coordinator.core import Coordinator, StartTaskCommand, StopTaskCommand
+from coordinator.store import SqliteStore
+from strata.errors import InfeasibleError, InvalidTransition, NotFoundError, UnknownAgentSession
+from strata.types import FailureKind, JobState, MemoryStatus, TaskReport, TaskState
+
+GiB = 1 << 30
+SPEC = {"name": "t", "workers": 2,
+        "model": {"builtin": {"kind": "mlp", "input_shape": [64], "hidden": [64], "classes": 10}},
+        "data": {"source": "digits", "batch_size": 64}, "training": {"steps": 10}}
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.fixture
+def env(tmp_path):
+    clock = Clock()
+    store = SqliteStore(str(tmp_path / "s.db"))
+    coord = Coordinator(store, str(tmp_path), heartbeat_timeout_s=10, clock=clock)
+    return coord, clock, store, tmp_path
+
+
+def drain(coord, name):
+    q = coord.workers[name].queue
+    out = []
+    while not q.empty():
+        out.append(q.get_nowait())
+    return out
+
+
+def register(coord, name, budget=GiB):
+    return coord.register(name, "127.0.0.1", "CPU", budget, [5000 + len(coord.workers) * 10 + i for i in range(4)], [])
+
+
+def test_pending_until_workers_join_then_scheduled(env):
+    coord, clock, _, _ = env
+    job = coord.submit(SPEC)
+    coord.tick()
+    assert job.state == JobState.PENDING and "waiting for 2 workers" in job.message
+    s0 = register(coord, "a")
+    coord.tick()
+    assert job.state == JobState.PENDING
+    s1 = register(coord, "b")
+    coord.tick()
+    assert job.state == JobState.SCHEDULED
+    starts = drain(coord, "a") + drain(coord, "b")
+    assert all(isinstance(c, StartTaskCommand) for c in starts) and len(starts) == 2
+    cfg = json.loads(starts[0].tf_config)
+    assert len(cfg["cluster"]["worker"]) == 2
+    assert {t.worker for t in job.tasks} == {"a", "b"}
+    # Reservations are derived from the tasks.
+    ws = {w.name: w for w in coord.list_workers()}
+    assert ws["a"].memory.reserved_bytes == job.tasks[0].memory_budget_bytes
+    assert ws["a"].state.value == "BUSY"
+    for name, session, t in (("a", s0, job.tasks[0]), ("b", s1, job.tasks[1])):
+        coord.report(name, session, TaskReport(t.job_id, t.role, t.index, TaskState.RUNNING, attempt=t.attempt))
+    assert job.state == JobState.RUNNING
+    for name, session, t in (("a", s0, job.tasks[0]), ("b", s1, job.tasks[1])):
+        coord.report(name, session, TaskReport(t.job_id, t.role, t.index, TaskState.SUCCEEDED,
+                                               attempt=t.attempt, test_accuracy=0.95, peak_bytes=123))
+    assert job.state == JobState.SUCCEEDED and job.metrics.test_accuracy == 0.95
+    assert all(w.memory.reserved_bytes == 0 for w in coord.list_workers())
+    assert job.tasks[0].peak_memory_bytes == 123
+
+
+def test_submit_refuses_job_larger_than_every_worker(env):
+    coord, *_ = env
+    register(coord, "small", budget=64 << 20)
+    with pytest.raises(InfeasibleError) as e:
+        coord.submit({**SPEC, "memory": {"per_task_budget": "1GiB"}})
+    assert "largest worker budget is 64 MiB" in str(e.value)
+
+
+def test_task_failure_fails_job_and_stops_the_rest(env):
+    coord, clock, _, _ = env
+    sa, sb = register(coord, "a"), register(coord, "b")
+    job = coord.submit(SPEC)
+    coord.tick()
+    drain(coord, "a"), drain(coord, "b")
+    t0, t1 = job.tasks
+    coord.report(t0.worker, sa if t0.worker == "a" else sb,
+                 TaskReport(job.id, "worker", 0, TaskState.FAILED, attempt=t0.attempt,
+                            failure=FailureKind.OOM, exit_code=75, message="OOM when allocating"))
+    assert job.state == JobState.FAILED and "out of memory" in job.message
+    other = t1.worker
+    cmds = drain(coord, other)
+    assert any(isinstance(c, StopTaskCommand) and c.job_id == job.id for c in cmds)
+    # The other task stays reserved until its agent confirms the process is gone.
+    assert {w.name: w.memory.reserved_bytes for w in coord.list_workers()}[other] > 0
+    coord.report(other, sa if other == "a" else sb,
+                 TaskReport(job.id, "worker", 1, TaskState.CANCELLED, attempt=t1.attempt))
+    assert all(w.memory.reserved_bytes == 0 for w in coord.list_workers())
+
+
+def test_lost_worker_fails_its_job(env):
+    coord, clock, _, _ = env
+    sa, sb = register(coord, "a"), register(coord, "b")
+    job = coord.submit(SPEC)
+    coord.tick()
+    clock.now += 5
+    coord.heartbeat("a", sa, MemoryStatus(), [], [1, 2])
+    clock.now += 6
+    coord.tick()
+    ws = {w.name: w.state.value for w in coord.list_workers()}
+    assert ws == {"a": "BUSY", "b": "LOST"}
+    assert job.state == JobState.FAILED and "lost" in job.message
+    with pytest.raises(UnknownAgentSession):
+        coord.heartbeat("b", sb, MemoryStatus(), [], [])
+
+
+def test_cancel(env):
+    coord, *_ = env
+    job = coord.submit(SPEC)
+    coord.cancel(job.id)
+    assert job.state == JobState.CANCELLED
+    assert all(t.state == TaskState.CANCELLED for t in job.tasks)
+    with pytest.raises(InvalidTransition):
+        coord.cancel(job.id)
+    with pytest.raises(NotFoundError):
+        coord.cancel("nope")
+
+
+def test_restart_keeps_jobs_and_reconciles(env):
+    coord, clock, store, tmp = env
+    sa, sb = register(coord, "a"), register(coord, "b")
+    job = coord.submit(SPEC)
+    coord.tick()
+    for t in job.tasks:
+        coord.report(t.worker, sa if t.worker == "a" else sb,
+                     TaskReport(job.id, t.role, t.index, TaskState.RUNNING, attempt=t.attempt))
+    done = coord.submit({**SPEC, "name": "u"})
+    coord.cancel(done.id)
+    # A new coordinator over the same store.
+    coord2 = Coordinator(store, str(tmp), heartbeat_timeout_s=10, clock=clock)
+    assert {j.id for j in coord2.list_jobs()} == {job.id, done.id}
+    j2 = coord2.get(job.id)
+    assert j2.state == JobState.RUNNING
+    # Agent a comes back still running its task; agent b never does.
+    ta = next(t for t in j2.tasks if t.worker == "a")
+    coord2.register("a", "127.0.0.1", "CPU", GiB, [1, 2, 3, 4],
+                    [TaskReport(job.id, ta.role, ta.index, TaskState.RUNNING, attempt=ta.attempt)])
+    clock.now += 11
+    coord2.tick()
+    assert j2.state == JobState.FAILED and "lost" in j2.message

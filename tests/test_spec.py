@@ -1,0 +1,106 @@
+"""Job spec validation: every bad field is named in the error."""
+
+import pytest
+
+from strata.errors import SpecError
+from strata.spec import apply_overrides, parse_job_spec
+
+
+def base(**over):
+    spec = {"name": "digits-mlp", "strategy": "multi_worker_mirrored", "workers": 2,
+            "model": {"builtin": {"kind": "mlp", "input_shape": [64], "hidden": [32], "classes": 10}},
+            "data": {"source": "digits", "batch_size": 64},
+            "training": {"epochs": 2, "optimizer": {"name": "adam", "learning_rate": 0.01}}}
+    for key, value in over.items():
+        spec = apply_overrides(spec, [f"{key}={value}"]) if not callable(value) else value(spec)
+    return spec
+
+
+def test_defaults_fill_in():
+    s = parse_job_spec({"name": "x", "model": {"builtin": {}}})
+    d = s.to_dict()
+    assert d["strategy"] == "multi_worker_mirrored" and d["workers"] == 1
+    assert d["data"] == {"source": "digits", "path": "", "batch_size": 256, "examples": 0}
+    assert d["training"]["epochs"] == 1 and d["training"]["optimizer"]["name"] == "adam"
+    assert d["memory"] == {"per_task_budget": "", "mixed_precision": "none", "recompute": False}
+    assert parse_job_spec(d).to_dict() == d  # normalized specs are fixed points
+
+
+def drop(*path):
+    def f(spec):
+        node = spec
+        for p in path[:-1]:
+            node = node[p]
+        del node[path[-1]]
+        return spec
+    return f
+
+
+BAD = [
+    ("name", {"name": "Bad_Name"}),
+    ("name", {"name": drop("name")}),
+    ("strategy", {"strategy": "magic"}),
+    ("strategy", {"strategy": "pipeline"}),
+    ("workers", {"workers": 0}),
+    ("workers", {"workers": "two"}),
+    ("parameter_servers", {"parameter_servers": 1}),
+    ("stages", {"stages": 2}),
+    ("microbatches", {"microbatches": 0}),
+    ("model", {"model": drop("model", "builtin")}),
+    ("model.builtin.hidden[0]", {"model.builtin.hidden": "[0]"}),
+    ("model.builtin.kind", {"model.builtin.kind": "cnn"}),
+    ("model.builtin.input_shape", {"model.builtin.input_shape": "[784]"}),
+    ("model.builtin.classes", {"model.builtin.classes": 3}),
+    ("model.keras_json", {"model": lambda s: {**s, "model": {"keras_json": "{not json"}}}),
+    ("data.source", {"data.source": "imagenet"}),
+    ("data.path", {"data.source": "npz"}),
+    ("data.batch_size", {"data.batch_size": 63}),
+    ("data.batch_size", {"data.batch_size": -1}),
+    ("data.examples", {"data.examples": 10}),
+    ("training.steps", {"training.steps": 5}),
+    ("training.optimizer.name", {"training.optimizer.name": "lbfgs"}),
+    ("training.optimizer.learning_rate", {"training.optimizer.learning_rate": -1}),
+    ("training.loss", {"training.loss": "hinge"}),
+    ("memory.per_task_budget", {"memory.per_task_budget": "lots"}),
+    ("memory.mixed_precision", {"memory.mixed_precision": "int4"}),
+    ("memory.recompute", {"memory.recompute": "maybe"}),
+    ("memory.recompute", {"memory.recompute": "true"}),
+    ("checkpoint.every_steps", {"checkpoint.every_steps": -5}),
+    ("restart.max_restarts", {"restart.max_restarts": -1}),
+    ("colour", {"colour": "blue"}),
+    ("training.epoch", {"training.epoch": 3}),
+]
+
+
+@pytest.mark.parametrize("field,over", BAD, ids=[f"{f}-{i}" for i, (f, _) in enumerate(BAD)])
+def test_bad_field_is_named(field, over):
+    spec = base()
+    for k, v in over.items():
+        spec = v(spec) if callable(v) else apply_overrides(spec, [f"{k}={v}"])
+    with pytest.raises(SpecError) as e:
+        parse_job_spec(spec)
+    assert e.value.field == field, str(e.value)
+    assert str(e.value).startswith(field)
+
+
+def test_lambda_layer_refused_at_submit():
+    import json
+    lam = {"class_name": "Sequential", "config": {"name": "s", "layers": [
+        {"module": "keras.layers", "class_name": "InputLayer", "config": {"batch_shape": [None, 64], "name": "in"}},
+        {"module": "keras.layers", "class_name": "Lambda", "config": {"name": "evil", "function": "x"}}]}}
+    with pytest.raises(SpecError) as e:
+        parse_job_spec({"name": "x", "model": {"keras_json": json.dumps(lam)}})
+    assert e.value.field == "model.keras_json" and "Lambda" in str(e.value)
+
+
+def test_not_a_mapping():
+    with pytest.raises(SpecError):
+        parse_job_spec(["name"])
+
+
+def test_overrides_typed_values():
+    spec = apply_overrides({"training": {"epochs": 1}}, ["training.epochs=3", "memory.recompute=false",
+                                                         "name=abc"])
+    assert spec["training"]["epochs"] == 3 and spec["memory"]["recompute"] is False
+    with pytest.raises(SpecError):
+        apply_overrides({}, ["noequals"])
