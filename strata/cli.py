@@ -182,7 +182,7 @@ def _bar(done: int, total: int, width: int = 24) -> str:
 
 def _progress_line(job) -> str:
     m = job.metrics
-    in_use = sum(t.in_use_bytes for t in job.tasks)
+    in_use = max((t.in_use_bytes for t in job.tasks), default=0)
     peak = max((t.peak_memory_bytes for t in job.tasks), default=0)
     budget = max((t.memory_budget_bytes for t in job.tasks), default=0)
     parts = [f"{job.state.value:<9}", _bar(m.step, m.total_steps), f"{m.step}/{m.total_steps or '?'}"]
@@ -190,7 +190,7 @@ def _progress_line(job) -> str:
         parts.append(f"loss {m.loss:.4f}")
     if m.examples_per_sec:
         parts.append(f"{m.examples_per_sec:,.0f} ex/s")
-    parts.append(f"mem {_fmt_bytes(in_use)} in use, peak {_fmt_bytes(peak)}/task of {_fmt_bytes(budget)}")
+    parts.append(f"mem/task {_fmt_bytes(in_use)} in use, peak {_fmt_bytes(peak)} of {_fmt_bytes(budget)}")
     return " ".join(parts)
 
 
@@ -214,7 +214,7 @@ def _follow(client, job_id: str):
             sys.stdout.write("\r" + line[:cols].ljust(min(len(last_line), cols)))
             sys.stdout.flush()
             last_line = line
-        elif line != last_line and (time.monotonic() - last_print >= 2.0 or job.state.final):
+        elif line != last_line and not job.state.final and time.monotonic() - last_print >= 2.0:
             print(line, flush=True)
             last_line, last_print = line, time.monotonic()
     if tty and last_line:

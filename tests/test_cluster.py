@@ -43,6 +43,12 @@ def test_two_worker_digits_job_trains_and_releases_memory(cluster, client):
     logs = b"".join(data for _, _, data in client.logs(job.id))
     assert b"step" in logs
     assert not task_processes(job.id)
+    r = subprocess.run([sys.executable, "-m", "strata.cli", "logs", job.id, "--task", "worker:1",
+                        "--coordinator", cluster.address], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "step" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "strata.cli", "status", job.id,
+                        "--coordinator", cluster.address], capture_output=True, text=True, timeout=60)
+    assert "SUCCEEDED" in r.stdout and "PEAK" in r.stdout and "MiB" in r.stdout
 
 
 def test_cancel_leaves_no_task_process(cluster, client):
@@ -89,10 +95,18 @@ def test_invalid_spec_names_the_field(cluster, client):
         client.submit(bad)
 
 
-def test_task_over_its_slice_fails_as_oom_and_agent_survives(cluster, client):
-    job = client.submit(spec(name="tight", memory={"per_task_budget": "12MiB"},
-                             training={"steps": 20}))
-    final = client.wait(job.id, timeout=180)
+def test_task_over_its_slice_fails_as_oom_and_agent_survives(cluster, client, tmp_path):
+    import json
+    path = tmp_path / "tight.yaml"
+    path.write_text(json.dumps(spec(name="tight", memory={"per_task_budget": "12MiB"},
+                                    training={"steps": 20})))
+    r = subprocess.run([sys.executable, "-m", "strata.cli", "submit", str(path), "--follow",
+                        "--coordinator", cluster.address], capture_output=True, text=True, timeout=180)
+    assert r.returncode == 1, r.stdout + r.stderr  # --follow exits 1 on FAILED
+    job_id = r.stdout.splitlines()[0].strip()
+    assert "FAILED" in r.stdout and "OOM" in r.stdout
+    final = client.get(job_id)
+    job = final
     assert final.state == JobState.FAILED
     oom = [t for t in final.tasks if t.failure == FailureKind.OOM]
     assert oom, [(t.failure, t.message) for t in final.tasks]

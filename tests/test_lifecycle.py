@@ -111,3 +111,27 @@ def _descendants(pid: int) -> list[int]:
             out.append(c)
             stack.append(c)
     return out
+
+
+def test_killed_agent_is_lost_and_its_job_fails(tmp_path):
+    c = LocalCluster(workers=2, memory_budget="1GiB", state_dir=str(tmp_path), threads=1,
+                     heartbeat_timeout_s=3)
+    try:
+        c.start()
+        with c.client() as client:
+            job = client.submit(spec(name="victim", training={"steps": 1_000_000}))
+            wait_until(lambda: client.get(job.id).state == JobState.RUNNING, 120, what="RUNNING")
+            t0 = time.monotonic()
+            c.kill_worker("worker-1", signal.SIGKILL)
+            final = client.wait(job.id, timeout=30)
+            took = time.monotonic() - t0
+            assert final.state == JobState.FAILED and "lost" in final.message, final.message
+            assert took < 3 + 5, f"lost agent detected after {took:.1f} s"
+            workers = {w.name: w.state.value for w in client.workers()}
+            assert workers == {"worker-0": "READY", "worker-1": "LOST"} or workers["worker-1"] == "LOST"
+            # The orphaned task notices its agent is gone; the survivor's agent stops the other.
+            wait_until(lambda: not task_processes(job.id), 30, what="no task process left")
+            wait_until(lambda: {w.name: w.state.value for w in client.workers()}["worker-0"] == "READY",
+                       15, what="worker-0 idle")
+    finally:
+        c.stop()
