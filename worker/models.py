@@ -1,0 +1,121 @@
+"""Building the job's Keras model, optimizer and loss inside a task process (TensorFlow side).
+
+Call these under ``strategy.scope()``. Models come from ``spec["model"]``:
+
+- builtin ``mlp``: ``Input(input_shape, name="input")`` -> ``Flatten("flatten")`` when the
+  input has rank > 1 -> ``Dense(h, relu, name="hidden_i")`` for each hidden size ->
+  ``Dense(classes, name="logits")`` (no activation; always float32). Same names as
+  ``strata.modelspec`` reports.
+- ``keras_json``: checked by ``strata.modelspec.check_keras_json_safe`` (no Lambda, no custom
+  objects) and then deserialized by Keras with ``safe_mode=True`` and no custom objects.
+
+Mixed precision: ``bfloat16`` -> Keras ``mixed_bfloat16`` policy, ``float16`` ->
+``mixed_float16`` plus a ``LossScaleOptimizer``. Variables stay float32; the last layer is
+forced to float32 so logits and the loss are float32.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from strata.modelspec import ModelSpecError, check_keras_json_safe, final_activation, parse_keras_json
+
+OPTIMIZERS = ("adam", "sgd", "rmsprop", "adagrad", "adamw")
+LOSSES = ("sparse_categorical_crossentropy", "categorical_crossentropy", "mean_squared_error")
+POLICIES = {"none": "float32", "bfloat16": "mixed_bfloat16", "float16": "mixed_float16"}
+
+
+def _policy_json(name: str) -> dict:
+    return {"module": "keras", "class_name": "DTypePolicy", "config": {"name": name},
+            "registered_name": None}
+
+
+def _rewrite_json(obj: dict, policy: str, sync_batchnorm: bool) -> dict:
+    """Adapts a keras_json model to the task. ``policy``: rewrites every layer's serialized
+    dtype policy (Keras 3 writes an explicit float32 policy per layer, which would override
+    the global policy); the last layer keeps float32 so outputs and the loss stay float32;
+    input layers keep their input dtype. ``sync_batchnorm``: BatchNormalization layers use
+    global-batch statistics across the replicas (``synchronized=True``), so the moving
+    statistics, and so the final weights, are identical on every worker."""
+    obj = json.loads(json.dumps(obj))
+    layers = obj.get("config", {}).get("layers", [])
+    for i, layer in enumerate(layers):
+        cfg = layer.get("config")
+        if layer.get("class_name") == "InputLayer" or not isinstance(cfg, dict):
+            continue
+        if policy != "float32":
+            cfg["dtype"] = _policy_json("float32" if i == len(layers) - 1 else policy)
+        if sync_batchnorm and layer.get("class_name") == "BatchNormalization":
+            cfg["synchronized"] = True
+    return obj
+
+
+def build_model(model_spec: dict, mixed_precision: str = "none", sync_batchnorm: bool = False):
+    """Returns ``(model, from_logits)``. Raises ``ModelSpecError`` for a model it must refuse.
+    ``sync_batchnorm``: see ``_rewrite_json`` (pass True with more than one replica)."""
+    import keras
+
+    policy = POLICIES[mixed_precision]
+    keras.mixed_precision.set_dtype_policy(policy)
+    try:
+        if model_spec.get("builtin"):
+            b = model_spec["builtin"]
+            if b.get("kind", "mlp") != "mlp":
+                raise ModelSpecError("model.builtin.kind", f"unknown builtin model {b.get('kind')!r}")
+            shape = tuple(int(d) for d in b["input_shape"])
+            inp = keras.Input(shape, name="input")
+            x = inp
+            if len(shape) > 1:
+                x = keras.layers.Flatten(name="flatten")(x)
+            for i, units in enumerate(b.get("hidden", [])):
+                x = keras.layers.Dense(int(units), activation="relu", name=f"hidden_{i}")(x)
+            out = keras.layers.Dense(int(b["classes"]), name="logits", dtype="float32")(x)
+            return keras.Model(inp, out, name="mlp"), True
+        obj = parse_keras_json(model_spec.get("keras_json"))
+        check_keras_json_safe(obj)
+        if policy != "float32" or sync_batchnorm:
+            obj = _rewrite_json(obj, policy, sync_batchnorm)
+        try:
+            model = keras.saving.deserialize_keras_object(obj, safe_mode=True)
+        except Exception as e:  # Keras raises ValueError/TypeError for what it refuses
+            raise ModelSpecError("model.keras_json", f"Keras cannot build this model: "
+                                                     f"{type(e).__name__}: {e}") from None
+        if not isinstance(model, keras.Model):
+            raise ModelSpecError("model.keras_json", "does not describe a keras.Model")
+        from_logits = final_activation(model_spec) != "softmax"
+        return model, from_logits
+    finally:
+        keras.mixed_precision.set_dtype_policy("float32")
+
+
+def build_optimizer(opt: dict, mixed_precision: str = "none"):
+    import keras
+
+    name = str(opt.get("name", "adam")).lower()
+    lr = float(opt.get("learning_rate", 0.001))
+    classes: dict[str, Any] = {
+        "adam": keras.optimizers.Adam, "sgd": keras.optimizers.SGD,
+        "rmsprop": keras.optimizers.RMSprop, "adagrad": keras.optimizers.Adagrad,
+        "adamw": keras.optimizers.AdamW,
+    }
+    if name not in classes:
+        raise ModelSpecError("training.optimizer.name",
+                             f"unknown optimizer {name!r}; use one of {', '.join(OPTIMIZERS)}")
+    optimizer = classes[name](learning_rate=lr)
+    if mixed_precision == "float16":
+        optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+    return optimizer
+
+
+def build_loss(name: str, from_logits: bool):
+    """A per-example loss (``reduction=None``); the caller averages over the global batch."""
+    import keras
+
+    if name == "sparse_categorical_crossentropy":
+        return keras.losses.SparseCategoricalCrossentropy(from_logits=from_logits, reduction=None)
+    if name == "categorical_crossentropy":
+        return keras.losses.CategoricalCrossentropy(from_logits=from_logits, reduction=None)
+    if name == "mean_squared_error":
+        return keras.losses.MeanSquaredError(reduction=None)
+    raise ModelSpecError("training.loss", f"unknown loss {name!r}; use one of {', '.join(LOSSES)}")
