@@ -18,9 +18,14 @@ Training is MultiWorkerMirroredStrategy with a custom loop (Keras 3 ``model.fit`
 under it): each worker reads its own shard of the training set, all workers run the same
 number of steps, gradients are all-reduced every step.
 
-The process always leaves through ``os._exit`` after flushing its outputs (TensorFlow's
-collective runtime threads make interpreter teardown slow or hang-prone), and a watchdog
-thread ends it if its parent (the agent) dies, so no TensorFlow process is left orphaned.
+The process always leaves through ``os._exit`` after flushing its outputs (a normal
+interpreter exit after MWMS training takes another 1-1.5 s of TensorFlow teardown), and
+watchdogs end it if its parent (the agent) dies, so no TensorFlow process is left orphaned.
+
+Signals: SIGTERM writes an ``error`` event and kills the process, except during the cluster
+rendezvous (the MultiWorkerMirroredStrategy constructor), where TensorFlow's coordination
+service has its own SIGTERM handler and the GIL is held: there only SIGKILL works, so stop a
+task with SIGTERM and then SIGKILL after a grace period.
 """
 
 from __future__ import annotations
@@ -123,12 +128,29 @@ def _exit(code: int, events: Events | None) -> None:
     os._exit(code)
 
 
-def _ppid_of(pid: int) -> int | None:
+# The forked watcher runs this in a fresh interpreter (exec'd, so its command line does not
+# look like a task's): argv = [-c, name, task pid, agent pid, interval].
+_WATCHER_SRC = """
+import os, signal, sys, time
+me, parent, interval = int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+def ppid_of(pid):
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
+        with open("/proc/%d/stat" % pid, "rb") as f:
             return int(f.read().rsplit(b")", 1)[1].split()[1])
     except (OSError, ValueError, IndexError):
         return None
+while True:
+    time.sleep(interval)
+    if os.getppid() != me:
+        break
+    p = ppid_of(me)
+    if p is not None and p != parent:
+        try:
+            os.kill(me, signal.SIGKILL)
+        except OSError:
+            pass
+        break
+"""
 
 
 def _start_parent_watchdog(interval_s: float = 1.0) -> None:
@@ -137,8 +159,9 @@ def _start_parent_watchdog(interval_s: float = 1.0) -> None:
     a small forked process started before TensorFlow is imported that SIGKILLs this one. The
     second is needed because TensorFlow's MultiWorkerMirroredStrategy constructor blocks in the
     cluster rendezvous while holding the GIL, so no Python thread runs until every worker has
-    joined. The forked watcher holds no file descriptors of ours (the agent sees EOF on the
-    events pipe and logs when we exit) and leaves within ``interval_s`` after we do."""
+    joined. The watcher (``python -S -c ... strata-task-watchdog``) holds no file descriptors
+    of ours (the agent sees EOF on the events pipe and logs when we exit), stays in our process
+    group (a killpg reaches it) and leaves within ``interval_s`` after we do."""
     parent = os.getppid()
     me = os.getpid()
 
@@ -156,22 +179,15 @@ def _start_parent_watchdog(interval_s: float = 1.0) -> None:
             pid = os.fork()
         except OSError:
             pid = -1
-        if pid == 0:  # the watcher process
+        if pid == 0:  # the watcher process: a fresh interpreter, no fds of ours, its own name
             try:
                 devnull = os.open(os.devnull, os.O_RDWR)
                 for fd in (0, 1, 2):
                     os.dup2(devnull, fd)
                 os.closerange(3, 65536)
-                while True:
-                    time.sleep(interval_s)
-                    if os.getppid() != me:  # the task is gone
-                        break
-                    if _ppid_of(me) not in (parent, None):  # the task lost its parent
-                        try:
-                            os.kill(me, signal.SIGKILL)
-                        except OSError:
-                            pass
-                        break
+                os.execv(sys.executable, [sys.executable, "-S", "-c", _WATCHER_SRC,
+                                          "strata-task-watchdog", str(me), str(parent),
+                                          str(interval_s)])
             finally:
                 os._exit(0)
     threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
