@@ -16,7 +16,7 @@ DIGITS_SPEC = {
     "workers": 2,
     "model": {"builtin": {"kind": "mlp", "input_shape": [64], "hidden": [1024, 512, 256], "classes": 10}},
     "data": {"source": "digits", "batch_size": 256},
-    "training": {"epochs": 20, "optimizer": {"name": "adam", "learning_rate": 0.001}},
+    "training": {"epochs": 10, "optimizer": {"name": "adam", "learning_rate": 0.001}},
 }
 
 
