@@ -31,6 +31,9 @@ log = logging.getLogger("strata.coordinator")
 
 # How often progress metrics are written to the store (they are always live in memory).
 METRICS_PERSIST_INTERVAL_S = 2.0
+# How often a task process reports progress. Every report costs the agent and the coordinator a
+# little CPU, and on a small host that is CPU the lockstep training processes do not get.
+REPORT_INTERVAL_S = 1.0
 
 
 @dataclasses.dataclass
@@ -91,22 +94,33 @@ class Coordinator:
             # declared LOST if it has not done so within one heartbeat timeout.
             self.workers[rec.name] = LiveWorker(record=rec, last_seen=now)
         self._signals: dict[str, asyncio.Event] = {}
+        self._log_signals: dict[str, asyncio.Event] = {}  # new log data, kept apart so log
+        # traffic never wakes job watchers (each wake-up sends a snapshot)
         self._wake = asyncio.Event()
         self._metrics_saved: dict[str, float] = {}
         self._stopping = False
 
     # --- notifications ------------------------------------------------------------------------
 
-    def _notify(self, job_id: str) -> None:
-        ev = self._signals.pop(job_id, None)
+    @staticmethod
+    def _notify_in(signals: dict[str, asyncio.Event], job_id: str) -> None:
+        ev = signals.pop(job_id, None)
         if ev is not None:
             ev.set()
 
-    def _signal(self, job_id: str) -> asyncio.Event:
-        ev = self._signals.get(job_id)
+    @staticmethod
+    def _signal_in(signals: dict[str, asyncio.Event], job_id: str) -> asyncio.Event:
+        ev = signals.get(job_id)
         if ev is None:
-            ev = self._signals[job_id] = asyncio.Event()
+            ev = signals[job_id] = asyncio.Event()
         return ev
+
+    def _notify(self, job_id: str) -> None:
+        """Wakes the job's watchers (state, task or progress changes)."""
+        self._notify_in(self._signals, job_id)
+
+    def _signal(self, job_id: str) -> asyncio.Event:
+        return self._signal_in(self._signals, job_id)
 
     def wake(self) -> None:
         self._wake.set()
@@ -278,7 +292,7 @@ class Coordinator:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "ab") as f:
             f.write(data)
-        self._notify(job_id)
+        self._notify_in(self._log_signals, job_id)
 
     async def read_logs(self, job_id: str, tasks: list[tuple[str, int]],
                         follow: bool) -> AsyncIterator[tuple[str, int, bytes]]:
@@ -304,7 +318,7 @@ class Coordinator:
             if not follow or final:
                 return
             try:
-                await asyncio.wait_for(self._signal(job_id).wait(), timeout=1.0)
+                await asyncio.wait_for(self._signal_in(self._log_signals, job_id).wait(), timeout=1.0)
             except asyncio.TimeoutError:
                 pass
 
@@ -407,6 +421,9 @@ class Coordinator:
             return
         if task.state.final:
             return
+        # Heartbeats repeat the last report of every task: only a change wakes watchers.
+        before = (task.in_use_bytes, task.peak_memory_bytes, job.metrics.step,
+                  job.metrics.test_accuracy)
         task.in_use_bytes = r.in_use_bytes
         task.peak_memory_bytes = max(task.peak_memory_bytes, r.peak_bytes)
         if r.weights_sha256:
@@ -423,7 +440,6 @@ class Coordinator:
         if task.index == 0 and r.test_accuracy is not None:
             job.metrics.test_accuracy = r.test_accuracy
             job.metrics.test_loss = r.test_loss
-        changed = False
         if r.state != task.state and r.state != TaskState.PENDING:
             if r.state == TaskState.FAILED:
                 self._fail_task(job, task, r.failure, r.message, exit_code=r.exit_code)
@@ -432,16 +448,17 @@ class Coordinator:
                 self._set_task_state(task, r.state)
                 task.exit_code = r.exit_code
                 task.message = r.message
-                changed = True
-        if changed:
-            self.store.put_tasks([task])
-            self._after_task_change(job, task)
-        else:
-            now = self.clock()
-            if now - self._metrics_saved.get(job.id, 0.0) >= METRICS_PERSIST_INTERVAL_S:
-                self._metrics_saved[job.id] = now
-                self.store.put_job(job)
                 self.store.put_tasks([task])
+                self._after_task_change(job, task)
+                return
+        if before == (task.in_use_bytes, task.peak_memory_bytes, job.metrics.step,
+                      job.metrics.test_accuracy):
+            return
+        now = self.clock()
+        if now - self._metrics_saved.get(job.id, 0.0) >= METRICS_PERSIST_INTERVAL_S:
+            self._metrics_saved[job.id] = now
+            self.store.put_job(job)
+            self.store.put_tasks([task])
         self._notify(job.id)
 
     def _fail_task(self, job: Job, task: Task, failure: FailureKind, message: str,
@@ -541,7 +558,8 @@ class Coordinator:
             for x in sorted(job.tasks, key=lambda x: (x.role, x.index)):
                 cluster.setdefault(x.role, []).append(x.address)
         config = {"job_id": job.id, "role": t.role, "index": t.index, "spec": job.spec,
-                  "memory_budget_bytes": t.memory_budget_bytes, "report_interval_s": 0.5}
+                  "memory_budget_bytes": t.memory_budget_bytes,
+                  "report_interval_s": REPORT_INTERVAL_S}
         self._send(t.worker, StartTaskCommand(
             job_id=job.id, role=t.role, index=t.index, attempt=t.attempt,
             tf_config=build_tf_config(cluster, t.role, t.index),

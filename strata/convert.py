@@ -90,7 +90,7 @@ def task_from_proto(job_id: str, m: pb.TaskInfo) -> Task:
     )
 
 
-def job_to_proto(j: Job) -> pb.Job:
+def job_to_proto(j: Job, with_spec: bool = True) -> pb.Job:
     m = j.metrics
     return pb.Job(
         id=j.id, name=j.name, state=pb.JobState.Value(j.state.value), strategy=j.strategy,
@@ -103,7 +103,7 @@ def job_to_proto(j: Job) -> pb.Job:
             has_test_accuracy=m.test_accuracy is not None, examples_per_sec=m.examples_per_sec,
         ),
         tasks=[task_to_proto(t) for t in j.tasks],
-        spec=spec_to_proto(j.spec) if j.spec else None,
+        spec=spec_to_proto(j.spec) if j.spec and with_spec else None,
     )
 
 
@@ -126,8 +126,9 @@ def job_from_proto(m: pb.Job) -> Job:
 
 
 def event_to_proto(e: JobEvent) -> pb.JobEvent:
+    """Events carry the job without its spec: a watcher gets many, the spec never changes."""
     return pb.JobEvent(seq=e.seq, time=e.time, kind=e.kind, message=e.message,
-                       job=job_to_proto(e.job) if e.job else None)
+                       job=job_to_proto(e.job, with_spec=False) if e.job else None)
 
 
 def event_from_proto(m: pb.JobEvent) -> JobEvent:

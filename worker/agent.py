@@ -34,7 +34,7 @@ log = logging.getLogger("strata.worker")
 RPC_TIMEOUT_S = 5.0
 STOP_GRACE_S = 5.0
 PORT_POOL = 4
-LOG_FLUSH_INTERVAL_S = 0.3
+LOG_FLUSH_INTERVAL_S = 0.5
 FINISHED_KEEP_S = 120.0   # finished tasks stay in heartbeats this long, in case a report was lost
 MAX_LOG_CHUNK = 256 * 1024
 
