@@ -116,3 +116,17 @@ def test_task_over_its_slice_fails_as_oom_and_agent_survives(cluster, client, tm
     assert all(p.poll() is None for p in cluster.agents.values())
     ok = client.wait(client.submit(spec(name="after-oom", training={"steps": 5})).id, timeout=180)
     assert ok.state == JobState.SUCCEEDED, ok.message
+
+
+def test_keras_json_model_with_batchnorm_keeps_replicas_identical(cluster, client):
+    import json
+    import pathlib
+    fixtures = json.loads((pathlib.Path(__file__).parent / "fixtures" / "keras_models.json").read_text())
+    model = fixtures["good"]["func_mlp"]  # Dense, BatchNormalization, LayerNormalization; 64 -> 10
+    job = client.submit(spec(name="keras-json", model={"keras_json": model["json"]},
+                             training={"epochs": 10, "optimizer": {"name": "adam", "learning_rate": 0.01}}))
+    final = client.wait(job.id, timeout=300)
+    assert final.state == JobState.SUCCEEDED, final.message
+    assert final.metrics.test_accuracy >= 0.85
+    hashes = {t.weights_sha256 for t in final.tasks}
+    assert len(hashes) == 1 and "" not in hashes
