@@ -18,7 +18,10 @@ from typing import AsyncIterator, Callable
 
 from coordinator.placement import Capacity, TaskDemand, admission_error, place
 from coordinator.store import Store, WorkerRecord
-from strata.errors import InfeasibleError, InvalidTransition, NotFoundError, UnknownAgentSession
+from strata.errors import (
+    DuplicateAgent, InfeasibleError, InvalidTransition, NotFoundError, SpecError,
+    UnknownAgentSession,
+)
 from strata.memory import default_budget, estimate_task_memory, format_size
 from strata.spec import JobSpec, parse_job_spec
 from strata.tfconfig import build_tf_config
@@ -57,6 +60,20 @@ class StopTaskCommand:
 
 AgentCommand = StartTaskCommand | StopTaskCommand
 
+# Bytes no task could ever need; larger estimates come from nonsense shapes and would overflow
+# the store's 64-bit integers.
+MAX_TASK_BYTES = 1 << 50
+# A stop for a task of a finished job is repeated at most this often while the agent still
+# reports the task running (the first stop may have been lost on a reconnect).
+STOP_RESEND_INTERVAL_S = 5.0
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedJob:
+    spec: JobSpec
+    estimate_bytes: int
+    budget_bytes: int
+
 
 @dataclasses.dataclass
 class LiveWorker:
@@ -69,6 +86,7 @@ class LiveWorker:
     memory: MemoryStatus = dataclasses.field(default_factory=MemoryStatus)
     free_ports: list[int] = dataclasses.field(default_factory=list)
     queue: asyncio.Queue | None = None
+    pid: int = 0
 
     @property
     def connected(self) -> bool:
@@ -98,6 +116,7 @@ class Coordinator:
         # traffic never wakes job watchers (each wake-up sends a snapshot)
         self._wake = asyncio.Event()
         self._metrics_saved: dict[str, float] = {}
+        self._stops_sent: dict[tuple[str, str, str, int], float] = {}
         self._stopping = False
 
     # --- notifications ------------------------------------------------------------------------
@@ -154,17 +173,25 @@ class Coordinator:
 
     # --- job API ------------------------------------------------------------------------------
 
-    def _estimate(self, spec: JobSpec) -> tuple[int, int]:
-        """(estimated bytes per task, budget bytes per task)."""
+    @staticmethod
+    def prepare(raw_spec: dict) -> PreparedJob:
+        """Validates and sizes a spec: pure and possibly slow (it profiles the model), so the
+        service runs it off the event loop. Raises SpecError."""
+        spec = parse_job_spec(raw_spec)
         estimate = estimate_task_memory(spec.to_dict(), spec.per_replica_batch)
-        return estimate.total, spec.memory.per_task_budget_bytes or default_budget(estimate)
+        budget = spec.memory.per_task_budget_bytes or default_budget(estimate)
+        if max(estimate.total, budget) > MAX_TASK_BYTES:
+            field = "memory.per_task_budget" if budget > MAX_TASK_BYTES else "model"
+            raise SpecError(field, f"a task would need {format_size(max(estimate.total, budget))}, "
+                                   "beyond any machine")
+        return PreparedJob(spec=spec, estimate_bytes=estimate.total, budget_bytes=budget)
 
     def _worker_budgets(self) -> list[int]:
         return [w.record.budget_bytes for w in self.workers.values() if not w.lost]
 
-    def submit(self, raw_spec: dict) -> Job:
-        spec = parse_job_spec(raw_spec)
-        estimate, budget = self._estimate(spec)
+    def submit(self, raw_spec: dict | PreparedJob) -> Job:
+        prepared = raw_spec if isinstance(raw_spec, PreparedJob) else self.prepare(raw_spec)
+        spec, estimate, budget = prepared.spec, prepared.estimate_bytes, prepared.budget_bytes
         why = admission_error(budget, self._worker_budgets())
         if why:
             raise InfeasibleError(
@@ -180,9 +207,9 @@ class Coordinator:
                   message="waiting for workers")
         job.tasks = [Task(job_id=job_id, role="worker", index=i, memory_budget_bytes=budget,
                           estimated_memory_bytes=estimate) for i in range(spec.workers)]
-        self.jobs[job_id] = job
         self.store.put_job(job)
         self.store.put_tasks(job.tasks)
+        self.jobs[job_id] = job  # only once stored: a failed write leaves no phantom job
         self._event(job, "state", f"PENDING: submitted; {spec.workers} x {spec.strategy} task(s), "
                                   f"estimate {format_size(estimate)}, budget {format_size(budget)} each")
         if spec.memory.per_task_budget and budget < estimate:
@@ -233,9 +260,9 @@ class Coordinator:
             self._send(name, StopTaskCommand(job_id=job.id, reason=message))
         self._notify(job.id)
 
-    def plan(self, raw_spec: dict) -> Plan:
-        spec = parse_job_spec(raw_spec)
-        estimate, budget = self._estimate(spec)
+    def plan(self, raw_spec: dict | PreparedJob) -> Plan:
+        prepared = raw_spec if isinstance(raw_spec, PreparedJob) else self.prepare(raw_spec)
+        spec, estimate, budget = prepared.spec, prepared.estimate_bytes, prepared.budget_bytes
         why = admission_error(budget, self._worker_budgets())
         demands = [TaskDemand("worker", i, budget) for i in range(spec.workers)]
         placement = place(demands, self._capacities())
@@ -325,9 +352,12 @@ class Coordinator:
     # --- cluster API --------------------------------------------------------------------------
 
     def register(self, name: str, host: str, device: str, budget_bytes: int, free_ports: list[int],
-                 reports: list[TaskReport], work_dir: str = "") -> str:
+                 reports: list[TaskReport], work_dir: str = "", pid: int = 0) -> str:
         now = self.clock()
         live = self.workers.get(name)
+        if (live is not None and live.connected and now - live.last_seen < self.heartbeat_timeout_s
+                and (live.record.address, live.pid) != (host, pid)):
+            raise DuplicateAgent(name, live.record.address, live.pid)
         rec = WorkerRecord(name=name, address=host, device=device, budget_bytes=budget_bytes,
                            work_dir=work_dir, last_seen=now)
         if live is None:
@@ -337,6 +367,7 @@ class Coordinator:
             live.record = rec
         old_queue = live.queue
         live.session = secrets.token_hex(8)
+        live.pid = pid
         live.last_seen = now
         live.lost = False
         live.free_ports = list(free_ports)
@@ -355,7 +386,15 @@ class Coordinator:
         reported = {r.key: r for r in reports}
         for key, r in reported.items():
             task = self._task(*key)
-            if task is None or task.worker != live.record.name or task.state.final:
+            job = self.jobs.get(r.job_id)
+            if r.state.final:
+                if task is not None and task.worker == live.record.name and not task.state.final:
+                    self.report(live.record.name, live.session, r)
+                continue
+            if task is not None and job is not None and task.worker == live.record.name \
+                    and job.state.final:
+                self._resend_stop(live, r)  # a stop lost while the agent was away
+            elif task is None or job is None or task.worker != live.record.name or task.state.final:
                 live.queue.put_nowait(StopTaskCommand(job_id=r.job_id, role=r.role, index=r.index,
                                                       reason="not assigned to this worker"))
             else:
@@ -385,13 +424,28 @@ class Coordinator:
         was_lost = live.lost
         live.last_seen = self.clock()
         live.memory = memory
-        live.free_ports = list(free_ports)
+        # A heartbeat composed before the agent saw its latest start may still offer the port
+        # that start took: never hand out a port a live task of this worker holds.
+        in_use = {t.address.rsplit(":", 1)[1] for j in self.jobs.values() for t in j.tasks
+                  if t.worker == name and not t.state.final and t.address}
+        live.free_ports = [p for p in free_ports if str(p) not in in_use]
         if was_lost:
             live.lost = False
             log.info("worker %s is back", name)
             self.wake()
         for r in reports:
             self.report(name, session, r)
+            job = self.jobs.get(r.job_id)
+            if job is not None and job.state.final and not r.state.final:
+                self._resend_stop(live, r)
+
+    def _resend_stop(self, live: LiveWorker, r: TaskReport) -> None:
+        now = self.clock()
+        key = (live.record.name, *r.key)
+        if now - self._stops_sent.get(key, 0.0) >= STOP_RESEND_INTERVAL_S:
+            self._stops_sent[key] = now
+            live.queue.put_nowait(StopTaskCommand(job_id=r.job_id, role=r.role, index=r.index,
+                                                  reason="its job has ended"))
 
     async def commands(self, name: str, session: str) -> AsyncIterator[AgentCommand]:
         live = self._check_session(name, session)

@@ -23,7 +23,8 @@ from protos import strata_pb2 as pb
 from protos import strata_pb2_grpc as pb_grpc
 from strata import convert
 from strata.errors import (
-    InfeasibleError, InvalidTransition, NotFoundError, SpecError, StrataError, UnknownAgentSession,
+    DuplicateAgent, InfeasibleError, InvalidTransition, NotFoundError, SpecError, StrataError,
+    UnknownAgentSession,
 )
 
 log = logging.getLogger("strata.coordinator")
@@ -45,9 +46,24 @@ def status_for(err: Exception) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.FAILED_PRECONDITION, str(err)
     if isinstance(err, UnknownAgentSession):
         return grpc.StatusCode.FAILED_PRECONDITION, str(err)
+    if isinstance(err, DuplicateAgent):
+        return grpc.StatusCode.ALREADY_EXISTS, str(err)
+    if isinstance(err, MalformedRequest):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(err)
     if isinstance(err, StrataError):
         return grpc.StatusCode.INTERNAL, str(err)
     return grpc.StatusCode.INTERNAL, f"internal error: {type(err).__name__}"
+
+
+class MalformedRequest(StrataError):
+    """A message that parses but carries values no Strata client sends (e.g. unknown enums)."""
+
+
+def _reports(statuses) -> list:
+    try:
+        return [convert.report_from_proto(t) for t in statuses]
+    except ValueError as e:
+        raise MalformedRequest(f"malformed task status: {e}") from None
 
 
 async def _abort(context: grpc.aio.ServicerContext, err: Exception) -> None:
@@ -63,7 +79,9 @@ class JobServicer(pb_grpc.JobServiceServicer):
 
     async def SubmitJob(self, request: pb.SubmitJobRequest, context: Any) -> pb.Job:
         try:
-            return convert.job_to_proto(self.coord.submit(convert.spec_from_proto(request.spec)))
+            # Validation profiles the model: pure work, kept off the event loop.
+            prepared = await asyncio.to_thread(self.coord.prepare, convert.spec_from_proto(request.spec))
+            return convert.job_to_proto(self.coord.submit(prepared), with_spec=False)
         except Exception as e:  # noqa: BLE001 - mapped to a status code
             await _abort(context, e)
 
@@ -74,11 +92,13 @@ class JobServicer(pb_grpc.JobServiceServicer):
             await _abort(context, e)
 
     async def ListJobs(self, request: pb.ListJobsRequest, context: Any) -> pb.ListJobsResponse:
-        return pb.ListJobsResponse(jobs=[convert.job_to_proto(j) for j in self.coord.list_jobs()])
+        # Without specs: a list of jobs with large keras_json models would outgrow any message.
+        return pb.ListJobsResponse(jobs=[convert.job_to_proto(j, with_spec=False)
+                                         for j in self.coord.list_jobs()])
 
     async def CancelJob(self, request: pb.CancelJobRequest, context: Any) -> pb.Job:
         try:
-            return convert.job_to_proto(self.coord.cancel(request.id))
+            return convert.job_to_proto(self.coord.cancel(request.id), with_spec=False)
         except Exception as e:  # noqa: BLE001
             await _abort(context, e)
 
@@ -106,7 +126,8 @@ class JobServicer(pb_grpc.JobServiceServicer):
 
     async def PlanJob(self, request: pb.PlanJobRequest, context: Any) -> pb.Plan:
         try:
-            return convert.plan_to_proto(self.coord.plan(convert.spec_from_proto(request.spec)))
+            prepared = await asyncio.to_thread(self.coord.prepare, convert.spec_from_proto(request.spec))
+            return convert.plan_to_proto(self.coord.plan(prepared))
         except Exception as e:  # noqa: BLE001
             await _abort(context, e)
 
@@ -135,21 +156,25 @@ class ClusterServicer(pb_grpc.ClusterServiceServicer):
         if not request.name or request.budget_bytes <= 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "name and a positive budget_bytes are required")
-        session = self.coord.register(
-            request.name, request.host, request.device or "CPU", request.budget_bytes,
-            list(request.free_ports), [convert.report_from_proto(t) for t in request.tasks],
-            work_dir=request.work_dir)
+        try:
+            session = self.coord.register(
+                request.name, request.host, request.device or "CPU", request.budget_bytes,
+                list(request.free_ports), _reports(request.tasks), work_dir=request.work_dir,
+                pid=request.pid)
+        except Exception as e:  # noqa: BLE001
+            await _abort(context, e)
         return pb.RegisterAgentResponse(session=session,
                                         heartbeat_interval_s=self.coord.heartbeat_interval_s)
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: Any):
         try:
             self.coord.heartbeat(request.name, request.session,
-                                 convert.memory_from_proto(request.memory),
-                                 [convert.report_from_proto(t) for t in request.tasks],
+                                 convert.memory_from_proto(request.memory), _reports(request.tasks),
                                  list(request.free_ports))
         except UnknownAgentSession:
             return pb.HeartbeatResponse(reregister=True)
+        except Exception as e:  # noqa: BLE001
+            await _abort(context, e)
         return pb.HeartbeatResponse()
 
     async def Connect(self, request: pb.ConnectRequest, context: Any):
@@ -161,7 +186,8 @@ class ClusterServicer(pb_grpc.ClusterServiceServicer):
 
     async def ReportTask(self, request: pb.ReportTaskRequest, context: Any):
         try:
-            self.coord.report(request.name, request.session, convert.report_from_proto(request.status))
+            (report,) = _reports([request.status])
+            self.coord.report(request.name, request.session, report)
         except Exception as e:  # noqa: BLE001
             await _abort(context, e)
         return pb.ReportTaskResponse()
@@ -180,6 +206,7 @@ async def serve(listen: str, state_dir: str, *, heartbeat_timeout_s: float = 10.
                 port_file: str | None = None) -> None:
     """Runs the coordinator until SIGINT/SIGTERM. Prints (and optionally writes) the bound address."""
     os.makedirs(state_dir, exist_ok=True)
+    lock = _lock_state_dir(state_dir)
     store = SqliteStore(os.path.join(state_dir, "strata.db"))
     coord = Coordinator(store, state_dir, heartbeat_timeout_s=heartbeat_timeout_s,
                         heartbeat_interval_s=heartbeat_interval_s)
@@ -199,7 +226,10 @@ async def serve(listen: str, state_dir: str, *, heartbeat_timeout_s: float = 10.
         reflection.SERVICE_NAME,
     )
     reflection.enable_server_reflection(services, server)
-    port = server.add_insecure_port(listen)
+    try:
+        port = server.add_insecure_port(listen)
+    except RuntimeError:
+        port = 0
     if port == 0:
         raise SystemExit(f"--listen {listen}: cannot bind that address")
     host = listen.rsplit(":", 1)[0]
@@ -231,3 +261,17 @@ async def serve(listen: str, state_dir: str, *, heartbeat_timeout_s: float = 10.
     with contextlib.suppress(asyncio.CancelledError):
         await loop_task
     store.close()
+    lock.close()
+
+
+def _lock_state_dir(state_dir: str):
+    """One coordinator per state directory: a second one would corrupt the job history."""
+    import fcntl
+
+    f = open(os.path.join(state_dir, "coordinator.lock"), "w")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        raise SystemExit(f"--state-dir {state_dir}: another coordinator is using it") from None
+    return f

@@ -132,8 +132,12 @@ class SqliteStore(Store):
             rows.append((t.job_id, t.role, t.index, json.dumps(body)))
         with self._lock:
             self._db.execute("BEGIN")
-            self._db.executemany("INSERT OR REPLACE INTO tasks VALUES (?,?,?,?)", rows)
-            self._db.execute("COMMIT")
+            try:
+                self._db.executemany("INSERT OR REPLACE INTO tasks VALUES (?,?,?,?)", rows)
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")  # never leave the connection inside a transaction
+                raise
 
     def delete_tasks(self, job_id: str) -> None:
         with self._lock:

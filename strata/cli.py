@@ -112,7 +112,8 @@ def _start_local(args: argparse.Namespace, workers: int, budget: str, quiet: boo
                         quiet=quiet).start()
 
 
-def _wait_for_signal() -> None:
+def _catch_stop_signals() -> dict:
+    """SIGINT/SIGTERM set a flag (installed before any child starts, so none can leak)."""
     stop = {"flag": False}
 
     def handler(signum, frame):  # noqa: ARG001
@@ -120,17 +121,18 @@ def _wait_for_signal() -> None:
 
     signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)
-    while not stop["flag"]:
-        time.sleep(0.2)
+    return stop
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    stop = _catch_stop_signals()
     cluster = _start_local(args, args.workers, args.memory_budget, quiet=True)
     try:
         print(f"strata cluster up: coordinator {cluster.address}, {args.workers} workers with "
               f"{args.memory_budget} each (state in {cluster.state_dir})", flush=True)
         print(f"export STRATA_COORDINATOR={cluster.address}", flush=True)
-        _wait_for_signal()
+        while not stop["flag"]:
+            time.sleep(0.2)
     finally:
         print("stopping the cluster", flush=True)
         cluster.stop()
@@ -151,7 +153,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             print(f"coordinator at {cluster.address}; workers: "
                   + ", ".join(f"{w.name} ({_fmt_bytes(w.memory.budget_bytes)})" for w in c.workers()))
             job = c.submit(DEMO_SPEC, overrides=args.set)
-            print(f"submitted {job.id}: {job.spec['workers']}-worker multi_worker_mirrored MLP "
+            print(f"submitted {job.id}: {len(job.tasks)}-worker multi_worker_mirrored MLP "
                   f"1024-512-256 on the digits data", flush=True)
             final = _follow(c, job.id)
             _print_status(final)
@@ -194,12 +196,35 @@ def _progress_line(job) -> str:
     return " ".join(parts)
 
 
+# How long --follow keeps retrying while the coordinator cannot be reached (e.g. restarting).
+FOLLOW_RECONNECT_S = 60.0
+
+
+def _watch_resuming(client, job_id: str):
+    """client.watch, resumed after the last stored event when the coordinator goes away."""
+    from strata.client import Unavailable
+
+    seq, down_since = 0, None
+    while True:
+        try:
+            for ev in client.watch(job_id, after_seq=seq):
+                down_since = None
+                seq = max(seq, ev.seq)
+                yield ev
+            return
+        except Unavailable:
+            down_since = down_since or time.monotonic()
+            if time.monotonic() - down_since > FOLLOW_RECONNECT_S:
+                raise
+            time.sleep(1.0)
+
+
 def _follow(client, job_id: str):
     """Prints events and a live progress line until the job ends; returns the final job."""
     tty = sys.stdout.isatty()
     last_line, last_print = "", 0.0
     job = None
-    for ev in client.watch(job_id):
+    for ev in _watch_resuming(client, job_id):
         job = ev.job or job
         if ev.kind != "progress" and ev.message:
             if tty and last_line:
@@ -458,6 +483,8 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(e.message, EXIT_FAILED)
     except KeyboardInterrupt:
         return _fail("interrupted", 130)
+    except (OSError, RuntimeError, TimeoutError) as e:
+        return _fail(str(e) or type(e).__name__, EXIT_FAILED)
     except BrokenPipeError:
         return EXIT_OK
 

@@ -23,6 +23,7 @@ from strata.spec import JobSpec, load_spec_file, parse_job_spec
 from strata.types import Job, JobEvent, Plan, WorkerInfo
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # as the coordinator's limit
 
 
 def default_address() -> str:
@@ -103,7 +104,9 @@ class Client:
     def __init__(self, address: str | None = None, timeout: float = 10.0):
         self.address = address or default_address()
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(self.address)
+        self._channel = grpc.insecure_channel(self.address, options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
         self._stub = pb_grpc.JobServiceStub(self._channel)
 
     def __enter__(self) -> "Client":

@@ -45,3 +45,12 @@ class InvalidTransition(StrataError):
 
 class UnknownAgentSession(StrataError):
     """An agent called with a session the coordinator does not hold (e.g. after a restart)."""
+
+
+class DuplicateAgent(StrataError):
+    """Another live agent already holds this name (two agents on one host without --name)."""
+
+    def __init__(self, name: str, host: str, pid: int):
+        super().__init__(f"worker name {name!r} is in use by a live agent on {host} (pid {pid}); "
+                         "give each agent its own --name")
+        self.name = name

@@ -24,6 +24,9 @@ LOSSES = ("sparse_categorical_crossentropy", "categorical_crossentropy", "mean_s
 MIXED_PRECISION = ("none", "bfloat16", "float16")
 NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$")
 MAX_TASKS = 4096
+# The text of keras.Model.to_json() for a model of a few thousand layers is well under this;
+# larger texts only cost the coordinator time and messages room.
+MAX_KERAS_JSON_BYTES = 4 << 20
 
 # Shape of the digits data set (scikit-learn): 8x8 images flattened, 10 classes.
 DIGITS_FEATURES = 64
@@ -224,6 +227,9 @@ def parse_job_spec(raw: Any) -> JobSpec:
         text = model["keras_json"]
         if not isinstance(text, str) or not text.strip():
             raise SpecError("model.keras_json", "must be the text of keras.Model.to_json()")
+        if len(text) > MAX_KERAS_JSON_BYTES:
+            raise SpecError("model.keras_json", f"is {len(text):,} characters; the limit is "
+                                                f"{MAX_KERAS_JSON_BYTES:,}")
         model_out = {"keras_json": text}
     else:
         b = _section(model, "builtin", {"kind", "input_shape", "hidden", "classes"}, "model.")

@@ -223,7 +223,7 @@ def job_to_json(j: Job) -> dict[str, Any]:
         "finished_at": j.finished_at or None, "started_at": j.started_at or None,
         "estimated_memory_bytes": j.estimated_memory_bytes,
         "metrics": {"step": m.step, "total_steps": m.total_steps, "loss": _finite(m.loss),
-                    "test_accuracy": m.test_accuracy, "test_loss": m.test_loss,
+                    "test_accuracy": _finite(m.test_accuracy), "test_loss": _finite(m.test_loss),
                     "examples_per_sec": m.examples_per_sec},
         "tasks": [task_to_json(t) for t in j.tasks],
     }

@@ -128,3 +128,21 @@ def test_hostile_agent_calls_are_refused_not_crashing(coord):
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     r = strata("jobs", "--coordinator", coord.address)
     assert r.returncode == 0
+
+
+def test_second_coordinator_on_same_state_dir_or_port_is_refused(coord):
+    r = strata("coordinator", "--listen", "127.0.0.1:0", "--state-dir", coord.state_dir, timeout=30)
+    assert r.returncode == 1 and "another coordinator" in r.stderr and "Traceback" not in r.stderr
+    r = strata("coordinator", "--listen", coord.address, "--state-dir", coord.state_dir + "-x", timeout=30)
+    assert r.returncode == 1 and "--listen" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_malformed_agent_status_is_invalid_argument(coord):
+    from protos import strata_pb2 as pb
+    from protos import strata_pb2_grpc as pb_grpc
+    with grpc.insecure_channel(coord.address) as ch:
+        stub = pb_grpc.ClusterServiceStub(ch)
+        with pytest.raises(grpc.RpcError) as e:
+            stub.RegisterAgent(pb.RegisterAgentRequest(
+                name="odd", budget_bytes=1, tasks=[pb.TaskStatus(job_id="j", state=99)]), timeout=5)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -153,3 +153,61 @@ def test_restart_keeps_jobs_and_reconciles(env):
     clock.now += 11
     coord2.tick()
     assert j2.state == JobState.FAILED and "lost" in j2.message
+
+
+def test_stop_lost_on_reconnect_is_sent_again(env):
+    coord, clock, _, _ = env
+    sa, sb = register(coord, "a"), register(coord, "b")
+    job = coord.submit(SPEC)
+    coord.tick()
+    for t in job.tasks:
+        coord.report(t.worker, sa if t.worker == "a" else sb,
+                     TaskReport(job.id, t.role, t.index, TaskState.RUNNING, attempt=t.attempt))
+    coord.workers["a"].queue = None  # the agent is between sessions: the stop is dropped
+    coord.cancel(job.id)
+    ta = next(t for t in job.tasks if t.worker == "a")
+    running = [TaskReport(job.id, ta.role, ta.index, TaskState.RUNNING, attempt=ta.attempt)]
+    sa = coord.register("a", "127.0.0.1", "CPU", GiB, [1, 2, 3, 4], running)
+    assert any(isinstance(c, StopTaskCommand) for c in drain(coord, "a"))
+    # And while it keeps reporting the task running, heartbeats repeat the stop (throttled).
+    coord.heartbeat("a", sa, MemoryStatus(), running, [1])
+    clock.now += 6
+    coord.heartbeat("a", sa, MemoryStatus(), running, [1])
+    assert sum(isinstance(c, StopTaskCommand) for c in drain(coord, "a")) == 1
+    assert {w.name: w.memory.reserved_bytes for w in coord.list_workers()}["a"] > 0
+    coord.heartbeat("a", sa, MemoryStatus(), [TaskReport(job.id, ta.role, ta.index, TaskState.CANCELLED,
+                                                         attempt=ta.attempt)], [1])
+    assert {w.name: w.memory.reserved_bytes for w in coord.list_workers()}["a"] == 0
+
+
+def test_duplicate_agent_name_is_refused_while_the_first_lives(env):
+    from strata.errors import DuplicateAgent
+    coord, clock, _, _ = env
+    coord.register("a", "10.0.0.1", "CPU", GiB, [1], [], pid=100)
+    with pytest.raises(DuplicateAgent):
+        coord.register("a", "10.0.0.2", "CPU", GiB, [1], [], pid=200)
+    coord.register("a", "10.0.0.1", "CPU", GiB, [1], [], pid=100)  # the same agent again is fine
+    clock.now += 11
+    coord.register("a", "10.0.0.2", "CPU", GiB, [1], [], pid=200)  # the first one went silent
+
+
+def test_ports_of_live_tasks_are_not_offered_again(env):
+    coord, *_ = env
+    sa, sb = register(coord, "a"), register(coord, "b")
+    job = coord.submit(SPEC)
+    coord.tick()
+    ta = next(t for t in job.tasks if t.worker == "a")
+    used = int(ta.address.rsplit(":", 1)[1])
+    coord.heartbeat("a", sa, MemoryStatus(), [], [used, 7777])
+    assert coord.workers["a"].free_ports == [7777]
+
+
+def test_absurd_sizes_are_refused_without_a_phantom_job(env):
+    from strata.errors import SpecError
+    coord, *_ = env
+    huge = {**SPEC, "data": {"source": "synthetic", "batch_size": 64},
+            "model": {"builtin": {"kind": "mlp", "input_shape": [16777216, 16777216], "hidden": [8],
+                                  "classes": 10}}}
+    with pytest.raises(SpecError):
+        coord.submit(huge)
+    assert coord.list_jobs() == []

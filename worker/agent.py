@@ -94,6 +94,13 @@ class TaskProcess:
         return (self.job_id, self.role, self.index)
 
     def start(self) -> None:
+        try:
+            self._start()
+        except Exception as e:  # noqa: BLE001 - any launch problem is this task's failure
+            log.exception("cannot start task %s/%s:%d", self.job_id, self.role, self.index)
+            self._finish(TaskState.FAILED, FailureKind.LAUNCH, -1, f"cannot start the task: {e}")
+
+    def _start(self) -> None:
         cmd = self._cmd
         os.makedirs(self.dir, exist_ok=True)
         config: dict[str, Any] = json.loads(cmd.config_json)
@@ -160,6 +167,11 @@ class TaskProcess:
             del self._log_buf[:MAX_LOG_CHUNK]
         return data
 
+    def return_logs(self, data: bytes) -> None:
+        """Puts back a chunk the coordinator did not take, to be sent first next time."""
+        with self._log_lock:
+            self._log_buf[:0] = data
+
     def _read_events(self, fd: int) -> None:
         with os.fdopen(fd, "r", encoding="utf-8", errors="replace") as f:
             for line in f:
@@ -195,7 +207,7 @@ class TaskProcess:
             s.examples_per_sec = float(ev.get("examples_per_sec") or 0.0)
         elif kind == "result":
             s.test_accuracy = float(ev.get("test_accuracy") or 0.0)
-            s.test_loss = float(ev.get("test_loss") or 0.0)
+            s.test_loss = float(ev["test_loss"]) if ev.get("test_loss") is not None else float("nan")
             s.weights_sha256 = str(ev.get("weights_sha256") or "")
             s.model_path = str(ev.get("model_path") or "")
         elif kind == "error":
@@ -360,7 +372,8 @@ class Agent:
                         name=self.cfg.name, session=self.session, job_id=t.job_id, role=t.role,
                         index=t.index, data=data), timeout=RPC_TIMEOUT_S)
                 except grpc.RpcError:
-                    break  # the lines stay in the task's local log file
+                    t.return_logs(data)  # sent again after the next (re-)registration
+                    break
 
     # --- commands -----------------------------------------------------------------------------
 
@@ -413,7 +426,10 @@ class Agent:
     def _command_loop(self, session: str) -> None:
         try:
             for cmd in self.stub.Connect(pb.ConnectRequest(name=self.cfg.name, session=session)):
-                self.handle(cmd)
+                try:
+                    self.handle(cmd)
+                except Exception:  # noqa: BLE001 - one bad command must not stop the stream
+                    log.exception("command failed: %s", cmd)
         except grpc.RpcError as e:
             if not self.stopping.is_set():
                 log.warning("command stream closed (%s)", e.code())
@@ -483,7 +499,10 @@ def main(cfg: AgentConfig) -> int:
           f"coordinator {cfg.coordinator}", flush=True)
     runner = threading.Thread(target=agent.run, daemon=True, name="agent")
     runner.start()
-    done.wait()
+    while not done.wait(1.0):
+        if not runner.is_alive():
+            log.error("the agent loop stopped unexpectedly")
+            break
     agent.shutdown()
     runner.join(timeout=RPC_TIMEOUT_S + 1)
     return 0
