@@ -96,13 +96,15 @@ class LiveWorker:
 class Coordinator:
     def __init__(self, store: Store, state_dir: str, *, heartbeat_timeout_s: float = 10.0,
                  heartbeat_interval_s: float = 1.0, tick_interval_s: float = 0.5,
-                 clock: Callable[[], float] = time.time):
+                 start_timeout_s: float = 300.0, clock: Callable[[], float] = time.time):
         self.store = store
         self.state_dir = state_dir
         self.log_dir = os.path.join(state_dir, "logs")
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.heartbeat_interval_s = heartbeat_interval_s
         self.tick_interval_s = tick_interval_s
+        self.start_timeout_s = start_timeout_s
+        self._scheduled_at: dict[str, float] = {}  # job id -> when it was placed (this process)
         self.clock = clock
         self.jobs: dict[str, Job] = {j.id: j for j in store.load_jobs()}
         self.workers: dict[str, LiveWorker] = {}
@@ -247,14 +249,16 @@ class Coordinator:
             if t.state.final:
                 continue
             w = self.workers.get(t.worker) if t.worker else None
-            if w is None or t.state == TaskState.PENDING and not t.worker:
+            if w is not None and not w.lost:
+                by_worker.add(t.worker)  # also for a start that may still be in flight
+            if w is None or t.state == TaskState.PENDING:
+                # Never reported started: nothing to wait for. Should the start still arrive,
+                # the agent reports the task running and heartbeats send the stop again.
                 self._set_task_state(t, TaskState.CANCELLED)
                 t.message = t.message or message
             elif w.lost:
                 self._set_task_state(t, TaskState.FAILED)
                 t.failure = FailureKind.LOST
-            else:
-                by_worker.add(t.worker)
         self.store.put_tasks(job.tasks)
         for name in by_worker:
             self._send(name, StopTaskCommand(job_id=job.id, reason=message))
@@ -569,6 +573,15 @@ class Coordinator:
         for job in sorted(self.jobs.values(), key=lambda j: (j.created_at, j.id)):
             if job.state == JobState.PENDING:
                 self._try_schedule(job)
+            elif job.state == JobState.SCHEDULED:
+                # Tasks that never all reach RUNNING (a peer that cannot start, a rendezvous that
+                # never completes) must not hold their reservations for ever.
+                since = self._scheduled_at.setdefault(job.id, now)
+                if now - since > self.start_timeout_s:
+                    slow = [f"{t.role}:{t.index} ({t.state.value})" for t in job.tasks
+                            if t.state != TaskState.RUNNING]
+                    self._stop_job(job, JobState.FAILED, f"tasks did not start within "
+                                                         f"{self.start_timeout_s:g} s: {', '.join(slow)}")
 
     def _mark_lost(self, w: LiveWorker) -> None:
         w.lost = True
@@ -601,6 +614,7 @@ class Coordinator:
             t.attempt += 1
             cluster.setdefault(t.role, []).append(t.address)
         self.store.put_tasks(job.tasks)
+        self._scheduled_at[job.id] = self.clock()
         self._set_job_state(job, JobState.SCHEDULED, "placed on " + ", ".join(
             f"{t.role}:{t.index}->{t.worker}" for t in job.tasks))
         for t in job.tasks:

@@ -202,14 +202,14 @@ class ClusterServicer(pb_grpc.ClusterServiceServicer):
 
 
 async def serve(listen: str, state_dir: str, *, heartbeat_timeout_s: float = 10.0,
-                heartbeat_interval_s: float = 1.0, ready: asyncio.Future | None = None,
-                port_file: str | None = None) -> None:
+                heartbeat_interval_s: float = 1.0, start_timeout_s: float = 300.0,
+                ready: asyncio.Future | None = None, port_file: str | None = None) -> None:
     """Runs the coordinator until SIGINT/SIGTERM. Prints (and optionally writes) the bound address."""
     os.makedirs(state_dir, exist_ok=True)
     lock = _lock_state_dir(state_dir)
     store = SqliteStore(os.path.join(state_dir, "strata.db"))
     coord = Coordinator(store, state_dir, heartbeat_timeout_s=heartbeat_timeout_s,
-                        heartbeat_interval_s=heartbeat_interval_s)
+                        heartbeat_interval_s=heartbeat_interval_s, start_timeout_s=start_timeout_s)
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

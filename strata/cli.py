@@ -79,9 +79,11 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     _address("--listen", args.listen, allow_port_zero=True)
     if args.heartbeat_timeout <= 0:
         raise UsageError("--heartbeat-timeout must be positive")
+    if args.start_timeout <= 0:
+        raise UsageError("--start-timeout must be positive")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     asyncio.run(serve(args.listen, args.state_dir, heartbeat_timeout_s=args.heartbeat_timeout,
-                      port_file=args.port_file))
+                      start_timeout_s=args.start_timeout, port_file=args.port_file))
     return EXIT_OK
 
 
@@ -407,6 +409,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="where the SQLite state and job logs live")
     sp.add_argument("--heartbeat-timeout", type=float, default=10.0, metavar="SECONDS",
                     help="declare a worker LOST after this long without a heartbeat (default 10)")
+    sp.add_argument("--start-timeout", type=float, default=300.0, metavar="SECONDS",
+                    help="fail a job whose tasks are not all running this long after placement "
+                         "(default 300)")
     sp.add_argument("--port-file", help=argparse.SUPPRESS)
 
     sp = add("worker", cmd_worker, "run a worker agent that owns one device", client=False)

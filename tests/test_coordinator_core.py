@@ -89,6 +89,8 @@ def test_task_failure_fails_job_and_stops_the_rest(env):
     coord.tick()
     drain(coord, "a"), drain(coord, "b")
     t0, t1 = job.tasks
+    coord.report(t1.worker, sa if t1.worker == "a" else sb,
+                 TaskReport(job.id, "worker", 1, TaskState.RUNNING, attempt=t1.attempt))
     coord.report(t0.worker, sa if t0.worker == "a" else sb,
                  TaskReport(job.id, "worker", 0, TaskState.FAILED, attempt=t0.attempt,
                             failure=FailureKind.OOM, exit_code=75, message="OOM when allocating"))
@@ -113,7 +115,7 @@ def test_lost_worker_fails_its_job(env):
     clock.now += 6
     coord.tick()
     ws = {w.name: w.state.value for w in coord.list_workers()}
-    assert ws == {"a": "BUSY", "b": "LOST"}
+    assert ws == {"a": "READY", "b": "LOST"}  # a's task never started: released at once
     assert job.state == JobState.FAILED and "lost" in job.message
     with pytest.raises(UnknownAgentSession):
         coord.heartbeat("b", sb, MemoryStatus(), [], [])
@@ -211,3 +213,27 @@ def test_absurd_sizes_are_refused_without_a_phantom_job(env):
     with pytest.raises(SpecError):
         coord.submit(huge)
     assert coord.list_jobs() == []
+
+
+def test_job_whose_tasks_never_start_fails_and_frees_its_budget(env):
+    coord, clock, _, _ = env
+    coord.start_timeout_s = 60
+    sa, sb = register(coord, "a"), register(coord, "b")
+    job = coord.submit(SPEC)
+    coord.tick()
+    t0 = job.tasks[0]
+    coord.report(t0.worker, sa if t0.worker == "a" else sb,
+                 TaskReport(job.id, t0.role, t0.index, TaskState.RUNNING, attempt=t0.attempt))
+    clock.now += 30
+    coord.heartbeat("a", sa, MemoryStatus(), [], [1]), coord.heartbeat("b", sb, MemoryStatus(), [], [1])
+    coord.tick()
+    assert job.state == JobState.SCHEDULED
+    clock.now += 31
+    coord.heartbeat("a", sa, MemoryStatus(), [], [1]), coord.heartbeat("b", sb, MemoryStatus(), [], [1])
+    coord.tick()
+    assert job.state == JobState.FAILED and "did not start within 60 s" in job.message
+    assert "worker:1" in job.message
+    # The task that never reported started is released at once; the running one when its
+    # agent confirms.
+    reserved = {w.name: w.memory.reserved_bytes for w in coord.list_workers()}
+    assert reserved[job.tasks[1].worker] == 0 and reserved[job.tasks[0].worker] > 0
