@@ -22,7 +22,9 @@ from strata.errors import (
     DuplicateAgent, InfeasibleError, InvalidTransition, NotFoundError, SpecError,
     UnknownAgentSession,
 )
-from strata.memory import default_budget, estimate_task_memory, format_size
+from strata.memory import (
+    HEADROOM_FRACTION, HEADROOM_MIN, default_budget, estimate_task_memory, format_size,
+)
 from strata.spec import JobSpec, parse_job_spec
 from strata.tfconfig import build_tf_config
 from strata.types import (
@@ -176,10 +178,10 @@ class Coordinator:
     # --- job API ------------------------------------------------------------------------------
 
     @staticmethod
-    def prepare(raw_spec: dict) -> PreparedJob:
+    def prepare(raw_spec: dict, plan_only: bool = False) -> PreparedJob:
         """Validates and sizes a spec: pure and possibly slow (it profiles the model), so the
         service runs it off the event loop. Raises SpecError."""
-        spec = parse_job_spec(raw_spec)
+        spec = parse_job_spec(raw_spec, plan_only=plan_only)
         estimate = estimate_task_memory(spec.to_dict(), spec.per_replica_batch)
         budget = spec.memory.per_task_budget_bytes or default_budget(estimate)
         if max(estimate.total, budget) > MAX_TASK_BYTES:
@@ -265,8 +267,11 @@ class Coordinator:
         self._notify(job.id)
 
     def plan(self, raw_spec: dict | PreparedJob) -> Plan:
-        prepared = raw_spec if isinstance(raw_spec, PreparedJob) else self.prepare(raw_spec)
+        prepared = (raw_spec if isinstance(raw_spec, PreparedJob)
+                    else self.prepare(raw_spec, plan_only=True))
         spec, estimate, budget = prepared.spec, prepared.estimate_bytes, prepared.budget_bytes
+        if spec.strategy in ("pipeline", "hybrid"):
+            return self._plan_stages(spec)
         why = admission_error(budget, self._worker_budgets())
         demands = [TaskDemand("worker", i, budget) for i in range(spec.workers)]
         placement = place(demands, self._capacities())
@@ -279,6 +284,45 @@ class Coordinator:
         if not placement.assignments:
             return Plan(spec.strategy, True, f"admissible; would wait: {placement.reason}", tasks)
         return Plan(spec.strategy, True, "fits now", tasks)
+
+    def _plan_stages(self, spec: JobSpec) -> Plan:
+        """Pipeline and hybrid plans from the exact stage planner, over the free budgets of the
+        connected workers now."""
+        from coordinator.planner import WorkerSlot, plan_pipeline
+        from strata.modelspec import profile_model
+
+        # The planner fits estimates; a task reserves its budget (the estimate plus headroom, or
+        # memory.per_task_budget), so each worker offers what that rule leaves for an estimate.
+        fixed = spec.memory.per_task_budget_bytes
+        workers = []
+        for c in self._capacities():
+            if fixed:
+                if c.free_bytes >= fixed:
+                    workers.append(WorkerSlot(c.name, fixed))
+            else:
+                workers.append(WorkerSlot(c.name, max(0, min(int(c.free_bytes / (1 + HEADROOM_FRACTION)),
+                                                             c.free_bytes - HEADROOM_MIN))))
+        try:
+            p = plan_pipeline(
+                profile_model(spec.model), workers, stages=spec.stages,
+                microbatches=spec.microbatches, global_batch=spec.data.batch_size,
+                replicas=spec.workers, optimizer=spec.training.optimizer.name,
+                mixed_precision=spec.memory.mixed_precision, recompute=spec.memory.recompute)
+        except ValueError as e:
+            field, _, message = str(e).partition(": ")
+            raise SpecError(field, message) from None
+        tasks = [PlannedTask(role="worker", index=i, worker=s.worker, stage=s.index,
+                             layers=list(s.layer_names), estimated_memory_bytes=s.memory_bytes,
+                             memory_budget_bytes=spec.memory.per_task_budget_bytes
+                             or default_budget(s.memory_bytes))
+                 for i, s in enumerate(sorted(p.stages, key=lambda s: (s.replica, s.index)))]
+        if not p.feasible:
+            return Plan(spec.strategy, False, p.reason, tasks)
+        return Plan(spec.strategy, True,
+                    f"{p.num_stages} stages" + (f" x {p.replicas} replicas" if p.replicas > 1 else "")
+                    + f", {p.microbatches} micro-batches of {p.microbatch}; planned on the free "
+                      "budgets of the connected workers (pipeline jobs are not runnable in this "
+                      "release yet)", tasks)
 
     @staticmethod
     def _layer_names(spec: JobSpec) -> list[str]:

@@ -126,7 +126,8 @@ class JobServicer(pb_grpc.JobServiceServicer):
 
     async def PlanJob(self, request: pb.PlanJobRequest, context: Any) -> pb.Plan:
         try:
-            prepared = await asyncio.to_thread(self.coord.prepare, convert.spec_from_proto(request.spec))
+            prepared = await asyncio.to_thread(self.coord.prepare,
+                                               convert.spec_from_proto(request.spec), True)
             return convert.plan_to_proto(self.coord.plan(prepared))
         except Exception as e:  # noqa: BLE001
             await _abort(context, e)

@@ -82,7 +82,8 @@ def _wrap(e: grpc.RpcError, address: str) -> CoordinatorError:
 SpecInput = str | Mapping[str, Any] | JobSpec
 
 
-def _spec_proto(spec: SpecInput, overrides: list[str] | None = None) -> pb.JobSpec:
+def _spec_proto(spec: SpecInput, overrides: list[str] | None = None,
+                plan_only: bool = False) -> pb.JobSpec:
     """Validates locally (the same rules the coordinator applies) and converts to the message."""
     from strata.spec import apply_overrides
 
@@ -95,7 +96,7 @@ def _spec_proto(spec: SpecInput, overrides: list[str] | None = None) -> pb.JobSp
             raw = dict(spec)
         if overrides:
             raw = apply_overrides(raw, overrides)
-        return convert.spec_to_proto(parse_job_spec(raw).to_dict())
+        return convert.spec_to_proto(parse_job_spec(raw, plan_only=plan_only).to_dict())
     except SpecError as e:
         raise JobRejected(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.field) from None
 
@@ -132,7 +133,7 @@ class Client:
 
     def plan(self, spec: SpecInput, overrides: list[str] | None = None) -> Plan:
         return convert.plan_from_proto(self._call("PlanJob", pb.PlanJobRequest(
-            spec=_spec_proto(spec, overrides))))
+            spec=_spec_proto(spec, overrides, plan_only=True))))
 
     def get(self, job_id: str) -> Job:
         return convert.job_from_proto(self._call("GetJob", pb.GetJobRequest(id=job_id)))

@@ -18,6 +18,8 @@ STRATEGIES = ("multi_worker_mirrored", "parameter_server", "pipeline", "hybrid")
 # Strategies this release can run. The others are part of the contract and are refused with a
 # message naming the field until their task runners land, rather than accepted and left to hang.
 RUNNABLE_STRATEGIES = ("multi_worker_mirrored",)
+# Strategies `strata plan` can already plan (the stage planner exists before their runners).
+PLANNABLE_STRATEGIES = ("multi_worker_mirrored", "pipeline", "hybrid")
 DATA_SOURCES = ("digits", "synthetic", "npz")
 OPTIMIZERS = ("adam", "adamw", "sgd", "rmsprop", "adagrad")
 LOSSES = ("sparse_categorical_crossentropy", "categorical_crossentropy", "mean_squared_error")
@@ -187,8 +189,9 @@ def _str(d: Mapping[str, Any], key: str, field: str, default: str = "") -> str:
     return value
 
 
-def parse_job_spec(raw: Any) -> JobSpec:
-    """Validates a job spec mapping and fills in defaults.
+def parse_job_spec(raw: Any, *, plan_only: bool = False) -> JobSpec:
+    """Validates a job spec mapping and fills in defaults. ``plan_only`` also accepts the
+    strategies that can be planned but not yet run (for ``strata plan``).
 
     Raises:
         SpecError: naming the first invalid field, e.g. ``data.batch_size``.
@@ -206,10 +209,15 @@ def parse_job_spec(raw: Any) -> JobSpec:
         raise SpecError("name", f"{name!r} must be 1-40 characters of a-z, 0-9 and '-', "
                                 "starting and ending with a letter or digit")
     strategy = _choice(raw, "strategy", "strategy", "multi_worker_mirrored", STRATEGIES)
-    if strategy not in RUNNABLE_STRATEGIES:
+    allowed = PLANNABLE_STRATEGIES if plan_only else RUNNABLE_STRATEGIES
+    if strategy not in allowed:
+        hint = " (`strata plan` shows its stage plan)" if strategy in PLANNABLE_STRATEGIES else ""
         raise SpecError("strategy", f"{strategy!r} is not available in this release yet "
-                                    f"(available: {', '.join(RUNNABLE_STRATEGIES)})")
+                                    f"(available: {', '.join(allowed)}){hint}")
     workers = _int(raw, "workers", "workers", 1, lo=1, hi=MAX_TASKS)
+    if strategy == "pipeline" and workers != 1:
+        raise SpecError("workers", "a pipeline job has one replica; for data-parallel replicas of "
+                                   "a pipeline use strategy hybrid")
     parameter_servers = _int(raw, "parameter_servers", "parameter_servers",
                              1 if strategy == "parameter_server" else 0, hi=MAX_TASKS)
     if strategy != "parameter_server" and parameter_servers:
