@@ -1,0 +1,1030 @@
+"""Pipeline planner: split a model's layers into contiguous stages and give each stage a worker.
+
+A pure decision, like ``coordinator.placement``: standard library only (the coordinator has no
+TensorFlow), no side effects, and it reads only the model's ``ModelProfile`` (per-layer
+parameter counts, output sizes and FLOPs); nothing is ever built to plan it.
+
+Problem
+-------
+Given the layers ``0..L-1`` of a chain model, free workers with budgets ``w_1 >= ... >= w_N``
+(bytes; they may all differ), a depth ``K`` (``stages: 0`` lets the planner choose) and
+``R`` replicas of the pipeline (``hybrid``; ``pipeline`` is ``R = 1``): cut the chain into
+``K`` non-empty contiguous stages and put every replica of every stage on its own worker
+(``K * R`` distinct workers) so that each stage's memory estimate (``StageCostModel.memory``)
+fits the free budget of its workers, minimising the BOTTLENECK: the cost of the slowest stage.
+Stage-to-worker assignment is free: any worker may host any stage.
+
+How it is solved exactly
+------------------------
+1. Matching for a fixed split (Hall's theorem on nested sets). A stage of demand ``d`` fits
+   exactly the workers with budget ``>= d``; the sets of fitting workers are NESTED (a larger
+   demand fits a subset). For nested neighbourhoods Hall's condition needs checking only on the
+   sets "the j largest demands", whose neighbourhood is that of the j-th largest demand. So
+   demands ``d_(1) >= d_(2) >= ...`` can be matched to distinct workers iff
+   ``#{workers with budget >= d_(j)} >= j`` for every j, i.e. iff ``d_(j) <= w_j`` pairwise
+   after sorting both. With R replicas each demand occurs R times; position ``(j-1)R + r`` of
+   the repeated list holds ``d_(j)``, so the condition is ``d_(j) <= w_{jR}``: the split is
+   placeable iff its K demands fit the "virtual slots" ``v_j = w_{jR}``, ``j = 1..floor(N/R)``.
+   Only the K largest slots matter for K stages. Best-fit decreasing (largest task first, to the
+   smallest worker that fits, as ``placement.place``) then finds the actual workers; it is exact
+   for nested sets by the usual exchange argument.
+
+2. Deciding "is there a placeable split whose stages all cost <= T?" (a PROBE). Write
+   ``q(d) = #{virtual slots >= d}`` for the number of slots a stage of demand d may use. By (1)
+   a multiset of stages is placeable iff, sorted ascending, ``q_(j) >= j`` for every j; so
+   everything the rest of the chain needs to know about a prefix split is the multiset of its
+   q values (its KEY; stored run-length encoded). Key A is at least as good as key B when it has
+   the same number of stages (fewer or equal for ``stages: 0``) and, for every x,
+   ``#{q in A <= x} <= #{q in B <= x}``: any completion of B is then a completion of A. The
+   probe is a dynamic programme over layer boundaries b = 1..L whose states are the
+   non-dominated keys of the prefix splits ending at b (Pareto sets; dominated keys are dropped,
+   which is exact by the previous sentence).
+   Extending a state (a, key) by the stage [a, b): the cost must be ``<= T`` (a in a window
+   ``[l(b), b)`` that only moves right, since costs are sums of non-negative layer costs) and
+   the stage takes ``q(memory(a, b))``. ``memory(a, b)`` is a monotone function of
+   ``X(b) - Y(a)`` (every term is a prefix-sum difference or depends on one end only, see
+   ``StageCostModel``), so among the states with the SAME key in the window the one with the
+   largest ``Y(a)`` gives the smallest demand, hence the largest q, hence a key that dominates
+   those the others would give. One monotone deque per key (a sliding-window maximum) finds it
+   in amortised O(1); the DP never looks at pairs (a, b) one by one. Keys that cannot finish are
+   pruned: the number of stages still needed for the rest of the chain at cost <= T (a greedy
+   furthest jump from the right, exact for that cost-only question) must fit the depth left.
+   No monotonicity of memory in the stage's extent is assumed, and none holds: cutting right
+   after a wide layer makes a stage keep that layer's output for every micro-batch.
+
+3. The bottleneck is the cost of some stage, so the optimum T* is one of the values
+   ``cost(a, b)``. Feasibility is monotone in T. The search brackets T* between a lower bound
+   (the largest single layer; total / depth) and a feasible probe, then bisects on values and
+   snaps to candidates: a feasible probe lowers the upper end to the bottleneck of the split it
+   found (a candidate), an infeasible one raises the lower end, and it stops when the next
+   candidate above the lower end (found in O(L) with two pointers) is the upper end. For
+   ``stages: 0`` the probe lets the depth float and keeps the fewest stages among equals, so
+   the plan has the smallest depth whose bottleneck is optimal (fewer stages, less traffic).
+
+Complexity and hardness. A probe costs O(L * keys) where keys is the number of live Pareto
+keys; with equal budgets (or when memory does not bind) a key is just a stage count and a probe
+is O(L) after band pruning. The search takes O(log range) probes (about 10-30). The general
+problem is strongly NP-hard: 3-PARTITION reduces to it (a chain of unit layers in blocks of B
+separated by huge layers, with budgets a_1..a_3m and m-1 huge ones, weights only and no cost
+limit), so no exact method is polynomial in the number of DISTINCT budgets unless P = NP; here
+the number of keys is at most C(K + m, m) for m distinct slot budgets, and in practice small.
+Measured on a 1,000-layer model and 64 heterogeneous workers: see bench/planner_speed.py.
+
+Memory of one stage task (``StageCostModel``; bytes, GPipe: all forwards, then all backwards)
+----------------------------------------------------------------------------------------------
+With ``m`` the micro-batch size (global batch / replicas / microbatches), ``M`` the number of
+micro-batches and the stage's layers [first, last):
+
+- weights: 4 bytes per parameter, +2 with mixed precision (16-bit compute copies);
+- gradients: 4 bytes per trainable parameter;
+- accumulator: one more gradient-sized buffer that sums the M micro-batches' gradients before
+  the optimizer step (counted even with M = 1: the runner's step always accumulates);
+- optimizer slots: ``OPTIMIZER_SLOTS[optimizer]`` x 4 bytes per trainable parameter;
+- collective (replicas > 1): the all-reduce buffer over the stage's replicas, one gradient size,
+  as ``strata.memory`` counts for multi-worker jobs;
+- activations: ``ACTIVATION_FACTOR`` x 4 bytes (``MIXED_ACTIVATION_BYTES`` with mixed
+  precision) per output element of the stage's layers per example, x m x M: GPipe keeps every
+  micro-batch's activations until its backward pass. With ``recompute`` only ONE micro-batch's
+  (the one being recomputed and back-propagated), x m;
+- boundary input: the stage's input (the previous stage's output, or the model input for the
+  first stage), float32, kept for all M micro-batches (it feeds the first layer's backward,
+  and with recompute it is the checkpoint the forward is re-run from): 4 x elements x m x M;
+- boundary gradients: one micro-batch at a time, the gradient of the stage's output received
+  from the next stage (not on the last stage, which starts from the loss) and the gradient of
+  its input sent back (not on the first stage): 4 x elements x m each;
+- input data (first stage): ``INPUT_BATCHES_IN_FLIGHT`` per-replica batches (m x M examples)
+  of float32 model inputs in flight (tf.data prefetch, the iterator, the step), as measured for
+  ``strata.memory``, plus ``data_bytes`` (the training shard, when the caller knows it);
+  labels (last stage): the same number of batches of ``label_bytes`` per example (8: sparse
+  int64 labels; pass 4 x classes for one-hot);
+- overhead: ``FIXED_OVERHEAD`` + ``FRAGMENTATION`` of all the rest (BFC chunk rounding).
+
+Costs: ``3 x`` the stage's forward FLOPs per example (forward + backward = 2 x forward), ``4 x``
+with recompute (one more forward). A measured per-layer cost list (seconds or any unit; a
+training step's forward + backward) replaces the FLOPs; with recompute it is scaled by 4/3 (the
+extra forward at the same 1:2 forward:backward ratio). Costs are per example: the micro-batch
+size scales every stage alike and does not change the split.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Sequence
+
+from strata.memory import (
+    ACTIVATION_FACTOR,
+    FIXED_OVERHEAD,
+    FRAGMENTATION,
+    INPUT_BATCHES_IN_FLIGHT,
+    MIXED_ACTIVATION_BYTES,
+    OPTIMIZER_SLOTS,
+    format_size,
+)
+from strata.modelspec import ModelProfile
+
+__all__ = [
+    "WorkerSlot", "PlannedStage", "PipelinePlan", "StageCostModel", "stage_memory",
+    "plan_pipeline", "suggest_stages", "format_plan",
+]
+
+MIXED_PRECISION_MODES = ("none", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class WorkerSlot:
+    """A worker that can take one stage task now, with its free memory budget in bytes."""
+
+    name: str
+    free_bytes: int
+
+
+@dataclass(frozen=True)
+class PlannedStage:
+    """One task of the plan: replica ``replica`` of stage ``index`` (layers
+    ``[first_layer, last_layer)``) on ``worker``. ``memory_bytes`` is the stage's estimate,
+    ``cost`` its per-example training cost (FLOPs or the measured unit)."""
+
+    index: int
+    worker: str
+    first_layer: int
+    last_layer: int
+    layer_names: tuple[str, ...]
+    memory_bytes: int
+    cost: float
+    replica: int = 0
+    worker_free_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """The plan. ``stages`` holds one entry per task, ordered by (stage index, replica), so a
+    hybrid plan has ``num_stages * replicas`` entries. ``reason`` says why an infeasible plan is
+    infeasible (empty when feasible); ``bottleneck_cost`` is the slowest stage's cost.
+    ``optimal`` is False only when the exact search ran out of its work allowance (see
+    ``WORK_LIMIT``): the plan then fits but its bottleneck is only known to be at least
+    ``lower_bound``; otherwise ``lower_bound`` equals ``bottleneck_cost``."""
+
+    feasible: bool
+    reason: str
+    stages: tuple[PlannedStage, ...]
+    bottleneck_cost: float
+    replicas: int = 1
+    microbatch: int = 0
+    microbatches: int = 1
+    optimal: bool = True
+    lower_bound: float = 0.0
+
+    @property
+    def num_stages(self) -> int:
+        return len({s.index for s in self.stages})
+
+
+# --------------------------------------------------------------------------------------------
+# memory and cost of one stage
+
+
+def _check_optimizer(optimizer: str) -> str:
+    name = str(optimizer).lower()
+    if name not in OPTIMIZER_SLOTS:
+        raise ValueError(f"training.optimizer.name: unknown optimizer {optimizer!r} "
+                         f"(known: {', '.join(OPTIMIZER_SLOTS)})")
+    return name
+
+
+class StageCostModel:
+    """Memory and cost of any contiguous stage in O(1), after an O(L) prefix-sum pass.
+
+    ``memory(first, last)`` and ``cost(first, last)`` take half-open layer ranges. The memory
+    terms are listed in the module docstring; ``breakdown`` returns them one by one. Internally
+    ``memory(a, b) = total(X[b] - Y[a])`` with ``total`` non-decreasing: the planner relies on
+    that separable form (see the module docstring, point 2)."""
+
+    def __init__(self, profile: ModelProfile, *, microbatch: int, microbatches: int,
+                 optimizer: str = "adam", mixed_precision: str = "none",
+                 recompute: bool = False, replicas: int = 1,
+                 layer_costs: Sequence[float] | None = None, label_bytes: int = 8,
+                 data_bytes: int = 0):
+        layers = profile.layers
+        if not layers:
+            raise ValueError("model: has no layers to split into stages")
+        if not isinstance(microbatch, int) or microbatch < 1:
+            raise ValueError(f"microbatches: the micro-batch size must be a positive integer, "
+                             f"got {microbatch!r}")
+        if not isinstance(microbatches, int) or microbatches < 1:
+            raise ValueError(f"microbatches: must be a positive integer, got {microbatches!r}")
+        if not isinstance(replicas, int) or replicas < 1:
+            raise ValueError(f"replicas: must be a positive integer, got {replicas!r}")
+        if mixed_precision not in MIXED_PRECISION_MODES:
+            raise ValueError(f"memory.mixed_precision: unknown mode {mixed_precision!r} "
+                             f"(known: {', '.join(MIXED_PRECISION_MODES)})")
+        self.profile = profile
+        self.layers = layers
+        self.L = L = len(layers)
+        self.microbatch = m = microbatch
+        self.microbatches = M = microbatches
+        self.optimizer = _check_optimizer(optimizer)
+        self.mixed = mixed = mixed_precision != "none"
+        self.recompute = bool(recompute)
+        self.replicas = replicas
+        self.label_bytes = int(label_bytes)
+        self.data_bytes = int(data_bytes)
+
+        # per-unit coefficients (bytes)
+        self.c_weight = 4 + (2 if mixed else 0)
+        slots = OPTIMIZER_SLOTS[self.optimizer]
+        self.c_train = 4 * (1 + 1 + slots + (1 if replicas > 1 else 0))
+        per_elem = MIXED_ACTIVATION_BYTES if mixed else ACTIVATION_FACTOR * 4
+        self.c_act = per_elem * m * (1 if self.recompute else M)
+        self.in_flight_examples = INPUT_BATCHES_IN_FLIGHT * m * M
+
+        pp = [0] * (L + 1)
+        pt = [0] * (L + 1)
+        pa = [0] * (L + 1)
+        for i, layer in enumerate(layers):
+            pp[i + 1] = pp[i] + layer.params
+            pt[i + 1] = pt[i] + layer.trainable_params
+            pa[i + 1] = pa[i] + layer.output_elems
+        self._pp, self._pt, self._pa = pp, pt, pa
+
+        # X[b]: terms that grow with the end b; Y[a]: with the start a (subtracted)
+        cw, ct, ca = self.c_weight, self.c_train, self.c_act
+        x = [0.0] * (L + 1)
+        y = [0.0] * (L + 1)
+        for i in range(L + 1):
+            base = cw * pp[i] + ct * pt[i] + ca * pa[i]
+            x[i] = base + (self._grad_out(i) if i < L else self._labels())
+            y[i] = base - self._boundary_in(i) - self._grad_in(i) - (self._input_data() if i == 0
+                                                                      else 0)
+        self._x, self._y = x, y
+
+        # costs
+        if layer_costs is None:
+            per_layer: list[float] = [l.flops for l in layers]
+            self.cost_factor: float = 4 if self.recompute else 3
+            self.cost_unit = "FLOPs"
+        else:
+            per_layer = list(layer_costs)
+            if len(per_layer) != L:
+                raise ValueError(f"layer_costs: {len(per_layer)} values for {L} layers")
+            for c in per_layer:
+                if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) \
+                        or c < 0:
+                    raise ValueError(f"layer_costs: every cost must be a finite number >= 0, "
+                                     f"got {c!r}")
+            self.cost_factor = 4 / 3 if self.recompute else 1
+            self.cost_unit = "measured"
+        f = [0] * (L + 1)
+        for i, c in enumerate(per_layer):
+            f[i + 1] = f[i] + c
+        self._f = f
+
+    # -- boundary terms (functions of one end only)
+
+    def _in_elems(self, a: int) -> int:
+        return self.profile.input_elems if a == 0 else self.layers[a - 1].output_elems
+
+    def _boundary_in(self, a: int) -> float:
+        return 4 * self._in_elems(a) * self.microbatch * self.microbatches if a < self.L else 0
+
+    def _grad_in(self, a: int) -> float:
+        return 4 * self._in_elems(a) * self.microbatch if 0 < a < self.L else 0
+
+    def _grad_out(self, b: int) -> float:
+        return 4 * self.layers[b - 1].output_elems * self.microbatch if 0 < b < self.L else 0
+
+    def _input_data(self) -> float:
+        return self.in_flight_examples * 4 * self.profile.input_elems + self.data_bytes
+
+    def _labels(self) -> float:
+        return self.in_flight_examples * self.label_bytes
+
+    # -- queries
+
+    def _check(self, first: int, last: int) -> None:
+        if not (0 <= first < last <= self.L):
+            raise ValueError(f"stage layers [{first}, {last}) must be a non-empty range of "
+                             f"0..{self.L}")
+
+    def memory(self, first: int, last: int) -> int:
+        """Estimated peak bytes of a task holding layers ``[first, last)``."""
+        self._check(first, last)
+        c = math.ceil(self._x[last] - self._y[first])
+        return c + FIXED_OVERHEAD + math.ceil(FRAGMENTATION * c)
+
+    def cost(self, first: int, last: int) -> float:
+        """Per-example training cost of layers ``[first, last)`` (see the module docstring)."""
+        self._check(first, last)
+        return (self._f[last] - self._f[first]) * self.cost_factor
+
+    def breakdown(self, first: int, last: int) -> dict[str, int]:
+        """The memory terms of a stage (bytes, each rounded up; ``overhead`` takes the rounding
+        so that the terms add up to ``total``, which equals ``memory(first, last)``)."""
+        self._check(first, last)
+        params = self._pp[last] - self._pp[first]
+        train = self._pt[last] - self._pt[first]
+        acts = self._pa[last] - self._pa[first]
+        slots = OPTIMIZER_SLOTS[self.optimizer]
+        terms = {
+            "weights": self.c_weight * params,
+            "gradients": 4 * train,
+            "accumulator": 4 * train,
+            "optimizer_slots": 4 * slots * train,
+            "collective": 4 * train if self.replicas > 1 else 0,
+            "activations": math.ceil(self.c_act * acts),
+            "boundary_input": math.ceil(self._boundary_in(first)),
+            "boundary_gradients": math.ceil(self._grad_in(first) + self._grad_out(last)),
+            "input_data": math.ceil(self._input_data()) if first == 0 else 0,
+            "labels": math.ceil(self._labels()) if last == self.L else 0,
+        }
+        total = self.memory(first, last)
+        terms["overhead"] = total - sum(terms.values())
+        terms["total"] = total
+        return terms
+
+
+def stage_memory(profile: ModelProfile, first: int, last: int, *, microbatch: int,
+                 microbatches: int, optimizer: str = "adam", mixed_precision: str = "none",
+                 recompute: bool = False, stage_index: int | None = None,
+                 num_stages: int | None = None, replicas: int = 1, label_bytes: int = 8,
+                 data_bytes: int = 0) -> int:
+    """Bytes of a GPipe stage task holding ``profile.layers[first:last]`` (terms: module
+    docstring). Whether it is the first or last stage follows from the range (first == 0, last
+    == number of layers); ``stage_index`` and ``num_stages``, when given, are checked against
+    it. For many queries build a ``StageCostModel`` once."""
+    model = StageCostModel(profile, microbatch=microbatch, microbatches=microbatches,
+                           optimizer=optimizer, mixed_precision=mixed_precision,
+                           recompute=recompute, replicas=replicas, label_bytes=label_bytes,
+                           data_bytes=data_bytes)
+    model._check(first, last)
+    if stage_index is not None and (stage_index == 0) != (first == 0):
+        raise ValueError(f"stage_index {stage_index} does not match first layer {first}: "
+                         "stage 0 is the one that starts at layer 0")
+    if num_stages is not None and stage_index is not None \
+            and (stage_index == num_stages - 1) != (last == model.L):
+        raise ValueError(f"stage {stage_index} of {num_stages} does not match last layer {last}: "
+                         "the last stage is the one that ends at the last layer")
+    return model.memory(first, last)
+
+
+# --------------------------------------------------------------------------------------------
+# the search
+
+
+# Keys. A key is the set of slot ranks its stages took (bit r = rank r; ranks 1..S from the
+# largest budget). For dominance tests each key also carries its prefix counts c(t) = #taken
+# ranks <= t packed in one integer, a field of F bits per t whose top bit is a guard, so that
+# "c_A(t) <= c_B(t) for every t" is one subtraction: ((pack_B | G) - pack_A) & G == G.
+
+
+def _take_slot(key: int, q: int) -> int:
+    """Adds a stage that fits the ``q`` largest slots to ``key``: it takes the largest free
+    rank <= q (best fit). Returns the new key, or -1 when ranks 1..q are all taken."""
+    free = ~key & ((2 << q) - 2)
+    if not free:
+        return -1
+    return key | (1 << (free.bit_length() - 1))
+
+
+class _Packing:
+    """Packed prefix counts for ranks 1..S: ``ones[r]`` adds 1 to c(t) for every t >= r;
+    ``guard`` has the top bit of every field."""
+
+    def __init__(self, S: int):
+        F = S.bit_length() + 1  # counts <= S stay below the guard bit
+        self.ones = [0] * (S + 2)
+        acc = 0
+        for r in range(S, 0, -1):
+            acc |= 1 << (r * F)
+            self.ones[r] = acc
+        self.guard = sum(1 << (t * F + F - 1) for t in range(1, S + 1))
+
+    def dominates(self, pack_a: int, pack_b: int) -> bool:
+        """c_A(t) <= c_B(t) for every t."""
+        g = self.guard
+        return ((pack_b | g) - pack_a) & g == g
+
+
+def _pareto(cand: dict[int, tuple[int, int]], kfix: int, packs: dict[int, int],
+            sums: dict[int, int], packing: _Packing) -> dict[int, tuple[int, int]]:
+    """Drops the dominated keys: A dominates B when it has the same number of stages (fixed
+    depth; no more stages for a free depth) and c_A(t) <= c_B(t) for every t. Then A's rank sum
+    is at least B's (sum over t of c(t) is the stages' sum of S + 1 - rank), so in the order
+    (stages, -rank sum) A comes first, and each key is compared with the kept keys before it
+    only. Distinct keys never dominate each other both ways."""
+    order = sorted(cand, key=lambda k: (k.bit_count(), -sums[k], k))
+    kept: list[tuple[int, int]] = []
+    out = {}
+    g = packing.guard
+    for k in order:
+        n = k.bit_count()
+        pk = packs[k]
+        for kn, po in kept:
+            if (kn == n or (not kfix and kn < n)) and ((pk | g) - po) & g == g:
+                break
+        else:
+            kept.append((n, pk))
+            out[k] = cand[k]
+    return out
+
+
+def _rounded(slots_desc: list[int], cuts: list[int], up: bool) -> list[int]:
+    """Slots ``(cuts[i-1], cuts[i]]`` (ranks, 1-based) set to their group's largest (``up``)
+    or smallest budget."""
+    out = []
+    start = 0
+    for end in cuts:
+        value = slots_desc[start] if up else slots_desc[end - 1]
+        out += [value] * (end - start)
+        start = end
+    return out
+
+
+class _Undecided(Exception):
+    """The exact heterogeneous probe ran out of its work allowance."""
+
+
+#: Work allowance of the exact heterogeneous probes of one plan, in state extensions (about a
+#: microsecond each). Only pathological budget mixes get near it (module docstring); past it
+#: the plan stays feasible but is marked ``optimal=False`` with a proven lower bound.
+WORK_LIMIT = 2_000_000
+
+
+class _Search:
+    """Exact bottleneck minimisation over splits for one set of virtual slots."""
+
+    def __init__(self, model: StageCostModel, work_limit: int = WORK_LIMIT):
+        self.m = model
+        self.L = model.L
+        self.probes = 0
+        self.work_left = work_limit
+        self.exact = True
+
+    # -- candidate values cost(a, b)
+
+    def _next_candidate(self, x: float, strict: bool) -> float | None:
+        """The smallest cost(a, b) > x (strict) or >= x; None if there is none."""
+        L, f, fac = self.L, self.m._f, self.m.cost_factor
+        best = None
+        b = 1
+        for a in range(L):
+            if b < a + 1:
+                b = a + 1
+            if strict:
+                while b <= L and (f[b] - f[a]) * fac <= x:
+                    b += 1
+            else:
+                while b <= L and (f[b] - f[a]) * fac < x:
+                    b += 1
+            if b <= L:
+                c = (f[b] - f[a]) * fac
+                if best is None or c < best:
+                    best = c
+        return best
+
+    # -- one probe
+
+    def windows(self, T: float) -> tuple[list[int], list[int]] | None:
+        """For cost limit T: ``lo[b]``, the first start a with cost(a, b) <= T, and ``g[a]``,
+        the fewest stages covering layers [a, L) at cost <= T (greedy furthest jump, exact for
+        that question). None when a single layer costs more than T."""
+        L, f, fac = self.L, self.m._f, self.m.cost_factor
+        lo = [0] * (L + 1)
+        a = 0
+        for b in range(1, L + 1):
+            while (f[b] - f[a]) * fac > T:
+                a += 1
+            if a == b:
+                return None  # layer b-1 alone costs more than T
+            lo[b] = a
+        r = [0] * L
+        b = 1
+        for a in range(L):
+            if b < a + 1:
+                b = a + 1
+            while b < L and (f[b + 1] - f[a]) * fac <= T:
+                b += 1
+            r[a] = b
+        g = [0] * (L + 1)
+        for a in range(L - 1, -1, -1):
+            g[a] = 1 + g[r[a]]
+        return lo, g
+
+    def dp(self, win: tuple[list[int], list[int]], slots_desc: Sequence[int], kfix: int,
+           limited: bool = False) -> list[tuple[int, int]] | None:
+        """The dynamic programme of the module docstring (point 2) for the windows of one cost
+        limit: a placeable split on ``slots_desc`` with exactly ``kfix`` stages, or (kfix == 0)
+        with the fewest stages; None if there is none. ``limited`` charges the work to the
+        allowance and raises ``_Undecided`` when it runs out."""
+        L = self.L
+        X, Y = self.m._x, self.m._y
+        lo_, g = win
+        S = len(slots_desc)
+        if S == 0 or (kfix and (kfix > S or kfix > L)):
+            return None
+        kcap = kfix or S
+        if g[0] > kcap:
+            return None
+        asc = sorted(slots_desc)
+        fixed, frag, ceil = FIXED_OVERHEAD, FRAGMENTATION, math.ceil
+        work = 0
+        allowance = self.work_left if limited else -1
+
+        # states: (boundary b, key); one sliding-window-maximum deque of boundaries per key
+        queues: dict[int, deque] = {0: deque([0])}
+        packing = _Packing(S)
+        ones = packing.ones
+        packs: dict[int, int] = {0: 0}
+        sums: dict[int, int] = {0: 0}
+        parent: dict[tuple[int, int], tuple[int, int]] = {}
+        final: dict[int, tuple[int, int]] = {}
+        for b in range(1, L + 1):
+            lb = lo_[b]
+            xb = X[b]
+            last = b == L
+            cand: dict[int, tuple[int, int]] = {}
+            dead = []
+            work += len(queues)
+            if work > allowance >= 0:
+                self.work_left = 0
+                raise _Undecided()
+            for key, dq in queues.items():
+                while dq[0] < lb:
+                    dq.popleft()
+                    if not dq:
+                        break
+                if not dq:
+                    dead.append(key)
+                    continue
+                a = dq[0]
+                c = ceil(xb - Y[a])
+                q = S - bisect.bisect_left(asc, c + fixed + ceil(frag * c))
+                if q == 0:
+                    continue
+                free = ~key & ((2 << q) - 2)  # _take_slot, inlined
+                if not free:
+                    continue
+                rank = free.bit_length() - 1
+                nk = key | (1 << rank)
+                if last:
+                    if kfix and nk.bit_count() != kfix:
+                        continue
+                else:
+                    k1 = nk.bit_count()
+                    if k1 + g[b] > kcap or (kfix and kfix - k1 > L - b):
+                        continue
+                if nk not in cand:
+                    cand[nk] = (a, key)
+                    if nk not in packs:
+                        packs[nk] = packs[key] + ones[rank]
+                        sums[nk] = sums[key] + rank
+            for key in dead:
+                del queues[key]
+            if len(cand) > 1:
+                work += len(cand) * len(cand) // 4
+                cand = _pareto(cand, kfix, packs, sums, packing)
+            if last:
+                final = cand
+                break
+            yb = Y[b]
+            for nk, pa in cand.items():
+                parent[(b, nk)] = pa
+                dq = queues.get(nk)
+                if dq is None:
+                    queues[nk] = deque([b])
+                else:
+                    while dq and Y[dq[-1]] <= yb:
+                        dq.pop()
+                    dq.append(b)
+        if limited:
+            self.work_left -= work
+        if not final:
+            return None
+        key = min(final, key=lambda k: (k.bit_count(), k))
+        a, prev = final[key]
+        split = [(a, L)]
+        while a > 0:
+            a2, prev2 = parent[(a, prev)]
+            split.append((a2, a))
+            a, prev = a2, prev2
+        split.reverse()
+        return split
+
+    def probe(self, T: float, slots_desc: Sequence[int], kfix: int
+              ) -> list[tuple[int, int]] | None:
+        """A placeable split whose stages all cost <= T (exactly ``kfix`` stages, or any
+        number when kfix == 0), or None if there is none. Raises ``_Undecided`` when the exact
+        heterogeneous programme runs out of its allowance.
+
+        Two cheap homogeneous programmes come first: every slot at the LARGEST budget (if that
+        fails, nothing fits) and every stage within a SMALLER budget that enough slots offer (if
+        that succeeds, it is placeable). Only when they disagree does the exact programme run."""
+        self.probes += 1
+        S = len(slots_desc)
+        if S == 0 or (kfix and (kfix > S or kfix > self.L)):
+            return None
+        win = self.windows(T)
+        if win is None:
+            return None
+        top, bottom = slots_desc[0], slots_desc[(kfix or S) - 1]
+        if top == bottom:
+            return self.dp(win, slots_desc[:kfix or S], kfix)
+        relaxed = self.dp(win, [top] * (kfix or S), kfix)
+        if relaxed is None:
+            return None
+        if kfix:
+            split = self.dp(win, [bottom] * kfix, kfix)
+            if split is not None:
+                return split
+        else:
+            # a split into k stages each within the k-th largest budget is placeable
+            tried = set()
+            for j in (S, (3 * S) // 4, S // 2, S // 4, len(relaxed)):
+                if j < len(relaxed) or j in tried:
+                    continue
+                tried.add(j)
+                split = self.dp(win, [slots_desc[j - 1]] * j, 0)
+                if split is not None:
+                    return split
+        # the same bounds with the slots in a few groups: each group at its smallest budget
+        # (a split found is placeable) or at its largest (no split means none is placeable);
+        # few distinct budgets keep these programmes small
+        n = kfix or S
+        slots = list(slots_desc[:n])
+        for groups in (2, 4, 8):
+            if groups >= len(set(slots)):
+                break
+            cuts = sorted({-(-n * i // groups) for i in range(1, groups + 1)})
+            down, up = _rounded(slots, cuts, up=False), _rounded(slots, cuts, up=True)
+            split = self.dp(win, down, kfix)
+            if split is not None:
+                return split
+            if self.dp(win, up, kfix) is None:
+                return None
+        if self.work_left <= 0:
+            raise _Undecided()
+        return self.dp(win, slots_desc[:kfix or S], kfix, limited=True)
+
+    # -- the search
+
+    def bottleneck(self, split: list[tuple[int, int]]) -> float:
+        return max(self.m.cost(a, b) for a, b in split)
+
+    def _try(self, T: float, slots_desc: Sequence[int], kfix: int
+             ) -> list[tuple[int, int]] | None:
+        try:
+            return self.probe(T, slots_desc, kfix)
+        except _Undecided:
+            self.exact = False
+            return None
+
+    def optimise(self, slots_desc: Sequence[int], kfix: int) -> list[tuple[int, int]] | None:
+        """The placeable split with the smallest bottleneck (fewest stages among equals when
+        kfix == 0), or None when no placeable split exists at any cost. When an exact probe
+        runs out of its allowance the result is still placeable and ``self.exact`` is False."""
+        m, L = self.m, self.L
+        slots_desc = list(slots_desc[:kfix] if kfix else slots_desc)
+        depth = kfix or min(L, len(slots_desc))
+        if depth < 1:
+            return None
+        total = m.cost(0, L)
+        biggest = max(m.cost(i, i + 1) for i in range(L))
+        lower = max(biggest, total / depth * (1 - 1e-9))  # margin for float rounding
+        c0 = self._next_candidate(lower, strict=False)
+        if c0 is None:  # float rounding: total / depth above every candidate
+            c0 = total
+        best = self._try(c0, slots_desc, kfix)
+        if best is None:
+            lo = c0  # every candidate <= lo is infeasible (or undecided)
+            # gallop up to a feasible upper end
+            step = max(biggest, total / depth / 8, 1e-12)
+            while True:
+                t = min(lo + step, total)
+                best = self._try(t, slots_desc, kfix)
+                if best is not None:
+                    break
+                if t >= total:
+                    return None
+                lo = t
+                step *= 2
+            hi = self.bottleneck(best)
+            while True:
+                c = self._next_candidate(lo, strict=True)
+                if c is None or c >= hi:
+                    break
+                mid = max(c, (lo + hi) / 2)
+                split = self._try(mid, slots_desc, kfix)
+                if split is None:
+                    lo = mid
+                else:
+                    best, hi = split, self.bottleneck(split)
+        if kfix:
+            return best
+        # fewest stages with this bottleneck: the smallest depth K that is feasible at it
+        hi = self.bottleneck(best)
+        win = self.windows(hi)
+        assert win is not None
+        fewest = self.dp(win, [slots_desc[0]] * len(slots_desc), 0)
+        assert fewest is not None
+        for k in range(len(fewest), len(best)):
+            split = self._try(hi, slots_desc[:k], k)
+            if split is not None:
+                return split
+        return best
+
+    def lower_bound(self, slots_desc: Sequence[int], kfix: int) -> float:
+        """The optimal bottleneck if every slot had the largest budget: a lower bound."""
+        top = slots_desc[0]
+        n = kfix or len(slots_desc)
+        split = _Search(self.m).optimise([top] * n, kfix)
+        return self.bottleneck(split) if split is not None else math.inf
+
+
+# --------------------------------------------------------------------------------------------
+# planning
+
+
+def _virtual_slots(workers: Sequence[WorkerSlot], replicas: int) -> list[int]:
+    """``v_j = w_{jR}``: the budget the j-th replica group of workers can all offer."""
+    budgets = sorted((w.free_bytes for w in workers), reverse=True)
+    return [budgets[j * replicas - 1] for j in range(1, len(budgets) // replicas + 1)]
+
+
+def _assign(demands: list[int], workers: Sequence[WorkerSlot], replicas: int
+            ) -> dict[tuple[int, int], WorkerSlot] | None:
+    """Best-fit decreasing of every (stage, replica) task to a distinct worker."""
+    pool = sorted(workers, key=lambda w: (w.free_bytes, w.name))
+    used: set[int] = set()
+    out: dict[tuple[int, int], WorkerSlot] = {}
+    tasks = sorted(((d, s, r) for s, d in enumerate(demands) for r in range(replicas)),
+                   key=lambda t: (-t[0], t[1], t[2]))
+    for d, s, r in tasks:
+        for i, w in enumerate(pool):
+            if i not in used and w.free_bytes >= d:
+                used.add(i)
+                out[(s, r)] = w
+                break
+        else:
+            return None
+    return out
+
+
+def _microbatch(global_batch: int, replicas: int, microbatches: int) -> int:
+    for name, value in (("data.batch_size", global_batch), ("microbatches", microbatches),
+                        ("replicas", replicas)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+    if global_batch % replicas:
+        raise ValueError(f"data.batch_size: the global batch {global_batch} must divide evenly "
+                         f"among {replicas} replicas")
+    per_replica = global_batch // replicas
+    if per_replica % microbatches:
+        raise ValueError(f"microbatches: the per-replica batch {per_replica} (data.batch_size "
+                         f"{global_batch} / {replicas} replicas) does not divide into "
+                         f"{microbatches} micro-batches of equal size")
+    return per_replica // microbatches
+
+
+def plan_pipeline(profile: ModelProfile, workers: Sequence[WorkerSlot], *, stages: int,
+                  microbatches: int, global_batch: int, replicas: int = 1,
+                  optimizer: str = "adam", mixed_precision: str = "none",
+                  recompute: bool = False, layer_costs: Sequence[float] | None = None,
+                  label_bytes: int = 8, data_bytes: int = 0) -> PipelinePlan:
+    """Splits ``profile``'s layers into ``stages`` contiguous stages (0: the planner picks the
+    depth, fewest stages among equal bottlenecks) and places ``replicas`` copies of each on
+    distinct ``workers``, minimising the slowest stage's cost subject to every task's memory
+    fitting its worker's free budget. Exact; see the module docstring.
+
+    Raises ValueError (message starts with the spec field) for inconsistent arguments; returns
+    a plan with ``feasible=False`` and a ``reason`` when nothing fits."""
+    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 0:
+        raise ValueError(f"stages: must be 0 (let the planner choose) or a positive integer, "
+                         f"got {stages!r}")
+    microbatch = _microbatch(global_batch, replicas, microbatches)
+    names = [w.name for w in workers]
+    if len(set(names)) != len(names):
+        raise ValueError("workers: worker names must be distinct")
+    model = StageCostModel(profile, microbatch=microbatch, microbatches=microbatches,
+                           optimizer=optimizer, mixed_precision=mixed_precision,
+                           recompute=recompute, replicas=replicas, layer_costs=layer_costs,
+                           label_bytes=label_bytes, data_bytes=data_bytes)
+    return _plan(model, list(workers), stages)
+
+
+def _plan(model: StageCostModel, workers: list[WorkerSlot], stages: int) -> PipelinePlan:
+    L, R = model.L, model.replicas
+
+    def infeasible(reason: str) -> PipelinePlan:
+        return PipelinePlan(False, reason, (), 0.0, R, model.microbatch, model.microbatches)
+
+    slots = _virtual_slots(workers, R)
+    n = len(workers)
+    if stages > L:
+        return infeasible(f"stages: {stages} asked for but the model has only {L} layers")
+    if not slots:
+        if n == 0:
+            return infeasible("no workers are free")
+        return infeasible(f"each stage needs {R} workers (one per replica) but only {n} "
+                          f"{'is' if n == 1 else 'are'} free")
+    if stages > len(slots):
+        if R == 1:
+            return infeasible(f"stages: {stages} asked for but {n} worker"
+                              f"{'s are' if n != 1 else ' is'} free")
+        return infeasible(f"stages: {stages} with {R} replicas needs {stages * R} workers but "
+                          f"{n} {'are' if n != 1 else 'is'} free")
+    used_slots = slots[:stages] if stages else slots
+    search = _Search(model)
+    split = search.optimise(used_slots, stages)
+    if split is None:
+        return infeasible(_explain(model, workers, slots, stages))
+    demands = [model.memory(a, b) for a, b in split]
+    assignment = _assign(demands, workers, R)
+    if assignment is None:  # pragma: no cover - the search only returns placeable splits
+        raise AssertionError("planner: a placeable split could not be assigned")
+    out = []
+    for s, (a, b) in enumerate(split):
+        names = tuple(l.name for l in model.layers[a:b])
+        for r in range(R):
+            w = assignment[(s, r)]
+            out.append(PlannedStage(s, w.name, a, b, names, demands[s], model.cost(a, b), r,
+                                    w.free_bytes))
+    bottleneck = search.bottleneck(split)
+    lower = bottleneck if search.exact else min(bottleneck,
+                                                search.lower_bound(used_slots, stages))
+    return PipelinePlan(True, "", tuple(out), bottleneck, R, model.microbatch,
+                        model.microbatches, optimal=search.exact, lower_bound=lower)
+
+
+# --------------------------------------------------------------------------------------------
+# explanations
+
+
+_TERM_WORDS = {
+    "weights": "weights", "gradients": "gradients", "accumulator": "gradient accumulator",
+    "collective": "all-reduce buffer", "boundary_input": "stage inputs",
+    "boundary_gradients": "boundary gradients", "input_data": "input batches",
+    "labels": "labels", "overhead": "overhead",
+}
+
+
+def _describe_terms(model: StageCostModel, terms: dict[str, int]) -> str:
+    parts = []
+    for name, value in terms.items():
+        if name == "total" or value <= 0:
+            continue
+        if name == "optimizer_slots":
+            word = f"{model.optimizer} slots"
+        elif name == "activations":
+            word = ("activations of 1 micro-batch (recomputed)" if model.recompute else
+                    f"activations of {model.microbatches} micro-batch"
+                    f"{'es' if model.microbatches != 1 else ''}")
+        else:
+            word = _TERM_WORDS.get(name, name)
+        parts.append((value, f"{word} {format_size(value)}"))
+    parts.sort(key=lambda p: -p[0])
+    return ", ".join(p[1] for p in parts)
+
+
+def _advice(model: StageCostModel, terms: dict[str, int] | None) -> str:
+    tips = []
+    state = 0
+    if terms is not None:
+        state = (terms["weights"] + terms["gradients"] + terms["accumulator"]
+                 + terms["optimizer_slots"] + terms["collective"])
+    if terms is None or state < terms["total"] * 0.8:
+        if not model.recompute:
+            tips.append("set memory.recompute: true")
+        elif model.microbatch > 1:
+            tips.append("use more microbatches")
+        tips.append("use a smaller data.batch_size")
+    if model.optimizer != "sgd" and terms is not None and terms["optimizer_slots"] > 0 \
+            and state >= terms["total"] * 0.5:
+        tips.append("use an optimizer with fewer slots (sgd has none)")
+    tips.append("add workers with more free memory")
+    return "; " + ", ".join(tips[:-1]) + (" or " if len(tips) > 1 else "") + tips[-1]
+
+
+def _explain(model: StageCostModel, workers: list[WorkerSlot], slots: list[int],
+             stages: int) -> str:
+    L, R = model.L, model.replicas
+    X, Y = model._x, model._y
+    v1 = slots[0]
+    n_big = sum(1 for w in workers if w.free_bytes >= v1)
+    largest = (f"the largest free worker budget is {format_size(v1)}" if R == 1 else
+               f"the largest budget {R} free workers share (one per replica) is "
+               f"{format_size(v1)}")
+    # a layer that fits in no stage at all: min over a <= i < b of total(X[b] - Y[a])
+    pre_y = []
+    best = -math.inf
+    for i in range(L):
+        best = max(best, Y[i])
+        pre_y.append(best)
+    suf_x = [0.0] * L
+    best = math.inf
+    for i in range(L - 1, -1, -1):
+        best = min(best, X[i + 1])
+        suf_x[i] = best
+    worst, worst_need, bad = -1, 0, 0
+    for i in range(L):
+        c = math.ceil(suf_x[i] - pre_y[i])
+        need = c + FIXED_OVERHEAD + math.ceil(FRAGMENTATION * c)
+        if need > v1:
+            bad += 1
+            if need > worst_need:
+                worst, worst_need = i, need
+    if worst >= 0:
+        layer = model.layers[worst]
+        terms = model.breakdown(worst, worst + 1)
+        if terms["total"] == worst_need:
+            what = f"layer {layer.name!r} alone needs {format_size(worst_need)}"
+        else:
+            what = (f"every stage holding layer {layer.name!r} needs at least "
+                    f"{format_size(worst_need)} (alone: {format_size(terms['total'])})")
+        more = f" ({bad - 1} more layer{'s' if bad > 2 else ''} fit nowhere either)" \
+            if bad > 1 else ""
+        return (f"{what} ({_describe_terms(model, terms)}) but {largest}{more}"
+                f"{_advice(model, terms)}")
+    # fewest stages if every stage had the largest budget (cost ignored)
+    search = _Search(model)
+    relaxed = search.probe(math.inf, [v1] * L, 0)
+    if relaxed is None:
+        return (f"no split of the {L} layers into contiguous stages fits {format_size(v1)} per "
+                f"stage: the cuts each layer would need exclude each other"
+                f"{_advice(model, None)}")
+    k1 = len(relaxed)
+    if k1 > len(slots):
+        have = (f"only {len(workers)} worker{'s are' if len(workers) != 1 else ' is'} free"
+                if R == 1 else f"only {len(workers)} workers are free, enough for "
+                               f"{len(slots)} stage{'s' if len(slots) != 1 else ''} of {R} "
+                               f"replicas")
+        return (f"the model needs at least {k1} stages of <= {format_size(v1)} "
+                f"({'the largest free budget' if R == 1 else 'the largest shared budget'}) "
+                f"but {have}{_advice(model, None)}")
+    if stages and k1 > stages:
+        return (f"stages: {stages} is too few: the model needs at least {k1} stages of <= "
+                f"{format_size(v1)} (the largest free budget); set stages: {k1} or more, or 0 "
+                f"to let the planner choose{_advice(model, None)}")
+    if stages and search.probe(math.inf, [v1] * stages, stages) is None:
+        return (f"no split into exactly {stages} stages fits even {format_size(v1)} per stage "
+                f"(every such split cuts the model after a wide layer whose output a stage "
+                f"must keep for all micro-batches); {k1} stages fit: set stages: {k1} or 0"
+                f"{_advice(model, None)}")
+    budgets = ", ".join(format_size(w.free_bytes) for w in
+                        sorted(workers, key=lambda w: -w.free_bytes)[:8])
+    if len(workers) > 8:
+        budgets += ", ..."
+    what = f"{stages}" if stages else f"at most {len(slots)}"
+    return (f"no split into {what} stages gives every stage{' replica' if R > 1 else ''} its "
+            f"own worker with enough free memory (free budgets: {budgets}): with every stage "
+            f"at {format_size(v1)} {k1} stage{'s' if k1 != 1 else ''} would do, but only "
+            f"{n_big} worker{'s have' if n_big != 1 else ' has'} that much free and the splits "
+            f"into more stages need more of the larger workers than there are"
+            f"{_advice(model, None)}")
+
+
+# --------------------------------------------------------------------------------------------
+# helpers for admission and the CLI
+
+
+def suggest_stages(profile: ModelProfile, budget_bytes: int, *, global_batch: int,
+                   microbatches: int = 1, replicas: int = 1, optimizer: str = "adam",
+                   mixed_precision: str = "none", recompute: bool = False,
+                   max_stages: int | None = None, label_bytes: int = 8,
+                   data_bytes: int = 0) -> int | None:
+    """The smallest pipeline depth whose stages each fit ``budget_bytes`` (at most
+    ``max_stages``, default: one stage per layer), or None when no depth does. Used by
+    admission to tell a user "this model fits as a 4-stage pipeline"."""
+    microbatch = _microbatch(global_batch, replicas, microbatches)
+    model = StageCostModel(profile, microbatch=microbatch, microbatches=microbatches,
+                           optimizer=optimizer, mixed_precision=mixed_precision,
+                           recompute=recompute, replicas=replicas, label_bytes=label_bytes,
+                           data_bytes=data_bytes)
+    limit = model.L if max_stages is None else max(0, min(int(max_stages), model.L))
+    if limit < 1:
+        return None
+    split = _Search(model).probe(math.inf, [int(budget_bytes)] * limit, 0)
+    return None if split is None else len(split)
+
+
+def format_plan(plan: PipelinePlan) -> str:
+    """The plan as text for ``strata plan``: one line per task, or the reason it is
+    infeasible."""
+    if not plan.feasible:
+        return f"pipeline plan: NOT feasible - {plan.reason}"
+    lines = [f"pipeline plan: {plan.num_stages} stage{'s' if plan.num_stages != 1 else ''}"
+             + (f" x {plan.replicas} replicas" if plan.replicas > 1 else "")
+             + f", {plan.microbatches} micro-batch{'es' if plan.microbatches != 1 else ''} of "
+               f"{plan.microbatch}, bottleneck cost {plan.bottleneck_cost:.4g}"
+             + ("" if plan.optimal else f" (search limit reached: not proven optimal, the "
+                                       f"optimum is at least {plan.lower_bound:.4g})")]
+    for s in plan.stages:
+        names = s.layer_names
+        span = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
+        rep = f" replica {s.replica}" if plan.replicas > 1 else ""
+        lines.append(f"  stage {s.index}{rep} on {s.worker}: layers {s.first_layer}-"
+                     f"{s.last_layer - 1} ({len(names)}: {span}), memory "
+                     f"{format_size(s.memory_bytes)} of {format_size(s.worker_free_bytes)} free,"
+                     f" cost {s.cost:.4g}")
+    return "\n".join(lines)
