@@ -14,8 +14,8 @@ Given the layers ``0..L-1`` of a chain model, free workers with budgets ``w_1 >=
 fits the free budget of its workers, minimising the BOTTLENECK: the cost of the slowest stage.
 Stage-to-worker assignment is free: any worker may host any stage.
 
-How it is solved exactly
-------------------------
+How it is solved
+----------------
 1. Matching for a fixed split (Hall's theorem on nested sets). A stage of demand ``d`` fits
    exactly the workers with budget ``>= d``; the sets of fitting workers are NESTED (a larger
    demand fits a subset). For nested neighbourhoods Hall's condition needs checking only on the
@@ -29,46 +29,65 @@ How it is solved exactly
    smallest worker that fits, as ``placement.place``) then finds the actual workers; it is exact
    for nested sets by the usual exchange argument.
 
-2. Deciding "is there a placeable split whose stages all cost <= T?" (a PROBE). Write
-   ``q(d) = #{virtual slots >= d}`` for the number of slots a stage of demand d may use. By (1)
-   a multiset of stages is placeable iff, sorted ascending, ``q_(j) >= j`` for every j; so
-   everything the rest of the chain needs to know about a prefix split is the multiset of its
-   q values (its KEY; stored run-length encoded). Key A is at least as good as key B when it has
-   the same number of stages (fewer or equal for ``stages: 0``) and, for every x,
-   ``#{q in A <= x} <= #{q in B <= x}``: any completion of B is then a completion of A. The
-   probe is a dynamic programme over layer boundaries b = 1..L whose states are the
-   non-dominated keys of the prefix splits ending at b (Pareto sets; dominated keys are dropped,
-   which is exact by the previous sentence).
-   Extending a state (a, key) by the stage [a, b): the cost must be ``<= T`` (a in a window
-   ``[l(b), b)`` that only moves right, since costs are sums of non-negative layer costs) and
-   the stage takes ``q(memory(a, b))``. ``memory(a, b)`` is a monotone function of
-   ``X(b) - Y(a)`` (every term is a prefix-sum difference or depends on one end only, see
+2. Keys. Write ``q(d) = #{virtual slots >= d}`` for the number of slots a stage of demand d
+   may use (ranks 1..q, rank 1 the largest). By (1) a multiset of stages is placeable iff
+   ``c(t) = #{stages with q <= t} <= t`` for every t. Give each stage, in chain order, the
+   LARGEST free rank <= its q (best fit). The set of taken ranks does not depend on the order:
+   it is the tightest form of the counts, ``#taken ranks <= t = t - min_{t' >= t} (t' - c(t'))``
+   (adding a stage to that set is exactly "take the largest free rank <= q", by induction), it
+   exists iff the multiset is placeable, and it decides every completion (a suffix fits iff it
+   fits the free ranks the same way). So the KEY of a prefix split is that set, a bitmask.
+   Key A is at least as good as key B when ``#(A & ranks 1..t) <= #(B & ranks 1..t)`` for every
+   t and A has the same number of stages (no more, for ``stages: 0``): any completion of B then
+   completes A. The prefix counts are packed into one integer per key, so this test is one
+   subtraction (see ``_Packing``).
+
+3. A PROBE decides "is there a placeable split whose stages all cost <= T?". Its exact form is
+   a dynamic programme over layer boundaries b = 1..L whose states are the non-dominated keys
+   of the prefix splits ending at b (Pareto sets: dropping dominated keys is exact by (2)).
+   Extending a state (a, key) by the stage [a, b): its cost must be <= T (a in a window
+   ``[l(b), b)`` that only moves right: costs are sums of non-negative layer costs) and it takes
+   the best-fit rank for ``q(memory(a, b))``. ``memory(a, b)`` is a non-decreasing function of
+   ``X(b) - Y(a)`` (each term is a prefix-sum difference or depends on one end only, see
    ``StageCostModel``), so among the states with the SAME key in the window the one with the
-   largest ``Y(a)`` gives the smallest demand, hence the largest q, hence a key that dominates
-   those the others would give. One monotone deque per key (a sliding-window maximum) finds it
-   in amortised O(1); the DP never looks at pairs (a, b) one by one. Keys that cannot finish are
-   pruned: the number of stages still needed for the rest of the chain at cost <= T (a greedy
-   furthest jump from the right, exact for that cost-only question) must fit the depth left.
-   No monotonicity of memory in the stage's extent is assumed, and none holds: cutting right
-   after a wide layer makes a stage keep that layer's output for every micro-batch.
+   largest ``Y(a)`` gives the smallest demand, the largest q, and a key that dominates what the
+   others would give. One monotone deque per key (a sliding-window maximum) finds it in
+   amortised O(1): pairs (a, b) are never enumerated. Keys that cannot finish are pruned (the
+   stages the rest of the chain needs at cost <= T, by a greedy furthest jump, must fit the
+   depth left). Memory is NOT assumed monotone in the stage's extent, and it is not: cutting
+   right after a wide layer makes a stage keep that layer's output for every micro-batch.
+   Before that programme a probe tries cheaper arguments that settle most cases: the same
+   programme with every slot at the LARGEST budget (a key is then a stage count; no split
+   means none is placeable) and at the smallest used budget (a split found is placeable);
+   the exact programme on a short allowance; two heuristics whose splits are placeable by
+   construction (the programme keeping one key per boundary and stage count; a local search
+   that fixes which slot each stage position gets, largest slots to the stages that need most,
+   and re-cuts optimally for that order); the slots rounded into 2, 4, 8 groups of equal
+   budget, down (a split found is placeable) and up (none found means none is placeable).
 
-3. The bottleneck is the cost of some stage, so the optimum T* is one of the values
-   ``cost(a, b)``. Feasibility is monotone in T. The search brackets T* between a lower bound
-   (the largest single layer; total / depth) and a feasible probe, then bisects on values and
-   snaps to candidates: a feasible probe lowers the upper end to the bottleneck of the split it
-   found (a candidate), an infeasible one raises the lower end, and it stops when the next
-   candidate above the lower end (found in O(L) with two pointers) is the upper end. For
-   ``stages: 0`` the probe lets the depth float and keeps the fewest stages among equals, so
-   the plan has the smallest depth whose bottleneck is optimal (fewer stages, less traffic).
+4. The SEARCH. The bottleneck is the cost of some stage, so the optimum T* is one of the values
+   ``cost(a, b)``, and feasibility is monotone in T. Bisection over values that snaps to
+   candidates: a feasible probe lowers the upper end to the bottleneck of the split it found,
+   an infeasible one raises the lower end, and it stops when the next candidate above the lower
+   end (two pointers, O(L)) is the upper end. It first optimises the two homogeneous bounds
+   (cheap): every slot at the largest budget gives T_low <= T*, every slot at the smallest
+   used budget a placeable split of bottleneck T_high >= T*; when they meet (memory does not
+   bind, or binds alike everywhere) that is the plan, otherwise full probes bisect between
+   them. For ``stages: 0`` the depth floats, and among the splits with the optimal bottleneck
+   the plan takes the smallest depth that is feasible (fewer stages, less traffic).
 
-Complexity and hardness. A probe costs O(L * keys) where keys is the number of live Pareto
-keys; with equal budgets (or when memory does not bind) a key is just a stage count and a probe
-is O(L) after band pruning. The search takes O(log range) probes (about 10-30). The general
-problem is strongly NP-hard: 3-PARTITION reduces to it (a chain of unit layers in blocks of B
-separated by huge layers, with budgets a_1..a_3m and m-1 huge ones, weights only and no cost
-limit), so no exact method is polynomial in the number of DISTINCT budgets unless P = NP; here
-the number of keys is at most C(K + m, m) for m distinct slot budgets, and in practice small.
-Measured on a 1,000-layer model and 64 heterogeneous workers: see bench/planner_speed.py.
+5. Hardness and the allowance. The general problem is strongly NP-hard even without costs:
+   3-PARTITION reduces to it (a chain of unit layers in m blocks of B separated by huge layers,
+   budgets a_1..a_3m plus m-1 huge ones, weights only). So no exact method is polynomial in the
+   number of DISTINCT budgets unless P = NP; here a probe costs O(L x live keys), at most
+   C(K + m, m) keys for m distinct budgets among the K slots used, and O(L) when budgets are
+   equal or memory does not bind. To keep the coordinator responsive the heterogeneous
+   programmes share a work allowance (``WORK_LIMIT``, about a second; ``PROBE_WORK`` per probe).
+   A probe that runs out counts as infeasible for the bisection, and the plan (still placeable)
+   says ``optimal=False`` with a proven ``lower_bound``; if no placeable split was found at all
+   the plan is infeasible with a reason that says the search gave up, not that none exists.
+   Brute force agrees on all small cases (tests/test_planner.py); bench/planner_speed.py times
+   1,000 layers on 64 workers, all budgets different.
 
 Memory of one stage task (``StageCostModel``; bytes, GPipe: all forwards, then all backwards)
 ----------------------------------------------------------------------------------------------
@@ -163,9 +182,11 @@ class PipelinePlan:
     """The plan. ``stages`` holds one entry per task, ordered by (stage index, replica), so a
     hybrid plan has ``num_stages * replicas`` entries. ``reason`` says why an infeasible plan is
     infeasible (empty when feasible); ``bottleneck_cost`` is the slowest stage's cost.
-    ``optimal`` is False only when the exact search ran out of its work allowance (see
-    ``WORK_LIMIT``): the plan then fits but its bottleneck is only known to be at least
-    ``lower_bound``; otherwise ``lower_bound`` equals ``bottleneck_cost``."""
+    ``optimal`` is False only when the search ran out of its work allowance (``WORK_LIMIT``,
+    module docstring point 5) before it could prove the bottleneck optimal: the plan still fits,
+    and the optimum is known to be at least ``lower_bound`` (which equals ``bottleneck_cost``
+    when ``optimal``). For ``stages: 0`` the depth is the smallest with that bottleneck unless
+    the allowance ran out."""
 
     feasible: bool
     reason: str
@@ -319,6 +340,16 @@ class StageCostModel:
         self._check(first, last)
         return (self._f[last] - self._f[first]) * self.cost_factor
 
+    def total_lower_bound(self, stages: int) -> float:
+        """A lower bound on the summed memory of any split into ``stages`` stages: the whole
+        model's terms, the cheapest cut's boundary terms for each cut, and each stage's fixed
+        overhead (every stage costs at least total(X[b] - Y[a]) >= (1 + FRAGMENTATION) x
+        (X[b] - Y[a]) + FIXED_OVERHEAD, and the X - Y differences telescope)."""
+        L = self.L
+        cut = min((self._x[c] - self._y[c] for c in range(1, L)), default=0.0)
+        raw = self._x[L] - self._y[0] + (stages - 1) * max(cut, 0.0)
+        return (1 + FRAGMENTATION) * raw + stages * FIXED_OVERHEAD
+
     def breakdown(self, first: int, last: int) -> dict[str, int]:
         """The memory terms of a stage (bytes, each rounded up; ``overhead`` takes the rounding
         so that the terms add up to ``total``, which equals ``memory(first, last)``)."""
@@ -408,12 +439,13 @@ class _Packing:
 
 
 def _pareto(cand: dict[int, tuple[int, int]], kfix: int, packs: dict[int, int],
-            sums: dict[int, int], packing: _Packing) -> dict[int, tuple[int, int]]:
+            sums: dict[int, int], packing: _Packing) -> tuple[dict[int, tuple[int, int]], int]:
     """Drops the dominated keys: A dominates B when it has the same number of stages (fixed
     depth; no more stages for a free depth) and c_A(t) <= c_B(t) for every t. Then A's rank sum
     is at least B's (sum over t of c(t) is the stages' sum of S + 1 - rank), so in the order
     (stages, -rank sum) A comes first, and each key is compared with the kept keys before it
-    only. Distinct keys never dominate each other both ways."""
+    only. Distinct keys never dominate each other both ways. Returns the kept keys and the
+    number of comparisons made."""
     order = sorted(cand, key=lambda k: (k.bit_count(), -sums[k], k))
     kept: list[tuple[int, int]] = []
     out = {}
@@ -427,7 +459,7 @@ def _pareto(cand: dict[int, tuple[int, int]], kfix: int, packs: dict[int, int],
         else:
             kept.append((n, pk))
             out[k] = cand[k]
-    return out
+    return out, len(order) * (len(kept) + 1)
 
 
 def _rounded(slots_desc: list[int], cuts: list[int], up: bool) -> list[int]:
@@ -443,24 +475,33 @@ def _rounded(slots_desc: list[int], cuts: list[int], up: bool) -> list[int]:
 
 
 class _Undecided(Exception):
-    """The exact heterogeneous probe ran out of its work allowance."""
+    """A probe ran out of its work allowance before it could decide."""
 
 
-#: Work allowance of the exact heterogeneous probes of one plan, in state extensions (about a
-#: microsecond each). Only pathological budget mixes get near it (module docstring); past it
-#: the plan stays feasible but is marked ``optimal=False`` with a proven lower bound.
-WORK_LIMIT = 2_000_000
+# Work allowances, in units of about a microsecond (state extensions and dominance tests of the
+# programmes with heterogeneous slots; homogeneous ones are cheap and not counted). Only
+# pathological budget mixes get near them (module docstring, point 5).
+WORK_LIMIT = 1_000_000       # one plan
+PROBE_WORK = 300_000         # one probe
+EXACT_FIRST_WORK = 60_000    # the first, short try of the exact programme in a probe
+WITNESS_WORK = 500_000       # the last-resort probe without a cost limit
+REORDER_ROUNDS = 3           # rounds of the slot-order local search
+BEAM_ALIVE = 6               # keys per stage count the heuristic programme keeps alive
 
 
 class _Search:
-    """Exact bottleneck minimisation over splits for one set of virtual slots."""
+    """Bottleneck minimisation over the splits for one list of virtual slots (module
+    docstring, points 3-5)."""
 
-    def __init__(self, model: StageCostModel, work_limit: int = WORK_LIMIT):
+    def __init__(self, model: StageCostModel, work_limit: int | None = None):
         self.m = model
         self.L = model.L
         self.probes = 0
-        self.work_left = work_limit
+        self.work_left = WORK_LIMIT if work_limit is None else work_limit
         self.exact = True
+        self.undecided = False
+        self.refuted = -math.inf  # the largest cost limit proven infeasible
+        self.t_low = 0.0  # the bottleneck with every slot at the largest budget
 
     # -- candidate values cost(a, b)
 
@@ -513,11 +554,13 @@ class _Search:
         return lo, g
 
     def dp(self, win: tuple[list[int], list[int]], slots_desc: Sequence[int], kfix: int,
-           limited: bool = False) -> list[tuple[int, int]] | None:
+           limited: bool = False, beam: bool = False) -> list[tuple[int, int]] | None:
         """The dynamic programme of the module docstring (point 2) for the windows of one cost
         limit: a placeable split on ``slots_desc`` with exactly ``kfix`` stages, or (kfix == 0)
         with the fewest stages; None if there is none. ``limited`` charges the work to the
-        allowance and raises ``_Undecided`` when it runs out."""
+        allowance and raises ``_Undecided`` when it runs out. ``beam`` makes it a heuristic
+        that keeps one key per boundary and stage count (the one that took the smallest slots):
+        a split it finds is placeable, None proves nothing."""
         L = self.L
         X, Y = self.m._x, self.m._y
         lo_, g = win
@@ -527,26 +570,33 @@ class _Search:
         kcap = kfix or S
         if g[0] > kcap:
             return None
+        homogeneous = slots_desc[0] == slots_desc[-1]
+        if homogeneous and not beam:
+            if kfix:
+                return self.ordered_dp(win, slots_desc, charge=False)
+            return self._fewest(win, slots_desc[0], S)
         asc = sorted(slots_desc)
         fixed, frag, ceil = FIXED_OVERHEAD, FRAGMENTATION, math.ceil
         work = 0
+        limited = limited or not homogeneous
         allowance = self.work_left if limited else -1
 
         # states: (boundary b, key); one sliding-window-maximum deque of boundaries per key
         queues: dict[int, deque] = {0: deque([0])}
-        packing = _Packing(S)
-        ones = packing.ones
+        packing = _Packing(1 if homogeneous else S)  # homogeneous keys are never compared
+        ones = packing.ones if not homogeneous else [0] * (S + 2)
         packs: dict[int, int] = {0: 0}
         sums: dict[int, int] = {0: 0}
         parent: dict[tuple[int, int], tuple[int, int]] = {}
         final: dict[int, tuple[int, int]] = {}
+        alive: dict[int, set[int]] = {0: {0}}
         for b in range(1, L + 1):
             lb = lo_[b]
             xb = X[b]
             last = b == L
             cand: dict[int, tuple[int, int]] = {}
             dead = []
-            work += len(queues)
+            work += 3 * len(queues)  # about a microsecond per unit
             if work > allowance >= 0:
                 self.work_left = 0
                 raise _Undecided()
@@ -582,9 +632,28 @@ class _Search:
                         sums[nk] = sums[key] + rank
             for key in dead:
                 del queues[key]
+                if beam:
+                    alive[key.bit_count()].discard(key)
             if len(cand) > 1:
-                work += len(cand) * len(cand) // 4
-                cand = _pareto(cand, kfix, packs, sums, packing)
+                if homogeneous:
+                    # keys are {S-k+1..S}: at a fixed depth none dominates another, at a free
+                    # one the fewest stages dominate
+                    if not kfix:
+                        nk = min(cand, key=int.bit_count)
+                        cand = {nk: cand[nk]}
+                elif beam:
+                    # heuristic: per stage count, the key that took the smallest slots
+                    best: dict[int, int] = {}
+                    for nk in cand:
+                        n = nk.bit_count()
+                        o = best.get(n)
+                        if o is None or (sums[nk], nk) > (sums[o], o):
+                            best[n] = nk
+                    cand = {nk: cand[nk] for nk in best.values()}
+                    work += len(cand)
+                else:
+                    cand, compared = _pareto(cand, kfix, packs, sums, packing)
+                    work += compared // 3
             if last:
                 final = cand
                 break
@@ -594,6 +663,13 @@ class _Search:
                 dq = queues.get(nk)
                 if dq is None:
                     queues[nk] = deque([b])
+                    if beam:
+                        group = alive.setdefault(nk.bit_count(), set())
+                        group.add(nk)
+                        if len(group) > BEAM_ALIVE:  # evict the key that took the largest slots
+                            worst = min(group, key=lambda k: (sums[k], k))
+                            group.discard(worst)
+                            del queues[worst]
                 else:
                     while dq and Y[dq[-1]] <= yb:
                         dq.pop()
@@ -612,16 +688,180 @@ class _Search:
         split.reverse()
         return split
 
+    def _fewest(self, win: tuple[list[int], list[int]], budget: int, S: int
+                ) -> list[tuple[int, int]] | None:
+        """The homogeneous programme for a free depth: the fewest stages (at most S) of cost
+        <= T and memory <= ``budget`` covering the chain. With equal slots the state with the
+        fewest stages at a boundary dominates the others, so f[b] = 1 + the smallest k with a
+        state in the window that fits; per k the state with the largest Y[a] is the best."""
+        L = self.L
+        X, Y = self.m._x, self.m._y
+        lo_, g = win
+        if g[0] > S:
+            return None
+        fixed, frag, ceil = FIXED_OVERHEAD, FRAGMENTATION, math.ceil
+        queues: list[deque] = [deque() for _ in range(S + 1)]
+        queues[0].append(0)
+        parent = [-1] * (L + 1)
+        kmin, kmax = 0, 0  # stage counts with possibly live queues
+        for b in range(1, L + 1):
+            lb = lo_[b]
+            xb = X[b]
+            while kmin <= kmax:
+                dq = queues[kmin]
+                while dq and dq[0] < lb:
+                    dq.popleft()
+                if dq:
+                    break
+                kmin += 1
+            found = a = -1
+            for k in range(kmin, min(kmax, S - 1) + 1):
+                dq = queues[k]
+                while dq and dq[0] < lb:
+                    dq.popleft()
+                if not dq:
+                    continue
+                a = dq[0]
+                c = ceil(xb - Y[a])
+                if c + fixed + ceil(frag * c) <= budget:
+                    found = k + 1
+                    break
+            if found < 0 or found + g[b] > S:
+                continue
+            parent[b] = a
+            if b < L:
+                dq = queues[found]
+                yb = Y[b]
+                while dq and Y[dq[-1]] <= yb:
+                    dq.pop()
+                dq.append(b)
+                if found > kmax:
+                    kmax = found
+        if parent[L] < 0:
+            return None
+        split = []
+        b = L
+        while b > 0:
+            a = parent[b]
+            split.append((a, b))
+            b = a
+        split.reverse()
+        return split
+
+    def ordered_dp(self, win: tuple[list[int], list[int]], budgets: Sequence[int],
+                   charge: bool = True) -> list[tuple[int, int]] | None:
+        """A split into exactly ``len(budgets)`` stages whose k-th stage fits ``budgets[k]``
+        (the processor order fixed: exact for that order, O(L) per stage count in the band),
+        or None. Used with the budgets of distinct slots, so a split found is placeable; with
+        equal budgets it is the exact homogeneous programme for a fixed depth (not charged)."""
+        L = self.L
+        X, Y = self.m._x, self.m._y
+        lo_, g = win
+        K = len(budgets)
+        if K > L or g[0] > K:
+            return None
+        fixed, frag, ceil = FIXED_OVERHEAD, FRAGMENTATION, math.ceil
+        queues: list[deque] = [deque() for _ in range(K + 1)]
+        queues[0].append(0)
+        parent: dict[tuple[int, int], int] = {}
+        work = 0
+        allowance = self.work_left if charge else math.inf
+        for b in range(1, L + 1):
+            lb = lo_[b]
+            xb = X[b]
+            # stage counts k that can end at b and still finish: k + g[b] <= K <= k + L - b
+            kmin = max(1, K - (L - b))
+            kmax = min(K - g[b], b)
+            work += kmax - kmin + 2
+            if work > allowance:
+                self.work_left = 0
+                raise _Undecided()
+            reached = []
+            for k in range(kmin, kmax + 1):
+                dq = queues[k - 1]
+                while dq and dq[0] < lb:
+                    dq.popleft()
+                if not dq:
+                    continue
+                a = dq[0]
+                c = ceil(xb - Y[a])
+                if c + fixed + ceil(frag * c) <= budgets[k - 1]:
+                    parent[(b, k)] = a
+                    reached.append(k)
+            if b == L:
+                break
+            yb = Y[b]
+            for k in reached:
+                dq = queues[k]
+                while dq and Y[dq[-1]] <= yb:
+                    dq.pop()
+                dq.append(b)
+        if charge:
+            self.work_left -= work
+        if (L, K) not in parent:
+            return None
+        split = []
+        b, k = L, K
+        while k > 0:
+            a = parent[(b, k)]
+            split.append((a, b))
+            b, k = a, k - 1
+        split.reverse()
+        return split
+
+    def _reorder(self, win: tuple[list[int], list[int]], slots_desc: Sequence[int],
+                 reference: list[tuple[int, int]] | None) -> list[tuple[int, int]] | None:
+        """Local search for a placeable split (a heuristic: None proves nothing). Give the
+        largest slots to the stages of ``reference`` that need the most memory and re-cut with
+        that order fixed (``ordered_dp``); if no cut fits, take the cut that fits the smallest
+        uniform stretch of those budgets as the next reference, and repeat."""
+        seen = set()
+        for _ in range(REORDER_ROUNDS):
+            if reference is None or len(reference) > len(slots_desc):
+                return None
+            demands = [self.m.memory(a, b) for a, b in reference]
+            order = sorted(range(len(reference)), key=lambda i: (-demands[i], i))
+            budgets = [0] * len(reference)
+            for rank, i in enumerate(order):
+                budgets[i] = slots_desc[rank]
+            if tuple(budgets) in seen:
+                return None
+            seen.add(tuple(budgets))
+            split = self.ordered_dp(win, budgets)
+            if split is not None:
+                return split
+            lo, hi = 1.0, max(d / u for d, u in zip(demands, budgets))
+            nxt = reference
+            for _ in range(6):
+                mid = (lo + hi) / 2
+                split = self.ordered_dp(win, [int(u * mid) for u in budgets])
+                if split is None:
+                    lo = mid
+                else:
+                    hi, nxt = mid, split
+            if nxt == reference:
+                return None
+            reference = nxt
+        return None
+
     def probe(self, T: float, slots_desc: Sequence[int], kfix: int
               ) -> list[tuple[int, int]] | None:
         """A placeable split whose stages all cost <= T (exactly ``kfix`` stages, or any
-        number when kfix == 0), or None if there is none. Raises ``_Undecided`` when the exact
-        heterogeneous programme runs out of its allowance.
+        number when kfix == 0), or None if there is none. Raises ``_Undecided`` when the probe
+        runs out of its allowance (``PROBE_WORK``, and what is left of ``WORK_LIMIT``).
 
-        Two cheap homogeneous programmes come first: every slot at the LARGEST budget (if that
-        fails, nothing fits) and every stage within a SMALLER budget that enough slots offer (if
-        that succeeds, it is placeable). Only when they disagree does the exact programme run."""
+        The order (module docstring, point 3): homogeneous bounds, the exact programme on a
+        short allowance, heuristic witnesses, rounded bounds, the exact programme on the rest."""
         self.probes += 1
+        left = self.work_left
+        self.work_left = granted = min(PROBE_WORK, left)
+        try:
+            return self._probe(T, slots_desc, kfix)
+        finally:
+            self.work_left = left - (granted - self.work_left)
+
+    def _probe(self, T: float, slots_desc: Sequence[int], kfix: int
+               ) -> list[tuple[int, int]] | None:
         S = len(slots_desc)
         if S == 0 or (kfix and (kfix > S or kfix > self.L)):
             return None
@@ -631,28 +871,46 @@ class _Search:
         top, bottom = slots_desc[0], slots_desc[(kfix or S) - 1]
         if top == bottom:
             return self.dp(win, slots_desc[:kfix or S], kfix)
-        relaxed = self.dp(win, [top] * (kfix or S), kfix)
+        n = kfix or S
+        slots = list(slots_desc[:n])
+        # homogeneous bounds: all slots at the smallest budget (a split found is placeable),
+        # all at the largest (none found means none is placeable)
+        split = self.dp(win, [bottom] * n, kfix)
+        if split is not None:
+            return split
+        relaxed = self.dp(win, [top] * n, kfix)
         if relaxed is None:
             return None
-        if kfix:
-            split = self.dp(win, [bottom] * kfix, kfix)
-            if split is not None:
-                return split
-        else:
+        if not kfix:
             # a split into k stages each within the k-th largest budget is placeable
-            tried = set()
-            for j in (S, (3 * S) // 4, S // 2, S // 4, len(relaxed)):
+            tried = {S}
+            for j in ((3 * S) // 4, S // 2, S // 4, len(relaxed)):
                 if j < len(relaxed) or j in tried:
                     continue
                 tried.add(j)
                 split = self.dp(win, [slots_desc[j - 1]] * j, 0)
                 if split is not None:
                     return split
+        # the exact programme, on a short allowance first: usually it is small and decides
+        left = self.work_left
+        self.work_left = granted = min(EXACT_FIRST_WORK, left)
+        try:
+            return self.dp(win, slots, kfix)
+        except _Undecided:
+            pass
+        finally:
+            self.work_left = left - (granted - self.work_left)
+        # heuristic witnesses: the programme keeping one key per boundary and stage count, then
+        # a local search over the order of the slots along the chain
+        split = self.dp(win, slots, kfix, beam=True)
+        if split is not None:
+            return split
+        split = self._reorder(win, slots, relaxed)
+        if split is not None:
+            return split
         # the same bounds with the slots in a few groups: each group at its smallest budget
         # (a split found is placeable) or at its largest (no split means none is placeable);
         # few distinct budgets keep these programmes small
-        n = kfix or S
-        slots = list(slots_desc[:n])
         for groups in (2, 4, 8):
             if groups >= len(set(slots)):
                 break
@@ -665,7 +923,7 @@ class _Search:
                 return None
         if self.work_left <= 0:
             raise _Undecided()
-        return self.dp(win, slots_desc[:kfix or S], kfix, limited=True)
+        return self.dp(win, slots, kfix, limited=True)
 
     # -- the search
 
@@ -674,72 +932,140 @@ class _Search:
 
     def _try(self, T: float, slots_desc: Sequence[int], kfix: int
              ) -> list[tuple[int, int]] | None:
+        """``probe``, with an undecided probe counted as infeasible (``self.exact`` becomes
+        False and ``self.undecided`` says so for this call); ``self.refuted`` keeps the
+        largest T proven infeasible."""
+        self.undecided = False
         try:
-            return self.probe(T, slots_desc, kfix)
+            split = self.probe(T, slots_desc, kfix)
         except _Undecided:
             self.exact = False
+            self.undecided = True
             return None
+        if split is None and T > self.refuted:
+            self.refuted = T
+        return split
+
+    def _witness(self, slots_desc: list[int], kfix: int) -> list[tuple[int, int]] | None:
+        """Last resort once the allowance is spent without any placeable split found: one more
+        probe with no cost limit and a fresh (smaller) allowance."""
+        self.work_left = WITNESS_WORK
+        try:
+            return self._probe(self.m.cost(0, self.L), slots_desc, kfix)
+        except _Undecided:
+            return None
+
+    def _homogeneous(self, T: float, budget: int, n: int, kfix: int
+                     ) -> list[tuple[int, int]] | None:
+        """``n`` slots of one budget: exact and cheap (a key is a stage count)."""
+        win = self.windows(T)
+        return None if win is None else self.dp(win, [budget] * n, kfix)
+
+    def _smallest(self, probe, lo: float, lo_strict: bool,
+                  best: list[tuple[int, int]] | None) -> list[tuple[int, int]] | None:
+        """Bisection over the candidate bottlenecks cost(a, b) with a monotone ``probe``
+        (T -> split or None). On entry every candidate below ``lo`` (at or below it when
+        ``lo_strict``) is infeasible and ``best`` is a feasible split or None. Returns the
+        split of the smallest feasible bottleneck found, or None if none is feasible (or, for
+        undecided probes, none was found)."""
+        m, L = self.m, self.L
+        total = m.cost(0, L)
+        if best is None:  # gallop up to a feasible upper end
+            step = max(max(m.cost(i, i + 1) for i in range(L)), total / L, 1e-12)
+            t = self._next_candidate(lo, strict=lo_strict)
+            while t is not None:
+                best = probe(t)
+                if best is not None:
+                    break
+                if t >= total:
+                    return None
+                lo, lo_strict = t, True
+                t = min(t + step, total)
+                step *= 2
+            if best is None:
+                return None
+        hi = self.bottleneck(best)
+        while True:
+            c = self._next_candidate(lo, strict=lo_strict)
+            if c is None or c >= hi:
+                return best
+            mid = (lo + hi) / 2
+            if not c <= mid < hi:  # also when rounding lands on hi
+                mid = c
+            split = probe(mid)
+            if split is None:
+                lo, lo_strict = mid, True
+            else:
+                best, hi = split, self.bottleneck(split)
 
     def optimise(self, slots_desc: Sequence[int], kfix: int) -> list[tuple[int, int]] | None:
         """The placeable split with the smallest bottleneck (fewest stages among equals when
-        kfix == 0), or None when no placeable split exists at any cost. When an exact probe
-        runs out of its allowance the result is still placeable and ``self.exact`` is False."""
+        kfix == 0), or None when no placeable split exists at any cost. When a probe runs out
+        of the allowance the result is still placeable but ``self.exact`` is False; raises
+        ``_Undecided`` when no placeable split was found and none was proven impossible.
+
+        First the two homogeneous bounds are optimised (cheap): every slot at the largest
+        budget gives T_low <= T*, every slot at the smallest used budget gives a placeable
+        split of bottleneck T_high >= T*. When they meet, that is the answer; otherwise the
+        full probes bisect between them."""
         m, L = self.m, self.L
         slots_desc = list(slots_desc[:kfix] if kfix else slots_desc)
         depth = kfix or min(L, len(slots_desc))
         if depth < 1:
             return None
+        n = kfix or len(slots_desc)
+        # total capacity: the K largest slots must hold at least the K stages' summed memory
+        if not any(m.total_lower_bound(k) <= sum(slots_desc[:k])
+                   for k in ([kfix] if kfix else range(1, depth + 1))):
+            return None
         total = m.cost(0, L)
         biggest = max(m.cost(i, i + 1) for i in range(L))
         lower = max(biggest, total / depth * (1 - 1e-9))  # margin for float rounding
-        c0 = self._next_candidate(lower, strict=False)
-        if c0 is None:  # float rounding: total / depth above every candidate
-            c0 = total
-        best = self._try(c0, slots_desc, kfix)
-        if best is None:
-            lo = c0  # every candidate <= lo is infeasible (or undecided)
-            # gallop up to a feasible upper end
-            step = max(biggest, total / depth / 8, 1e-12)
-            while True:
-                t = min(lo + step, total)
-                best = self._try(t, slots_desc, kfix)
-                if best is not None:
-                    break
-                if t >= total:
-                    return None
-                lo = t
-                step *= 2
-            hi = self.bottleneck(best)
-            while True:
-                c = self._next_candidate(lo, strict=True)
-                if c is None or c >= hi:
-                    break
-                mid = max(c, (lo + hi) / 2)
-                split = self._try(mid, slots_desc, kfix)
-                if split is None:
-                    lo = mid
-                else:
-                    best, hi = split, self.bottleneck(split)
+        top, bottom = slots_desc[0], slots_desc[n - 1]
+        low = self._smallest(lambda T: self._homogeneous(T, top, n, kfix), lower, False, None)
+        if low is None:
+            return None  # not even with every slot at the largest budget
+        t_low = self.t_low = self.bottleneck(low)
+        if top == bottom:
+            best = low
+        else:
+            high = self._smallest(lambda T: self._homogeneous(T, bottom, n, kfix), t_low,
+                                  False, None)
+            if high is not None and self.bottleneck(high) <= t_low:
+                best = high
+            else:
+                best = self._smallest(lambda T: self._try(T, slots_desc, kfix), t_low, False,
+                                      high)
+                if best is None:
+                    if self.exact:
+                        return None  # proven: nothing fits even without a cost limit
+                    best = self._witness(slots_desc, kfix)
+                    if best is None:
+                        raise _Undecided()
         if kfix:
             return best
         # fewest stages with this bottleneck: the smallest depth K that is feasible at it
         hi = self.bottleneck(best)
         win = self.windows(hi)
         assert win is not None
-        fewest = self.dp(win, [slots_desc[0]] * len(slots_desc), 0)
+        fewest = self.dp(win, [top] * len(slots_desc), 0)
         assert fewest is not None
         for k in range(len(fewest), len(best)):
-            split = self._try(hi, slots_desc[:k], k)
+            try:
+                split = self.probe(hi, slots_desc[:k], k)
+            except _Undecided:  # the bottleneck stays optimal; the depth may not be minimal
+                continue
             if split is not None:
                 return split
         return best
 
-    def lower_bound(self, slots_desc: Sequence[int], kfix: int) -> float:
-        """The optimal bottleneck if every slot had the largest budget: a lower bound."""
-        top = slots_desc[0]
-        n = kfix or len(slots_desc)
-        split = _Search(self.m).optimise([top] * n, kfix)
-        return self.bottleneck(split) if split is not None else math.inf
+    def lower_bound(self) -> float:
+        """A proven lower bound on the optimal bottleneck after ``optimise``: the larger of the
+        bottleneck with every slot at the largest budget and the first candidate above the
+        largest cost limit a probe proved infeasible."""
+        above = self._next_candidate(self.refuted, strict=True) if self.refuted > -math.inf \
+            else None
+        return max(self.t_low, above if above is not None else 0.0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -836,7 +1162,14 @@ def _plan(model: StageCostModel, workers: list[WorkerSlot], stages: int) -> Pipe
                           f"{n} {'are' if n != 1 else 'is'} free")
     used_slots = slots[:stages] if stages else slots
     search = _Search(model)
-    split = search.optimise(used_slots, stages)
+    try:
+        split = search.optimise(used_slots, stages)
+    except _Undecided:
+        return infeasible(
+            "the planner found no placement within its search limit, and could not rule one "
+            "out: the free budgets are many, all different and close to what the stages need "
+            f"({_budget_list(workers)}); try an explicit stages value"
+            f"{_advice(model, None).replace('; ', ', ', 1)}")
     if split is None:
         return infeasible(_explain(model, workers, slots, stages))
     demands = [model.memory(a, b) for a, b in split]
@@ -851,10 +1184,9 @@ def _plan(model: StageCostModel, workers: list[WorkerSlot], stages: int) -> Pipe
             out.append(PlannedStage(s, w.name, a, b, names, demands[s], model.cost(a, b), r,
                                     w.free_bytes))
     bottleneck = search.bottleneck(split)
-    lower = bottleneck if search.exact else min(bottleneck,
-                                                search.lower_bound(used_slots, stages))
+    lower = bottleneck if search.exact else min(bottleneck, search.lower_bound())
     return PipelinePlan(True, "", tuple(out), bottleneck, R, model.microbatch,
-                        model.microbatches, optimal=search.exact, lower_bound=lower)
+                        model.microbatches, optimal=lower >= bottleneck, lower_bound=lower)
 
 
 # --------------------------------------------------------------------------------------------
@@ -904,6 +1236,12 @@ def _advice(model: StageCostModel, terms: dict[str, int] | None) -> str:
         tips.append("use an optimizer with fewer slots (sgd has none)")
     tips.append("add workers with more free memory")
     return "; " + ", ".join(tips[:-1]) + (" or " if len(tips) > 1 else "") + tips[-1]
+
+
+def _budget_list(workers: list[WorkerSlot]) -> str:
+    text = ", ".join(format_size(w.free_bytes) for w in
+                     sorted(workers, key=lambda w: -w.free_bytes)[:8])
+    return text + (", ..." if len(workers) > 8 else "")
 
 
 def _explain(model: StageCostModel, workers: list[WorkerSlot], slots: list[int],
@@ -966,15 +1304,21 @@ def _explain(model: StageCostModel, workers: list[WorkerSlot], slots: list[int],
         return (f"stages: {stages} is too few: the model needs at least {k1} stages of <= "
                 f"{format_size(v1)} (the largest free budget); set stages: {k1} or more, or 0 "
                 f"to let the planner choose{_advice(model, None)}")
+    # total capacity
+    depths = [stages] if stages else list(range(1, min(L, len(slots)) + 1))
+    if not any(model.total_lower_bound(k) <= sum(slots[:k]) for k in depths):
+        k = depths[-1]
+        return (f"the model needs at least {format_size(model.total_lower_bound(k))} in all "
+                f"({_describe_terms(model, model.breakdown(0, L))} for the whole model, plus "
+                f"per-stage overheads) but the {k} largest free "
+                f"{'budgets' if R == 1 else 'budgets shared by ' + str(R) + ' workers'} add up "
+                f"to {format_size(sum(slots[:k]))}{_advice(model, model.breakdown(0, L))}")
     if stages and search.probe(math.inf, [v1] * stages, stages) is None:
         return (f"no split into exactly {stages} stages fits even {format_size(v1)} per stage "
                 f"(every such split cuts the model after a wide layer whose output a stage "
                 f"must keep for all micro-batches); {k1} stages fit: set stages: {k1} or 0"
                 f"{_advice(model, None)}")
-    budgets = ", ".join(format_size(w.free_bytes) for w in
-                        sorted(workers, key=lambda w: -w.free_bytes)[:8])
-    if len(workers) > 8:
-        budgets += ", ..."
+    budgets = _budget_list(workers)
     what = f"{stages}" if stages else f"at most {len(slots)}"
     return (f"no split into {what} stages gives every stage{' replica' if R > 1 else ''} its "
             f"own worker with enough free memory (free budgets: {budgets}): with every stage "
