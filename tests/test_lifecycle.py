@@ -125,10 +125,12 @@ def test_killed_agent_is_lost_and_its_job_fails(tmp_path):
             c.kill_worker("worker-1", signal.SIGKILL)
             final = client.wait(job.id, timeout=30)
             took = time.monotonic() - t0
-            assert final.state == JobState.FAILED and "lost" in final.message, final.message
-            assert took < 3 + 5, f"lost agent detected after {took:.1f} s"
-            workers = {w.name: w.state.value for w in client.workers()}
-            assert workers == {"worker-0": "READY", "worker-1": "LOST"} or workers["worker-1"] == "LOST"
+            # Either the heartbeat timeout fires first ("lost"), or the survivor's collective
+            # fails first when the orphaned task dies: both fail the job at once.
+            assert final.state == JobState.FAILED, final.message
+            assert took < 3 + 5, f"job failed only after {took:.1f} s"
+            wait_until(lambda: {w.name: w.state.value for w in client.workers()}["worker-1"] == "LOST",
+                       15, what="worker-1 LOST")
             # The orphaned task notices its agent is gone; the survivor's agent stops the other.
             wait_until(lambda: not task_processes(job.id), 30, what="no task process left")
             wait_until(lambda: {w.name: w.state.value for w in client.workers()}["worker-0"] == "READY",
