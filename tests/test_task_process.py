@@ -213,7 +213,7 @@ def test_lambda_model_is_bad_config(tmp_path):
 
 
 @pytest.mark.parametrize("over,field", [
-    ({"strategy": "parameter_server"}, "strategy"),
+    ({"strategy": "async_magic"}, "strategy"),
     ({"memory": {"per_task_budget": "", "mixed_precision": "none", "recompute": True}},
      "memory.recompute"),
     ({"data": {"source": "npz", "path": "/nonexistent/data.npz", "batch_size": 64, "examples": 0}},

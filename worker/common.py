@@ -1,0 +1,263 @@
+"""What every Strata task process shares, whatever its strategy and role: the events pipe to
+the agent, logs, the exit path, the parent watchdogs, SIGTERM handling, error summaries, and the
+device set-up (memory budget, threads) done right after TensorFlow is imported.
+
+Runners (``worker.task`` for multi_worker_mirrored, ``worker.ps`` for parameter_server chiefs,
+``worker.pipeline`` for pipeline and hybrid drivers, ``worker.server`` for the plain
+``tf.distribute.Server`` tasks) import from here, never from each other.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+from strata.exitcodes import TASK_EXIT_ERROR
+
+
+class BadConfig(Exception):
+    """The task configuration cannot be run; ``field`` names the offending field."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+
+# --------------------------------------------------------------------------------------------
+# events and logs
+
+
+def _clean(v: Any) -> Any:
+    """JSON-safe values: non-finite floats become null (strict JSON has no NaN)."""
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, dict):
+        return {k: _clean(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_clean(x) for x in v]
+    return v
+
+
+class Events:
+    """Newline-delimited JSON events on a file descriptor (stderr when none is given)."""
+
+    def __init__(self, fd: int | None):
+        self._f = None
+        if fd is not None and fd >= 0:
+            try:
+                self._f = os.fdopen(fd, "w", buffering=1)
+            except OSError as e:
+                log(f"cannot open events fd {fd}: {e}; events go to stderr")
+        self._lock = threading.Lock()
+
+    def emit(self, event: str, **fields: Any) -> None:
+        rec = {"event": event, "time": time.time()}
+        rec.update(fields)
+        line = json.dumps(_clean(rec), allow_nan=False)
+        with self._lock:
+            try:
+                if self._f is not None:
+                    self._f.write(line + "\n")
+                else:
+                    sys.stderr.write("EVENT " + line + "\n")
+                    sys.stderr.flush()
+            except (OSError, ValueError):
+                pass  # the reader is gone; the parent watchdog ends the process if it died
+
+    def close(self) -> None:
+        with self._lock:
+            if self._f is not None:
+                try:
+                    self._f.flush()
+                    self._f.close()
+                except (OSError, ValueError):
+                    pass
+                self._f = None
+
+
+def log(msg: str) -> None:
+    print(f"[task] {msg}", flush=True)
+
+
+def format_mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+def exit_task(code: int, events: Events | None) -> None:
+    if events is not None:
+        events.close()
+    for s in (sys.stdout, sys.stderr):
+        try:
+            s.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+# The forked watcher runs this in a fresh interpreter (exec'd, so its command line does not
+# look like a task's): argv = [-c, name, task pid, agent pid, interval].
+_WATCHER_SRC = """
+import os, signal, sys, time
+me, parent, interval = int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+def ppid_of(pid):
+    try:
+        with open("/proc/%d/stat" % pid, "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+while True:
+    time.sleep(interval)
+    if os.getppid() != me:
+        break
+    p = ppid_of(me)
+    if p is not None and p != parent:
+        try:
+            os.kill(me, signal.SIGKILL)
+        except OSError:
+            pass
+        break
+"""
+
+
+def start_parent_watchdog(interval_s: float = 1.0) -> None:
+    """Ends this process when its parent (the agent) dies, so no TensorFlow task is left
+    orphaned. Two watchers: a daemon thread (exits with a message), and, where /proc exists,
+    a small forked process started before TensorFlow is imported that SIGKILLs this one. The
+    second is needed because TensorFlow's MultiWorkerMirroredStrategy constructor blocks in the
+    cluster rendezvous while holding the GIL, so no Python thread runs until every worker has
+    joined. The watcher (``python -S -c ... strata-task-watchdog``) holds no file descriptors
+    of ours (the agent sees EOF on the events pipe and logs when we exit), stays in our process
+    group (a killpg reaches it) and leaves within ``interval_s`` after we do."""
+    parent = os.getppid()
+    me = os.getpid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(interval_s)
+            if os.getppid() != parent:
+                try:
+                    print("[task] parent process died; exiting", file=sys.stderr, flush=True)
+                finally:
+                    os._exit(TASK_EXIT_ERROR)
+
+    if os.path.exists(f"/proc/{me}/stat"):
+        try:
+            pid = os.fork()
+        except OSError:
+            pid = -1
+        if pid == 0:  # the watcher process: a fresh interpreter, no fds of ours, its own name
+            try:
+                devnull = os.open(os.devnull, os.O_RDWR)
+                for fd in (0, 1, 2):
+                    os.dup2(devnull, fd)
+                os.closerange(3, 65536)
+                os.execv(sys.executable, [sys.executable, "-S", "-c", _WATCHER_SRC,
+                                          "strata-task-watchdog", str(me), str(parent),
+                                          str(interval_s)])
+            finally:
+                os._exit(0)
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
+
+
+def install_sigterm_handler(events: Events) -> None:
+    """SIGTERM: write an error event, then die by SIGTERM. Re-installed after the strategy is
+    created because TensorFlow's coordination service installs its own SIGTERM handler (for
+    preemption notices) that swallows the signal: a SIGTERM during the cluster rendezvous is
+    ignored, so the agent must follow SIGTERM with SIGKILL after a grace period."""
+
+    def on_term(signum, frame):  # noqa: ARG001
+        events.emit("error", kind="error", message="terminated by SIGTERM")
+        events.close()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_term)
+
+
+
+# --------------------------------------------------------------------------------------------
+# training
+
+
+def is_oom(exc: BaseException) -> bool:
+    tf = sys.modules.get("tensorflow")
+    if tf is None:
+        return False
+    seen = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, tf.errors.ResourceExhaustedError):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+_NOISE = ("File ", "Detected at node", "[[", "Graph execution error", "The error could be from",
+          "Additional GRPC error", ":UNKNOWN:", "WARNING")
+
+
+def summarize_error(exc: BaseException, limit: int = 600) -> str:
+    """``Type: message`` with TensorFlow's traceback-like noise (graph node call sites,
+    node names) left out, e.g. "DeadlineExceededError: Collective has timed out during
+    execution." The full text is in the task's log."""
+    lines = [l.strip() for l in str(exc).splitlines()]
+    keep = [l for l in lines if l and not l.startswith(_NOISE)]
+    text = " ".join(keep[:3]) if keep else (lines[0] if lines and lines[0] else "")
+    return f"{type(exc).__name__}: {text}"[:limit] if text else type(exc).__name__
+
+
+
+def configure_device(cfg: dict):
+    """Imports TensorFlow and applies the task's device settings before the runtime starts:
+    on ``GPU:N`` a logical device limited to the memory budget, on CPU no GPUs (the BFC limit
+    comes from the environment, see ``prepare_environment``); intra-op threads. Returns
+    ``(tf, memory)`` where ``memory()`` reads this process's allocator ``{current, peak}``."""
+    device = str(cfg.get("device", "CPU") or "CPU")
+    threads = int(cfg.get("threads", 0) or 0)
+    import tensorflow as tf
+
+    if device.startswith("GPU:"):
+        gpus = tf.config.list_physical_devices("GPU")
+        if not gpus:
+            raise RuntimeError(f"device {device} requested but TensorFlow sees no GPU "
+                               f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+        budget_mb = int(cfg.get("memory_budget_bytes", 0) or 0) >> 20
+        if budget_mb > 0:
+            tf.config.set_logical_device_configuration(
+                gpus[0], [tf.config.LogicalDeviceConfiguration(memory_limit=budget_mb)])
+        mem_device = "GPU:0"
+    else:
+        tf.config.set_visible_devices([], "GPU")
+        mem_device = "CPU:0"
+    if threads > 0:
+        tf.config.threading.set_intra_op_parallelism_threads(threads)
+        tf.config.threading.set_inter_op_parallelism_threads(2)
+
+    def memory() -> dict:
+        try:
+            info = tf.config.experimental.get_memory_info(mem_device)
+            return {"current": int(info.get("current", 0)), "peak": int(info.get("peak", 0))}
+        except (ValueError, RuntimeError, tf.errors.OpError):
+            return {"current": 0, "peak": 0}
+
+    return tf, memory
+
+
+def prepare_environment(cfg: dict) -> None:
+    """Environment TensorFlow reads at import: quiet C++ INFO logs; on CPU, a BFC allocator
+    limited to the budget when the agent has not set one (it normally does)."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+    budget = int(cfg.get("memory_budget_bytes", 0) or 0)
+    if str(cfg.get("device", "CPU")) == "CPU" and budget > 0 \
+            and "TF_CPU_ALLOCATOR_USE_BFC" not in os.environ:
+        os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
+        os.environ["TF_CPU_BFC_MEM_LIMIT_IN_MB"] = str(max(1, budget >> 20))

@@ -1,0 +1,87 @@
+"""The task processes that only serve TensorFlow's distributed runtime: parameter servers and
+workers of a ``parameter_server`` job, and the stage tasks of ``pipeline`` and ``hybrid`` jobs
+(every stage but the driver's own). Each runs one ``tf.distribute.Server`` for its place in
+``TF_CONFIG``; the job's chief creates variables on it and runs ops there.
+
+A server has no training loop of its own, so what it reports is memory: the device's allocator
+(the BFC allocator limited to the task's slice on CPU, the logical device on GPU) is shared by
+every op the chief runs here, so ``get_memory_info`` in this process gives the task's real
+in-use and peak bytes (checked: a 64 MiB variable created and added to by a remote chief shows
+as a 128 MiB peak here). It emits ``started`` once the server listens, then ``memory`` events
+every ``report_interval_s`` while the figures change, until it is stopped.
+
+A server's normal end is being stopped by its agent when the job is over: SIGTERM ends it with
+exit status 0 (a ``stopped`` event first), so the agent and coordinator can tell a stop from a
+crash (a signal or a non-zero status).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+from strata.exitcodes import TASK_EXIT_OK
+from worker.common import BadConfig, Events, configure_device, exit_task, log
+
+
+def cluster_from_tf_config() -> tuple[dict[str, list[str]], str, int]:
+    raw = os.environ.get("TF_CONFIG", "")
+    try:
+        tc = json.loads(raw)
+        cluster = {str(k): [str(a) for a in v] for k, v in tc["cluster"].items()}
+        role, index = str(tc["task"]["type"]), int(tc["task"]["index"])
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise BadConfig("TF_CONFIG", "needs cluster and task.type/task.index") from None
+    if role not in cluster or not 0 <= index < len(cluster[role]):
+        raise BadConfig("TF_CONFIG", f"task {role}:{index} is not in the cluster")
+    return cluster, role, index
+
+
+def _gpu_config(tf, cfg: dict):
+    """On GPU the server builds its own devices from a ConfigProto: the budget goes there as a
+    virtual device's memory limit (set_logical_device_configuration alone does not reach the
+    server's device manager)."""
+    device = str(cfg.get("device", "CPU") or "CPU")
+    budget_mb = int(cfg.get("memory_budget_bytes", 0) or 0) >> 20
+    if not device.startswith("GPU:") or budget_mb <= 0:
+        return None
+    gpu_options = tf.compat.v1.GPUOptions(
+        experimental=tf.compat.v1.GPUOptions.Experimental(
+            virtual_devices=[tf.compat.v1.GPUOptions.Experimental.VirtualDevices(
+                memory_limit_mb=[float(budget_mb)])]))
+    return tf.compat.v1.ConfigProto(gpu_options=gpu_options)
+
+
+def serve(cfg: dict, events: Events) -> int:
+    cluster, role, index = cluster_from_tf_config()
+    interval = float(cfg.get("report_interval_s", 1.0) or 1.0)
+    t0 = time.time()
+    tf, memory = configure_device(cfg)
+    server = tf.distribute.Server(tf.train.ClusterSpec(cluster), job_name=role, task_index=index,
+                                  protocol="grpc", config=_gpu_config(tf, cfg), start=True)
+    stopping = threading.Event()
+
+    def on_term(signum, frame):  # noqa: ARG001
+        stopping.set()
+
+    signal.signal(signal.SIGTERM, on_term)
+    events.emit("started", role=role, index=index, address=server.target)
+    log(f"started: {role}:{index} of {sorted((k, len(v)) for k, v in cluster.items())} "
+        f"serving at {cluster[role][index]} (import+start {time.time() - t0:.1f} s)")
+    last = None
+    last_emit = 0.0
+    while not stopping.wait(interval):
+        m = memory()
+        now = time.time()
+        # repeat unchanged figures rarely: the agent's heartbeat already carries the last ones
+        if m != last or now - last_emit >= 30.0:
+            events.emit("memory", memory=m)
+            last, last_emit = m, now
+    m = memory()
+    events.emit("stopped", memory=m)
+    log(f"stopped; peak memory {m['peak'] / (1 << 20):.1f} MiB")
+    exit_task(TASK_EXIT_OK, events)
+    return TASK_EXIT_OK  # not reached
