@@ -14,17 +14,16 @@ import logging
 import os
 import secrets
 import time
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Sequence
 
-from coordinator.placement import Capacity, TaskDemand, admission_error, place
+from coordinator.jobplan import JobPlan, WorkerOffer, plan_job
+from coordinator.placement import Capacity, TaskDemand, place
 from coordinator.store import Store, WorkerRecord
 from strata.errors import (
     DuplicateAgent, InfeasibleError, InvalidTransition, NotFoundError, SpecError,
     UnknownAgentSession,
 )
-from strata.memory import (
-    HEADROOM_FRACTION, HEADROOM_MIN, default_budget, estimate_task_memory, format_size,
-)
+from strata.memory import format_size
 from strata.spec import JobSpec, parse_job_spec
 from strata.tfconfig import build_tf_config
 from strata.types import (
@@ -73,8 +72,7 @@ STOP_RESEND_INTERVAL_S = 5.0
 @dataclasses.dataclass(frozen=True)
 class PreparedJob:
     spec: JobSpec
-    estimate_bytes: int
-    budget_bytes: int
+    plan: JobPlan
 
 
 @dataclasses.dataclass
@@ -178,48 +176,76 @@ class Coordinator:
     # --- job API ------------------------------------------------------------------------------
 
     @staticmethod
-    def prepare(raw_spec: dict, plan_only: bool = False) -> PreparedJob:
-        """Validates and sizes a spec: pure and possibly slow (it profiles the model), so the
-        service runs it off the event loop. Raises SpecError."""
+    def prepare(raw_spec: dict, plan_only: bool = False,
+                workers: Sequence[WorkerOffer] = ()) -> PreparedJob:
+        """Validates a spec and plans its tasks against ``workers`` (a snapshot: see
+        ``worker_offers``): pure and possibly slow (it profiles the model and may run the stage
+        planner), so the service runs it off the event loop. Raises SpecError."""
         spec = parse_job_spec(raw_spec, plan_only=plan_only)
-        estimate = estimate_task_memory(spec.to_dict(), spec.per_replica_batch)
-        budget = spec.memory.per_task_budget_bytes or default_budget(estimate)
-        if max(estimate.total, budget) > MAX_TASK_BYTES:
-            field = "memory.per_task_budget" if budget > MAX_TASK_BYTES else "model"
-            raise SpecError(field, f"a task would need {format_size(max(estimate.total, budget))}, "
-                                   "beyond any machine")
-        return PreparedJob(spec=spec, estimate_bytes=estimate.total, budget_bytes=budget)
+        try:
+            plan = plan_job(spec, list(workers))
+        except ValueError as e:
+            field, _, message = str(e).partition(": ")
+            raise SpecError(field, message) from None
+        for t in plan.tasks:
+            if max(t.estimate_bytes, t.budget_bytes) > MAX_TASK_BYTES:
+                field = "memory.per_task_budget" if t.budget_bytes > MAX_TASK_BYTES else "model"
+                raise SpecError(field, f"task {t.role}:{t.index} would need "
+                                       f"{format_size(max(t.estimate_bytes, t.budget_bytes))}, "
+                                       "beyond any machine")
+        return PreparedJob(spec=spec, plan=plan)
 
-    def _worker_budgets(self) -> list[int]:
-        return [w.record.budget_bytes for w in self.workers.values() if not w.lost]
+    def worker_offers(self, free: bool) -> list[WorkerOffer]:
+        """The connected workers as the job planner sees them: whole budgets (admission: could
+        the job ever run here) or free budgets (``strata plan``: where would it run now)."""
+        if free:
+            return [WorkerOffer(c.name, c.free_bytes) for c in self._capacities()]
+        return [WorkerOffer(w.record.name, w.record.budget_bytes)
+                for w in self.workers.values() if not w.lost and not w.record.draining]
 
     def submit(self, raw_spec: dict | PreparedJob) -> Job:
-        prepared = raw_spec if isinstance(raw_spec, PreparedJob) else self.prepare(raw_spec)
-        spec, estimate, budget = prepared.spec, prepared.estimate_bytes, prepared.budget_bytes
-        why = admission_error(budget, self._worker_budgets())
-        if why:
-            raise InfeasibleError(
-                f"job {spec.name!r} fits no worker: {why} (estimate {format_size(estimate)} per "
-                f"task; the budget adds headroom, or set memory.per_task_budget)",
-                estimate_bytes=estimate, largest_budget_bytes=max(self._worker_budgets()))
+        prepared = (raw_spec if isinstance(raw_spec, PreparedJob)
+                    else self.prepare(raw_spec, workers=self.worker_offers(free=False)))
+        spec, plan = prepared.spec, prepared.plan
+        if not plan.feasible:
+            budgets = [w.record.budget_bytes for w in self.workers.values() if not w.lost]
+            raise InfeasibleError(f"job {spec.name!r} cannot run on this cluster: {plan.reason}",
+                                  estimate_bytes=plan.largest_estimate,
+                                  largest_budget_bytes=max(budgets, default=0))
         now = self.clock()
         job_id = f"{spec.name}-{secrets.token_hex(3)}"
         while job_id in self.jobs:
             job_id = f"{spec.name}-{secrets.token_hex(3)}"
         job = Job(id=job_id, name=spec.name, state=JobState.PENDING, strategy=spec.strategy,
-                  spec=spec.to_dict(), created_at=now, estimated_memory_bytes=estimate,
-                  message="waiting for workers")
-        job.tasks = [Task(job_id=job_id, role="worker", index=i, memory_budget_bytes=budget,
-                          estimated_memory_bytes=estimate) for i in range(spec.workers)]
+                  spec=spec.to_dict(), created_at=now,
+                  estimated_memory_bytes=plan.largest_estimate, message="waiting for workers")
+        job.tasks = [Task(job_id=job_id, role=t.role, index=t.index, stage=t.stage,
+                          replica=t.replica, first_layer=t.first_layer, last_layer=t.last_layer,
+                          layers=list(t.layers), memory_budget_bytes=t.budget_bytes,
+                          estimated_memory_bytes=t.estimate_bytes) for t in plan.tasks]
         self.store.put_job(job)
         self.store.put_tasks(job.tasks)
         self.jobs[job_id] = job  # only once stored: a failed write leaves no phantom job
-        self._event(job, "state", f"PENDING: submitted; {spec.workers} x {spec.strategy} task(s), "
-                                  f"estimate {format_size(estimate)}, budget {format_size(budget)} each")
-        if spec.memory.per_task_budget and budget < estimate:
-            self._event(job, "message", f"warning: memory.per_task_budget {format_size(budget)} is "
-                                        f"below the estimate {format_size(estimate)}; tasks may run "
-                                        "out of memory")
+        if spec.strategy == "multi_worker_mirrored":
+            t0 = plan.tasks[0]
+            what = (f"{spec.workers} x {spec.strategy} task(s), estimate "
+                    f"{format_size(t0.estimate_bytes)}, budget {format_size(t0.budget_bytes)} each")
+        else:
+            what = f"{spec.strategy}: {plan.summary}; tasks " + ", ".join(
+                f"{t.role}:{t.index}" + (f" (stage {t.stage}" + (f", replica {t.replica}"
+                                                                 if spec.workers > 1 and
+                                                                 spec.strategy == "hybrid"
+                                                                 else "") + ")"
+                                         if spec.strategy in ("pipeline", "hybrid") else "")
+                + f" est {format_size(t.estimate_bytes)} budget {format_size(t.budget_bytes)}"
+                for t in plan.tasks)
+        self._event(job, "state", f"PENDING: submitted; {what}")
+        low = [t for t in plan.tasks if t.budget_bytes < t.estimate_bytes]
+        if spec.memory.per_task_budget and low:
+            self._event(job, "message", f"warning: memory.per_task_budget "
+                                        f"{format_size(low[0].budget_bytes)} is below the estimate "
+                                        f"{format_size(max(t.estimate_bytes for t in low))} of "
+                                        f"{len(low)} task(s); they may run out of memory")
         self.wake()
         return job
 
@@ -267,68 +293,26 @@ class Coordinator:
         self._notify(job.id)
 
     def plan(self, raw_spec: dict | PreparedJob) -> Plan:
+        """What the coordinator would run now, on the free budgets of the connected workers."""
         prepared = (raw_spec if isinstance(raw_spec, PreparedJob)
-                    else self.prepare(raw_spec, plan_only=True))
-        spec, estimate, budget = prepared.spec, prepared.estimate_bytes, prepared.budget_bytes
-        if spec.strategy in ("pipeline", "hybrid"):
-            return self._plan_stages(spec)
-        why = admission_error(budget, self._worker_budgets())
-        demands = [TaskDemand("worker", i, budget) for i in range(spec.workers)]
-        placement = place(demands, self._capacities())
-        layers = self._layer_names(spec)
-        tasks = [PlannedTask(role="worker", index=i, worker=placement.assignments.get(("worker", i), ""),
-                             stage=0, layers=layers, estimated_memory_bytes=estimate,
-                             memory_budget_bytes=budget) for i in range(spec.workers)]
-        if why:
-            return Plan(spec.strategy, False, f"fits no worker: {why}", tasks)
-        if not placement.assignments:
-            return Plan(spec.strategy, True, f"admissible; would wait: {placement.reason}", tasks)
-        return Plan(spec.strategy, True, "fits now", tasks)
-
-    def _plan_stages(self, spec: JobSpec) -> Plan:
-        """Pipeline and hybrid plans from the exact stage planner, over the free budgets of the
-        connected workers now."""
-        from coordinator.planner import WorkerSlot, plan_pipeline
-        from strata.modelspec import profile_model
-
-        # The planner fits estimates; a task reserves its budget (the estimate plus headroom, or
-        # memory.per_task_budget), so each worker offers what that rule leaves for an estimate.
-        fixed = spec.memory.per_task_budget_bytes
-        workers = []
-        for c in self._capacities():
-            if fixed:
-                if c.free_bytes >= fixed:
-                    workers.append(WorkerSlot(c.name, fixed))
-            else:
-                workers.append(WorkerSlot(c.name, max(0, min(int(c.free_bytes / (1 + HEADROOM_FRACTION)),
-                                                             c.free_bytes - HEADROOM_MIN))))
-        try:
-            p = plan_pipeline(
-                profile_model(spec.model), workers, stages=spec.stages,
-                microbatches=spec.microbatches, global_batch=spec.data.batch_size,
-                replicas=spec.workers, optimizer=spec.training.optimizer.name,
-                mixed_precision=spec.memory.mixed_precision, recompute=spec.memory.recompute)
-        except ValueError as e:
-            field, _, message = str(e).partition(": ")
-            raise SpecError(field, message) from None
-        tasks = [PlannedTask(role="worker", index=i, worker=s.worker, stage=s.index,
-                             layers=list(s.layer_names), estimated_memory_bytes=s.memory_bytes,
-                             memory_budget_bytes=spec.memory.per_task_budget_bytes
-                             or default_budget(s.memory_bytes))
-                 for i, s in enumerate(sorted(p.stages, key=lambda s: (s.replica, s.index)))]
-        if not p.feasible:
-            return Plan(spec.strategy, False, p.reason, tasks)
-        return Plan(spec.strategy, True,
-                    f"{p.num_stages} stages" + (f" x {p.replicas} replicas" if p.replicas > 1 else "")
-                    + f", {p.microbatches} micro-batches of {p.microbatch}; planned on the free "
-                      "budgets of the connected workers (pipeline jobs are not runnable in this "
-                      "release yet)", tasks)
-
-    @staticmethod
-    def _layer_names(spec: JobSpec) -> list[str]:
-        from strata.modelspec import profile_model
-
-        return [layer.name for layer in profile_model(spec.model).layers]
+                    else self.prepare(raw_spec, plan_only=True, workers=self.worker_offers(True)))
+        spec, plan = prepared.spec, prepared.plan
+        placement = place([TaskDemand(t.role, t.index, t.budget_bytes) for t in plan.tasks],
+                          self._capacities()) if plan.feasible else None
+        tasks = [PlannedTask(role=t.role, index=t.index,
+                             worker=(placement.assignments.get((t.role, t.index), "")
+                                     if placement is not None and placement.assignments
+                                     else t.worker),
+                             stage=t.stage, layers=list(t.layers),
+                             estimated_memory_bytes=t.estimate_bytes,
+                             memory_budget_bytes=t.budget_bytes) for t in plan.tasks]
+        if not plan.feasible:
+            return Plan(spec.strategy, False, plan.reason, tasks)
+        summary = f"{plan.summary}; " if plan.summary else ""
+        if placement is None or not placement.assignments:
+            why = placement.reason if placement is not None else ""
+            return Plan(spec.strategy, True, f"{summary}admissible; would wait: {why}", tasks)
+        return Plan(spec.strategy, True, f"{summary}fits now", tasks)
 
     async def watch(self, job_id: str, after_seq: int = 0,
                     max_interval_s: float = 5.0) -> AsyncIterator[JobEvent]:
@@ -530,18 +514,26 @@ class Coordinator:
         task.peak_memory_bytes = max(task.peak_memory_bytes, r.peak_bytes)
         if r.weights_sha256:
             task.weights_sha256 = r.weights_sha256
+        if r.replica_weights_sha256:
+            task.replica_weights_sha256 = list(r.replica_weights_sha256)
         if r.model_path:
             task.model_path = r.model_path
-        if task.index == 0 and r.step:
+        lead = _is_lead(job, task)
+        if lead and r.step:
             m = job.metrics
             m.step, m.total_steps, m.loss = r.step, r.total_steps, r.loss
             if r.examples_per_sec:
                 m.examples_per_sec = r.examples_per_sec
             if r.first_step_time and not job.started_at:
                 job.started_at = r.first_step_time
-        if task.index == 0 and r.test_accuracy is not None:
+        if lead and r.test_accuracy is not None:
             job.metrics.test_accuracy = r.test_accuracy
             job.metrics.test_loss = r.test_loss
+        if r.state == TaskState.CANCELLED and job.state == JobState.SUCCEEDED and not lead:
+            # a server task (PS, worker or stage) stopped because its chief finished: that is
+            # how such a task ends when all went well
+            r = dataclasses.replace(r, state=TaskState.SUCCEEDED,
+                                    message="stopped after the job succeeded")
         if r.state != task.state and r.state != TaskState.PENDING:
             if r.state == TaskState.FAILED:
                 self._fail_task(job, task, r.failure, r.message, exit_code=r.exit_code)
@@ -572,6 +564,14 @@ class Coordinator:
         self.store.put_tasks([task])
         self._event(job, "task", f"task {task.role}:{task.index} on {task.worker} failed "
                                  f"({failure.value}): {_describe_failure(task)}")
+        if job.strategy == "parameter_server" and task.role == "worker" and not job.state.final:
+            left = [t for t in job.tasks if t.role == "worker" and not t.state.final]
+            if left:
+                self._event(job, "message", f"the job continues on {len(left)} remaining "
+                                            f"worker(s): the chief's ClusterCoordinator "
+                                            f"reschedules the steps of worker:{task.index}")
+                self._notify(job.id)
+                return
         if not job.state.final:
             self._stop_job(job, JobState.FAILED, f"task {task.role}:{task.index} failed: "
                                                  f"{_describe_failure(task)}")
@@ -583,12 +583,21 @@ class Coordinator:
                 self.wake()
             return
         states = [t.state for t in job.tasks]
+        if job.strategy != "multi_worker_mirrored" and task.role == "chief" \
+                and task.state == TaskState.SUCCEEDED:
+            # the chief drives the job: when it has its result the job is done, and the
+            # servers (PS, workers, stages) are stopped
+            acc = job.metrics.test_accuracy
+            self._stop_job(job, JobState.SUCCEEDED,
+                           f"test accuracy {acc:.4f}" if acc is not None else "done")
+            return
         if all(s == TaskState.SUCCEEDED for s in states):
             acc = job.metrics.test_accuracy
             self._set_job_state(job, JobState.SUCCEEDED,
                                 f"test accuracy {acc:.4f}" if acc is not None else "done")
         elif job.state == JobState.SCHEDULED and all(
-                s in (TaskState.RUNNING, TaskState.SUCCEEDED) for s in states):
+                s in (TaskState.RUNNING, TaskState.SUCCEEDED, TaskState.FAILED) for s in states):
+            # (a FAILED task here is a parameter_server worker the job carries on without)
             self._set_job_state(job, JobState.RUNNING, "all tasks running")
 
     # --- control loop -------------------------------------------------------------------------
@@ -672,6 +681,7 @@ class Coordinator:
         config = {"job_id": job.id, "role": t.role, "index": t.index, "spec": job.spec,
                   "memory_budget_bytes": t.memory_budget_bytes,
                   "report_interval_s": REPORT_INTERVAL_S}
+        config.update(_strategy_config(job))
         self._send(t.worker, StartTaskCommand(
             job_id=job.id, role=t.role, index=t.index, attempt=t.attempt,
             tf_config=build_tf_config(cluster, t.role, t.index),
@@ -722,6 +732,39 @@ class Coordinator:
                                     peak_bytes=w.memory.peak_bytes),
                 tasks=tasks, last_seen=w.last_seen))
         return out
+
+
+def _is_lead(job: Job, task: Task) -> bool:
+    """The task whose progress and result are the job's: worker 0 of a data-parallel job, the
+    chief of the others."""
+    if job.strategy == "multi_worker_mirrored":
+        return task.role == "worker" and task.index == 0
+    return task.role == "chief"
+
+
+def _strategy_config(job: Job) -> dict:
+    """What a task of a parameter_server, pipeline or hybrid job needs beyond the spec: the
+    layer placement on PS tasks, or the stage layout (see worker/ps.py, worker/pipeline.py)."""
+    spec = job.spec
+    if job.strategy == "parameter_server":
+        ps = sorted((t for t in job.tasks if t.role == "ps"), key=lambda t: t.index)
+        return {"parameter_server": {
+            "placement": {name: t.index for t in ps for name in t.layers},
+            "ps_budgets_bytes": [t.memory_budget_bytes for t in ps]}}
+    if job.strategy in ("pipeline", "hybrid"):
+        stages = sorted(job.tasks, key=lambda t: (t.replica, t.stage))
+        num_stages = 1 + max(t.stage for t in stages)
+        replicas = int(spec.get("workers", 1) or 1)
+        microbatches = int(spec.get("microbatches", 1) or 1)
+        batch = int(spec.get("data", {}).get("batch_size", 0) or 0)
+        return {"pipeline": {
+            "stages": num_stages, "replicas": replicas, "microbatches": microbatches,
+            "microbatch": batch // max(1, replicas * microbatches),
+            "layout": [{"replica": t.replica, "stage": t.stage, "task": f"{t.role}:{t.index}",
+                        "first_layer": t.first_layer, "last_layer": t.last_layer,
+                        "layers": list(t.layers), "estimated_memory_bytes": t.estimated_memory_bytes,
+                        "memory_budget_bytes": t.memory_budget_bytes} for t in stages]}}
+    return {}
 
 
 def _describe_failure(t: Task) -> str:

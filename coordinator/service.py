@@ -80,7 +80,8 @@ class JobServicer(pb_grpc.JobServiceServicer):
     async def SubmitJob(self, request: pb.SubmitJobRequest, context: Any) -> pb.Job:
         try:
             # Validation profiles the model: pure work, kept off the event loop.
-            prepared = await asyncio.to_thread(self.coord.prepare, convert.spec_from_proto(request.spec))
+            prepared = await asyncio.to_thread(self.coord.prepare, convert.spec_from_proto(request.spec),
+                                               False, self.coord.worker_offers(free=False))
             return convert.job_to_proto(self.coord.submit(prepared), with_spec=False)
         except Exception as e:  # noqa: BLE001 - mapped to a status code
             await _abort(context, e)
@@ -127,7 +128,8 @@ class JobServicer(pb_grpc.JobServiceServicer):
     async def PlanJob(self, request: pb.PlanJobRequest, context: Any) -> pb.Plan:
         try:
             prepared = await asyncio.to_thread(self.coord.prepare,
-                                               convert.spec_from_proto(request.spec), True)
+                                               convert.spec_from_proto(request.spec), True,
+                                               self.coord.worker_offers(free=True))
             return convert.plan_to_proto(self.coord.plan(prepared))
         except Exception as e:  # noqa: BLE001
             await _abort(context, e)

@@ -194,7 +194,7 @@ class JobMetrics(_message.Message):
     def __init__(self, step: _Optional[int] = ..., total_steps: _Optional[int] = ..., loss: _Optional[float] = ..., test_accuracy: _Optional[float] = ..., examples_per_sec: _Optional[float] = ..., test_loss: _Optional[float] = ..., has_test_accuracy: _Optional[bool] = ...) -> None: ...
 
 class TaskInfo(_message.Message):
-    __slots__ = ("role", "index", "worker", "state", "stage", "memory_budget_bytes", "peak_memory_bytes", "in_use_bytes", "estimated_memory_bytes", "failure", "exit_code", "message", "address", "weights_sha256", "model_path")
+    __slots__ = ("role", "index", "worker", "state", "stage", "memory_budget_bytes", "peak_memory_bytes", "in_use_bytes", "estimated_memory_bytes", "failure", "exit_code", "message", "address", "weights_sha256", "model_path", "replica", "layers", "replica_weights_sha256")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
@@ -210,6 +210,9 @@ class TaskInfo(_message.Message):
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_SHA256_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_WEIGHTS_SHA256_FIELD_NUMBER: _ClassVar[int]
     role: str
     index: int
     worker: str
@@ -225,7 +228,10 @@ class TaskInfo(_message.Message):
     address: str
     weights_sha256: str
     model_path: str
-    def __init__(self, role: _Optional[str] = ..., index: _Optional[int] = ..., worker: _Optional[str] = ..., state: _Optional[_Union[TaskState, str]] = ..., stage: _Optional[int] = ..., memory_budget_bytes: _Optional[int] = ..., peak_memory_bytes: _Optional[int] = ..., in_use_bytes: _Optional[int] = ..., estimated_memory_bytes: _Optional[int] = ..., failure: _Optional[_Union[FailureKind, str]] = ..., exit_code: _Optional[int] = ..., message: _Optional[str] = ..., address: _Optional[str] = ..., weights_sha256: _Optional[str] = ..., model_path: _Optional[str] = ...) -> None: ...
+    replica: int
+    layers: _containers.RepeatedScalarFieldContainer[str]
+    replica_weights_sha256: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, role: _Optional[str] = ..., index: _Optional[int] = ..., worker: _Optional[str] = ..., state: _Optional[_Union[TaskState, str]] = ..., stage: _Optional[int] = ..., memory_budget_bytes: _Optional[int] = ..., peak_memory_bytes: _Optional[int] = ..., in_use_bytes: _Optional[int] = ..., estimated_memory_bytes: _Optional[int] = ..., failure: _Optional[_Union[FailureKind, str]] = ..., exit_code: _Optional[int] = ..., message: _Optional[str] = ..., address: _Optional[str] = ..., weights_sha256: _Optional[str] = ..., model_path: _Optional[str] = ..., replica: _Optional[int] = ..., layers: _Optional[_Iterable[str]] = ..., replica_weights_sha256: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Job(_message.Message):
     __slots__ = ("id", "name", "state", "strategy", "message", "restarts", "created_at", "finished_at", "metrics", "tasks", "spec", "estimated_memory_bytes", "started_at")
@@ -426,7 +432,7 @@ class ListWorkersResponse(_message.Message):
     def __init__(self, workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ...) -> None: ...
 
 class TaskStatus(_message.Message):
-    __slots__ = ("job_id", "role", "index", "state", "failure", "exit_code", "message", "in_use_bytes", "peak_bytes", "step", "total_steps", "loss", "examples_per_sec", "has_result", "test_accuracy", "test_loss", "weights_sha256", "model_path", "first_step_time", "attempt")
+    __slots__ = ("job_id", "role", "index", "state", "failure", "exit_code", "message", "in_use_bytes", "peak_bytes", "step", "total_steps", "loss", "examples_per_sec", "has_result", "test_accuracy", "test_loss", "weights_sha256", "model_path", "first_step_time", "attempt", "replica_weights_sha256")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -447,6 +453,7 @@ class TaskStatus(_message.Message):
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     FIRST_STEP_TIME_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_WEIGHTS_SHA256_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     role: str
     index: int
@@ -467,7 +474,8 @@ class TaskStatus(_message.Message):
     model_path: str
     first_step_time: float
     attempt: int
-    def __init__(self, job_id: _Optional[str] = ..., role: _Optional[str] = ..., index: _Optional[int] = ..., state: _Optional[_Union[TaskState, str]] = ..., failure: _Optional[_Union[FailureKind, str]] = ..., exit_code: _Optional[int] = ..., message: _Optional[str] = ..., in_use_bytes: _Optional[int] = ..., peak_bytes: _Optional[int] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., loss: _Optional[float] = ..., examples_per_sec: _Optional[float] = ..., has_result: _Optional[bool] = ..., test_accuracy: _Optional[float] = ..., test_loss: _Optional[float] = ..., weights_sha256: _Optional[str] = ..., model_path: _Optional[str] = ..., first_step_time: _Optional[float] = ..., attempt: _Optional[int] = ...) -> None: ...
+    replica_weights_sha256: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, job_id: _Optional[str] = ..., role: _Optional[str] = ..., index: _Optional[int] = ..., state: _Optional[_Union[TaskState, str]] = ..., failure: _Optional[_Union[FailureKind, str]] = ..., exit_code: _Optional[int] = ..., message: _Optional[str] = ..., in_use_bytes: _Optional[int] = ..., peak_bytes: _Optional[int] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., loss: _Optional[float] = ..., examples_per_sec: _Optional[float] = ..., has_result: _Optional[bool] = ..., test_accuracy: _Optional[float] = ..., test_loss: _Optional[float] = ..., weights_sha256: _Optional[str] = ..., model_path: _Optional[str] = ..., first_step_time: _Optional[float] = ..., attempt: _Optional[int] = ..., replica_weights_sha256: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RegisterAgentRequest(_message.Message):
     __slots__ = ("name", "host", "device", "budget_bytes", "free_ports", "tasks", "work_dir", "pid")

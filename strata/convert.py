@@ -75,7 +75,8 @@ def task_to_proto(t: Task) -> pb.TaskInfo:
         peak_memory_bytes=t.peak_memory_bytes, in_use_bytes=t.in_use_bytes,
         estimated_memory_bytes=t.estimated_memory_bytes, failure=_failure_to_proto(t.failure),
         exit_code=t.exit_code, message=t.message, address=t.address,
-        weights_sha256=t.weights_sha256, model_path=t.model_path,
+        weights_sha256=t.weights_sha256, model_path=t.model_path, replica=t.replica,
+        layers=t.layers, replica_weights_sha256=t.replica_weights_sha256,
     )
 
 
@@ -87,6 +88,8 @@ def task_from_proto(job_id: str, m: pb.TaskInfo) -> Task:
         peak_memory_bytes=m.peak_memory_bytes, in_use_bytes=m.in_use_bytes,
         failure=_failure_from_proto(m.failure), exit_code=m.exit_code, message=m.message,
         address=m.address, weights_sha256=m.weights_sha256, model_path=m.model_path,
+        replica=m.replica, layers=list(m.layers),
+        replica_weights_sha256=list(m.replica_weights_sha256),
     )
 
 
@@ -196,7 +199,7 @@ def report_to_proto(r: TaskReport) -> pb.TaskStatus:
         total_steps=r.total_steps, loss=r.loss or 0.0, examples_per_sec=r.examples_per_sec,
         has_result=r.test_accuracy is not None, test_accuracy=r.test_accuracy or 0.0,
         test_loss=r.test_loss or 0.0, weights_sha256=r.weights_sha256, model_path=r.model_path,
-        first_step_time=r.first_step_time,
+        first_step_time=r.first_step_time, replica_weights_sha256=r.replica_weights_sha256,
     )
 
 
@@ -210,4 +213,5 @@ def report_from_proto(m: pb.TaskStatus) -> TaskReport:
         test_accuracy=m.test_accuracy if m.has_result else None,
         test_loss=m.test_loss if m.has_result else None, weights_sha256=m.weights_sha256,
         model_path=m.model_path, first_step_time=m.first_step_time,
+        replica_weights_sha256=list(m.replica_weights_sha256),
     )

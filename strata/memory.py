@@ -137,7 +137,6 @@ def estimate_task_memory(spec: dict, per_replica_batch: int, profile: ModelProfi
     b = max(1, int(per_replica_batch))
     mixed = _get(spec, "memory", "mixed_precision", default="none") not in ("none", "", None)
     optimizer = str(_get(spec, "training", "optimizer", "name", default="adam")).lower()
-    loss = _get(spec, "training", "loss", default="sparse_categorical_crossentropy")
     strategy = _get(spec, "strategy", default="multi_worker_mirrored")
     workers = max(1, int(_get(spec, "workers", default=1) or 1))
 
@@ -152,19 +151,8 @@ def estimate_task_memory(spec: dict, per_replica_batch: int, profile: ModelProfi
     activations = int(math.ceil(per_elem * b * profile.activation_elems))
 
     # data: this task's shard as tensors plus the input batches in flight
-    out_elems = profile.layers[-1].output_elems if profile.layers else 1
-    label_bytes = 8 if loss == "sparse_categorical_crossentropy" else 4 * out_elems
-    source = _get(spec, "data", "source", default="digits")
-    if source == "digits":
-        n_train, feat_bytes = DIGITS_TRAIN, 4 * DIGITS_FEATURES
-    else:
-        feat_bytes = 4 * profile.input_elems
-        if source == "synthetic":
-            n_train = int(_get(spec, "data", "examples", default=0) or 0) or SYNTHETIC_DEFAULT_TRAIN
-        else:
-            n_train = int(train_examples or 0)
-    shard_rows = -(-n_train // workers) if n_train else 0
-    shard = _bfc_round(shard_rows * feat_bytes) + _bfc_round(shard_rows * label_bytes)
+    n_train, feat_bytes, label_bytes = _data_shape(spec, profile, train_examples)
+    shard = dataset_bytes(spec, profile, shards=workers, train_examples=train_examples)
     inflight = int(math.ceil(INPUT_BATCHES_IN_FLIGHT * b * (feat_bytes + label_bytes)))
     data = shard + inflight
 
@@ -177,6 +165,37 @@ def estimate_task_memory(spec: dict, per_replica_batch: int, profile: ModelProfi
     return MemoryEstimate(weights=weights, gradients=gradients, optimizer_slots=slots,
                           activations=activations, data=data, overhead=overhead,
                           collective=collective)
+
+
+def _data_shape(spec: dict, profile: ModelProfile, train_examples: int | None
+                ) -> tuple[int, int, int]:
+    """(training rows, bytes per feature row, bytes per label) of the job's data."""
+    loss = _get(spec, "training", "loss", default="sparse_categorical_crossentropy")
+    out_elems = profile.layers[-1].output_elems if profile.layers else 1
+    label_bytes = 8 if loss == "sparse_categorical_crossentropy" else 4 * out_elems
+    source = _get(spec, "data", "source", default="digits")
+    if source == "digits":
+        return DIGITS_TRAIN, 4 * DIGITS_FEATURES, label_bytes
+    if source == "synthetic":
+        n_train = int(_get(spec, "data", "examples", default=0) or 0) or SYNTHETIC_DEFAULT_TRAIN
+    else:
+        n_train = int(train_examples or 0)
+    return n_train, 4 * profile.input_elems, label_bytes
+
+
+def dataset_bytes(spec: dict, profile: ModelProfile | None = None, *, shards: int = 1,
+                  train_examples: int | None = None) -> int:
+    """Bytes of one of ``shards`` equal shards of the training set held as tensors (features
+    and labels, each rounded as the BFC allocator rounds a large chunk)."""
+    if profile is None:
+        profile = profile_model(spec["model"])
+    n_train, feat_bytes, label_bytes = _data_shape(spec, profile, train_examples)
+    rows = -(-n_train // max(1, shards)) if n_train else 0
+    return _bfc_round(rows * feat_bytes) + _bfc_round(rows * label_bytes)
+
+
+def label_bytes_of(spec: dict, profile: ModelProfile) -> int:
+    return _data_shape(spec, profile, None)[2]
 
 
 def default_budget(estimate: MemoryEstimate | int) -> int:

@@ -15,11 +15,10 @@ from typing import Any, Mapping
 from strata.errors import SpecError
 
 STRATEGIES = ("multi_worker_mirrored", "parameter_server", "pipeline", "hybrid")
-# Strategies this release can run. The others are part of the contract and are refused with a
-# message naming the field until their task runners land, rather than accepted and left to hang.
-RUNNABLE_STRATEGIES = ("multi_worker_mirrored",)
-# Strategies `strata plan` can already plan (the stage planner exists before their runners).
-PLANNABLE_STRATEGIES = ("multi_worker_mirrored", "pipeline", "hybrid")
+# Strategies this release can run, and those `strata plan` can plan (a strategy can be planned
+# before its task runner exists; today the two lists are the same).
+RUNNABLE_STRATEGIES = STRATEGIES
+PLANNABLE_STRATEGIES = STRATEGIES
 DATA_SOURCES = ("digits", "synthetic", "npz")
 OPTIMIZERS = ("adam", "adamw", "sgd", "rmsprop", "adagrad")
 LOSSES = ("sparse_categorical_crossentropy", "categorical_crossentropy", "mean_squared_error")
@@ -222,6 +221,8 @@ def parse_job_spec(raw: Any, *, plan_only: bool = False) -> JobSpec:
                              1 if strategy == "parameter_server" else 0, hi=MAX_TASKS)
     if strategy != "parameter_server" and parameter_servers:
         raise SpecError("parameter_servers", "applies to strategy parameter_server only")
+    if strategy == "parameter_server" and parameter_servers < 1:
+        raise SpecError("parameter_servers", "a parameter_server job needs at least one")
     stages = _int(raw, "stages", "stages", 0, hi=MAX_TASKS)
     if strategy not in ("pipeline", "hybrid") and stages:
         raise SpecError("stages", "applies to strategies pipeline and hybrid only")

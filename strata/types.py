@@ -117,6 +117,11 @@ class Task:
     weights_sha256: str = ""
     model_path: str = ""
     attempt: int = 0
+    replica: int = 0
+    first_layer: int = 0         # stage tasks: layers [first_layer, last_layer) of the profile
+    last_layer: int = 0
+    layers: list[str] = dataclasses.field(default_factory=list)
+    replica_weights_sha256: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def key(self) -> tuple[str, str, int]:
@@ -208,6 +213,8 @@ def task_to_json(t: Task) -> dict[str, Any]:
         "estimated_memory_bytes": t.estimated_memory_bytes, "failure": t.failure.value,
         "exit_code": t.exit_code, "message": t.message, "address": t.address,
         "weights_sha256": t.weights_sha256, "model_path": t.model_path,
+        "replica": t.replica, "layers": list(t.layers),
+        "replica_weights_sha256": list(t.replica_weights_sha256),
     }
 
 
@@ -270,6 +277,7 @@ class TaskReport:
     weights_sha256: str = ""
     model_path: str = ""
     first_step_time: float = 0.0
+    replica_weights_sha256: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def key(self) -> tuple[str, str, int]:

@@ -237,3 +237,105 @@ def test_job_whose_tasks_never_start_fails_and_frees_its_budget(env):
     # agent confirms.
     reserved = {w.name: w.memory.reserved_bytes for w in coord.list_workers()}
     assert reserved[job.tasks[1].worker] == 0 and reserved[job.tasks[0].worker] > 0
+
+
+# --- parameter_server, pipeline and hybrid jobs ----------------------------------------------
+
+PIPE = {"name": "p", "strategy": "pipeline", "stages": 2, "microbatches": 4,
+        "model": {"builtin": {"kind": "mlp", "input_shape": [64], "hidden": [256, 256, 256],
+                              "classes": 10}},
+        "data": {"source": "digits", "batch_size": 64}, "training": {"steps": 10}}
+
+
+def start_all(coord, sessions, job):
+    """Drains the start commands and reports every task running; returns {task key: cmd}."""
+    cmds = {}
+    for name in sessions:
+        for c in drain(coord, name):
+            if isinstance(c, StartTaskCommand):
+                cmds[(c.role, c.index)] = c
+    for t in job.tasks:
+        coord.report(t.worker, sessions[t.worker], TaskReport(t.job_id, t.role, t.index,
+                                                              TaskState.RUNNING, attempt=t.attempt))
+    return cmds
+
+
+def test_pipeline_job_gets_its_stage_layout_and_ends_with_its_chief(env):
+    coord, *_ = env
+    sessions = {n: register(coord, n) for n in ("a", "b", "c")}
+    job = coord.submit(PIPE)
+    assert sorted((t.role, t.index, t.stage) for t in job.tasks) == [("chief", 0, 0), ("worker", 0, 1)]
+    coord.tick()
+    assert job.state == JobState.SCHEDULED
+    cmds = start_all(coord, sessions, job)
+    assert job.state == JobState.RUNNING
+    chief = cmds[("chief", 0)]
+    tf_config = json.loads(chief.tf_config)
+    assert tf_config["task"] == {"type": "chief", "index": 0}
+    assert len(tf_config["cluster"]["chief"]) == 1 and len(tf_config["cluster"]["worker"]) == 1
+    layout = chief.config["pipeline"]["layout"]
+    assert [(s["stage"], s["task"]) for s in layout] == [(0, "chief:0"), (1, "worker:0")]
+    assert layout[0]["first_layer"] == 0 and layout[0]["last_layer"] == layout[1]["first_layer"]
+    assert layout[1]["last_layer"] == 4  # hidden_0..2 and logits
+    assert chief.config["pipeline"]["microbatch"] == 16
+    assert sum(len(s["layers"]) for s in layout) == 4
+    # each stage's budget comes from its own estimate
+    for t in job.tasks:
+        assert t.memory_budget_bytes > t.estimated_memory_bytes > 0
+    # the chief's result ends the job; the stage server, stopped, counts as succeeded
+    c, w = (next(t for t in job.tasks if t.role == r) for r in ("chief", "worker"))
+    coord.report(c.worker, sessions[c.worker], TaskReport(job.id, "chief", 0, TaskState.SUCCEEDED,
+                                                          attempt=c.attempt, test_accuracy=0.93,
+                                                          replica_weights_sha256=["x"]))
+    assert job.state == JobState.SUCCEEDED and job.metrics.test_accuracy == 0.93
+    assert any(isinstance(x, StopTaskCommand) for x in drain(coord, w.worker))
+    coord.report(w.worker, sessions[w.worker], TaskReport(job.id, "worker", 0, TaskState.CANCELLED,
+                                                          attempt=w.attempt))
+    assert w.state == TaskState.SUCCEEDED and w.message == "stopped after the job succeeded"
+    assert c.replica_weights_sha256 == ["x"]
+    assert all(x.memory.reserved_bytes == 0 for x in coord.list_workers())
+
+
+def test_pipeline_stage_failure_fails_the_job(env):
+    coord, *_ = env
+    sessions = {n: register(coord, n) for n in ("a", "b")}
+    job = coord.submit(PIPE)
+    coord.tick()
+    start_all(coord, sessions, job)
+    w = next(t for t in job.tasks if t.role == "worker")
+    coord.report(w.worker, sessions[w.worker], TaskReport(job.id, "worker", 0, TaskState.FAILED,
+                                                          attempt=w.attempt,
+                                                          failure=FailureKind.OOM, message="oom"))
+    assert job.state == JobState.FAILED and "worker:0" in job.message
+
+
+def test_pipeline_needs_connected_workers_and_names_why(env):
+    coord, *_ = env
+    with pytest.raises(InfeasibleError) as e:
+        coord.submit(PIPE)
+    assert "no workers are connected" in str(e.value)
+    register(coord, "a", budget=8 << 20)
+    register(coord, "b", budget=8 << 20)
+    with pytest.raises(InfeasibleError) as e:
+        coord.submit(PIPE)
+    assert "cannot run on this cluster" in str(e.value)
+
+
+def test_hybrid_tasks_follow_replica_and_stage(env):
+    coord, *_ = env
+    for n in "abcd":
+        register(coord, n)
+    job = coord.submit({**PIPE, "name": "h", "strategy": "hybrid", "workers": 2, "microbatches": 2})
+    got = sorted((t.replica, t.stage, t.role, t.index) for t in job.tasks)
+    assert got == [(0, 0, "chief", 0), (0, 1, "worker", 0), (1, 0, "worker", 1), (1, 1, "worker", 2)]
+
+
+def test_mirrored_refusal_suggests_a_pipeline_depth(env):
+    coord, *_ = env
+    for n in "abcd":
+        register(coord, n, budget=96 << 20)
+    big = {**SPEC, "workers": 1, "model": {"builtin": {"kind": "mlp", "input_shape": [64],
+                                                        "hidden": [1024] * 9, "classes": 10}}}
+    with pytest.raises(InfeasibleError) as e:
+        coord.submit(big)
+    assert "it fits as a pipeline: strategy: pipeline, stages: " in str(e.value), str(e.value)

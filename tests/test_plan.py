@@ -51,6 +51,8 @@ def test_pipeline_plan_fits_every_stage_on_its_own_worker(cluster, tmp_path):
 def test_mirrored_refuses_what_the_pipeline_plan_holds(cluster, tmp_path):
     rc, p, _ = plan(cluster, tmp_path, "strategy=multi_worker_mirrored", "stages=0", "microbatches=1")
     assert rc == 1 and not p["feasible"] and "fits no worker" in p["reason"]
+    # the refusal names the pipeline depth whose stages would fit
+    assert "it fits as a pipeline: strategy: pipeline, stages: 3" in p["reason"], p["reason"]
 
 
 def test_hybrid_and_infeasible_plans(cluster, tmp_path):

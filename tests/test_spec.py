@@ -40,7 +40,8 @@ BAD = [
     ("name", {"name": "Bad_Name"}),
     ("name", {"name": drop("name")}),
     ("strategy", {"strategy": "magic"}),
-    ("strategy", {"strategy": "pipeline"}),
+    ("workers", {"strategy": "pipeline"}),           # base has workers: 2
+    ("parameter_servers", {"strategy": "parameter_server", "parameter_servers": 0}),
     ("workers", {"workers": 0}),
     ("workers", {"workers": "two"}),
     ("parameter_servers", {"parameter_servers": 1}),

@@ -210,6 +210,10 @@ class TaskProcess:
             s.test_loss = float(ev["test_loss"]) if ev.get("test_loss") is not None else float("nan")
             s.weights_sha256 = str(ev.get("weights_sha256") or "")
             s.model_path = str(ev.get("model_path") or "")
+            digests = ev.get("replica_weights_sha256") or []
+            s.replica_weights_sha256 = [str(d) for d in digests][:4096]
+        elif kind in ("memory", "stopped"):
+            pass  # a server task (PS, worker or pipeline stage): its memory figures, above
         elif kind == "error":
             self.error_kind = str(ev.get("kind", "error"))
             s.message = str(ev.get("message", ""))[:2000]
