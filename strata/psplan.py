@@ -1,0 +1,219 @@
+"""Layer placement and memory estimates for ``parameter_server`` jobs.
+
+Pure Python (standard library and ``strata.modelspec`` / ``strata.memory`` only): the
+coordinator plans with it.
+
+Placement. TensorFlow's ``variable_partitioner`` does not reach Keras 3 variables (each Keras
+variable wraps one whole ``tf.Variable``, placed round-robin), so Strata places whole layers:
+all of a layer's variables and their optimizer slots live on one PS task (``worker.ps`` builds
+the model so and checks it). ``plan_parameter_servers`` gives each layer with parameters a
+share (below) and places the layers largest first, each onto the PS task with the smallest
+load so far (LPT; ties to the lower index). A layer larger than a PS task's budget cannot be
+placed at all: the plan is infeasible and ``reason`` names the layer and the sizes.
+
+Estimates: the PEAK bytes of each task's allocator (``get_memory_info(...)["peak"]``, what the
+BFC limit is checked against), calibrated with TF 2.21 / Keras 3.15 on CPU with the BFC
+allocator on the MLPs 64-1024-512-256-10 (digits, 725,258 parameters) and
+784-1024-512-256-10 (synthetic, 4,096 rows, 1,462,538 parameters), asynchronous training
+with 1-4 workers, one intra-op thread per task. Measured peaks in MiB [estimate]:
+
+    PS task, Adam:   digits 1 worker 19.0 [20.8]; 2 workers 24.4-28.0 [28.1] (9 runs);
+                     4 workers 34.3 [42.6] (on 2 cores, where 4 workers' updates overlap
+                     less than they would on more); 2 PS tasks: 18.0 [20.5] and 7.1 [8.1];
+                     784-in 2 workers 42.0-55.9 [59.1] (batch 256 or 2048, any mixed
+                     precision); 3 workers 69.1 [73.8]
+    PS task, other:  digits SGD 1 worker 8.8 [9.2], 2 workers 9.0 [10.1];
+                     RMSprop 2 workers 22.3 [25.2]
+    worker task:     digits b256 8.2-9.2 [10.8]; 784-in b256 32.1 [32.8];
+                     784-in b2048 81.1-83.1 [83.2]; bfloat16/float16: digits b256 14.1-14.6
+                     [14.5], 784-in b2048 90.2-99.1 [103.8]
+    chief:           digits 4.2-4.7, 2 of 12 runs 6.2 [5.3]; 784-in 8.5 (3 runs) [9.0];
+                     bfloat16/float16: digits 6.5-6.8 [8.2], 784-in b2048 13.2 [13.3]
+
+A PS task's peak varies ~±15% between identical runs (how the workers' updates overlap);
+the estimates aim at the larger figures. The chief's rare +2 MiB (the size of the digits
+MLP's largest kernel) is left to the budget's headroom (``strata.memory.default_budget``
+adds at least 16 MiB).
+
+Terms (bytes):
+
+- A layer's share of its PS task: its variables as float32 (mixed precision keeps float32
+  variables) times ``1 + slots`` (``OPTIMIZER_SLOTS``: adam/adamw 2, rmsprop/adagrad 1, sgd 0),
+  where a tensor of 1 MiB or more counts as the next power of two (the BFC allocator gives a
+  big tensor a power-of-two chunk and does not split it; a layer's biggest tensor is its
+  kernel: its parameters minus the bias, ``output_shape[-1]``, for Dense and Conv2D), plus
+  its updates in flight: ``a + b x workers`` gradient-sized buffers (the gradients that have
+  arrived, the optimizer's temporaries, copies made when an update meets a worker's read);
+  with slots a = 1.5, b = 2.5; SGD a = 1.7, b = 0.3. Non-trainable variables (BatchNorm
+  statistics) count once. A PS task's estimate: 0.5 MiB + 1.05 x the sum of its shares.
+- A worker task: a copy of every weight (+2 bytes per parameter with mixed precision: the
+  16-bit casts), one gradient per trainable parameter, activations (7.2 bytes per layer
+  output element and example in float32, 12 with bfloat16/float16 on CPU), ``data_bytes``
+  (the training set: every worker holds all of it, embedded in its input pipeline) and 4.8
+  input batches in flight; then 1 MiB + 5%. The slopes match strata.memory's
+  data-parallel estimate; the same code runs the step.
+- The chief: it only evaluates (the test split in batches of at most 256 rows, reading the
+  variables from the PS tasks), hashes and saves the weights: a copy of the weights (+2
+  bytes per parameter with mixed precision), one evaluation batch's input and activations
+  (4 bytes per element, 7 with mixed precision); then 0.5 MiB + 5%.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from strata.memory import format_size
+from strata.modelspec import LayerProfile, ModelProfile
+
+__all__ = ["PsPlan", "plan_parameter_servers", "layer_share_bytes", "OPTIMIZER_SLOTS"]
+
+MiB = 1 << 20
+
+#: Keras 3 optimizer slot variables per trainable parameter (as strata.memory).
+OPTIMIZER_SLOTS = {"adam": 2, "adamw": 2, "rmsprop": 1, "adagrad": 1, "sgd": 0}
+
+#: gradient-sized buffers on a PS task per layer while updates arrive: a + b x workers
+PS_UPDATE_BUFFERS = {"slots": (1.5, 2.5), "sgd": (1.7, 0.3)}
+PS_FIXED = MiB // 2
+BFC_ROUND_FROM = 1 * MiB
+FRAGMENTATION = 0.05
+
+WORKER_ACTIVATION_BYTES = 1.8 * 4   # per layer output element and example, float32
+WORKER_MIXED_ACTIVATION_BYTES = 12.0
+WORKER_INPUT_BATCHES = 4.8
+WORKER_FIXED = 1 * MiB
+
+EVAL_BATCH_MAX = 256                # worker/ps.py evaluates in batches of at most this
+CHIEF_ACTIVATION_BYTES = 4.0
+CHIEF_MIXED_ACTIVATION_BYTES = 7.0
+CHIEF_FIXED = MiB // 2
+
+
+@dataclass(frozen=True)
+class PsPlan:
+    """``placement``: layer name -> PS index for every layer with parameters. ``ps_bytes``:
+    estimated peak of each PS task; ``worker_bytes`` / ``chief_bytes``: of one worker task and
+    of the chief. ``layer_bytes``: each placed layer's share of its PS task (before the
+    task's fixed overhead and rounding margin). ``feasible`` is False when a PS task's
+    estimate exceeds ``ps_budget_bytes``; ``reason`` says which and why."""
+
+    feasible: bool
+    reason: str
+    placement: dict[str, int]
+    ps_bytes: list[int]
+    worker_bytes: int
+    chief_bytes: int
+    layer_bytes: dict[str, int] = field(default_factory=dict)
+
+
+def _bfc_round(n: int) -> int:
+    if n < BFC_ROUND_FROM:
+        return n
+    return 1 << (n - 1).bit_length()
+
+
+def _slots(optimizer: str) -> int:
+    return OPTIMIZER_SLOTS.get(str(optimizer).lower(), 2)
+
+
+def _stored_bytes(layer: LayerProfile, slots: int) -> int:
+    """The layer's variables and slots as the allocator holds them."""
+    trainable = layer.trainable_params
+    biggest = trainable
+    if layer.kind in ("Dense", "Conv2D") and layer.output_shape:
+        biggest = max(0, trainable - int(layer.output_shape[-1]))
+    per_copy = _bfc_round(4 * biggest) + 4 * (trainable - biggest)
+    return per_copy * (1 + slots) + 4 * layer.non_trainable_params
+
+
+def _update_buffers(optimizer: str, workers: int) -> float:
+    a, b = PS_UPDATE_BUFFERS["slots" if _slots(optimizer) else "sgd"]
+    return a + b * max(1, int(workers))
+
+
+def layer_share_bytes(layer: LayerProfile, *, workers: int, optimizer: str) -> int:
+    """A layer's share of its PS task: its variables and optimizer slots, and the gradients
+    and update temporaries in flight with ``workers`` workers."""
+    stored = _stored_bytes(layer, _slots(optimizer))
+    inflight = 4 * layer.trainable_params * _update_buffers(optimizer, workers)
+    return stored + int(math.ceil(inflight))
+
+
+def _ps_total(load: int) -> int:
+    return PS_FIXED + int(math.ceil(load * (1 + FRAGMENTATION)))
+
+
+def plan_parameter_servers(profile: ModelProfile, *, num_ps: int, workers: int, optimizer: str,
+                           batch_size: int, mixed_precision: str, data_bytes: int,
+                           ps_budget_bytes: int | None = None) -> PsPlan:
+    """Places ``profile``'s layers on ``num_ps`` PS tasks (LPT) and estimates every task's
+    peak memory for asynchronous training with ``workers`` workers, ``optimizer`` (a Keras
+    optimizer name), batches of ``batch_size`` examples per step and ``mixed_precision``
+    (``none``, ``bfloat16`` or ``float16``). ``data_bytes``: the training set as a worker
+    holds it (features as float32 plus labels; every worker holds all of it).
+    ``ps_budget_bytes``: the memory each PS task gets (a fixed per-task budget); when given,
+    the plan is infeasible unless every PS task's estimate fits it."""
+    if num_ps < 1:
+        raise ValueError(f"num_ps must be at least 1, got {num_ps}")
+    if workers < 1:
+        raise ValueError(f"workers must be at least 1, got {workers}")
+    shares = {l.name: layer_share_bytes(l, workers=workers, optimizer=optimizer)
+              for l in profile.layers if l.params > 0}
+    loads = [0] * num_ps
+    members: list[list[str]] = [[] for _ in range(num_ps)]
+    placement: dict[str, int] = {}
+    for name in sorted(shares, key=lambda n: -shares[n]):  # stable: ties keep layer order
+        k = min(range(num_ps), key=lambda i: (loads[i], i))
+        placement[name] = k
+        loads[k] += shares[name]
+        members[k].append(name)
+    ps_bytes = [_ps_total(l) for l in loads]
+
+    mixed = str(mixed_precision or "none") != "none"
+    params = profile.total_params
+    b = max(1, int(batch_size))
+    act = WORKER_MIXED_ACTIVATION_BYTES if mixed else WORKER_ACTIVATION_BYTES
+    label_bytes = 8  # int64 class ids (one-hot labels are wider; small next to the features)
+    worker = (4 * params + (2 * params if mixed else 0) + 4 * profile.trainable_params
+              + act * b * profile.activation_elems + max(0, int(data_bytes))
+              + WORKER_INPUT_BATCHES * b * (4 * profile.input_elems + label_bytes))
+    worker_bytes = WORKER_FIXED + int(math.ceil(worker * (1 + FRAGMENTATION)))
+
+    eb = min(b, EVAL_BATCH_MAX)
+    cact = CHIEF_MIXED_ACTIVATION_BYTES if mixed else CHIEF_ACTIVATION_BYTES
+    chief = (4 * params + (2 * params if mixed else 0)
+             + eb * (4 * profile.input_elems + cact * profile.activation_elems))
+    chief_bytes = CHIEF_FIXED + int(math.ceil(chief * (1 + FRAGMENTATION)))
+
+    feasible, reason = True, ""
+    if ps_budget_bytes is not None:
+        budget = int(ps_budget_bytes)
+        too_big = [n for n in sorted(shares, key=lambda n: -shares[n])
+                   if _ps_total(shares[n]) > budget]
+        if too_big:
+            name = too_big[0]
+            layer = next(l for l in profile.layers if l.name == name)
+            stored = _stored_bytes(layer, _slots(optimizer))
+            feasible = False
+            reason = (f"layer {name!r} ({layer.params:,} parameters) needs "
+                      f"{format_size(_ps_total(shares[name]))} on one parameter server "
+                      f"({format_size(stored)} of variables and {_slots(optimizer)} optimizer "
+                      f"slot(s) per parameter, {format_size(shares[name] - stored)} for the "
+                      f"updates of {workers} worker(s)), more than a PS task's budget of "
+                      f"{format_size(budget)}; a layer's variables cannot be split across PS "
+                      "tasks: raise memory.per_task_budget, use fewer workers or an optimizer "
+                      "with fewer slots"
+                      + (f" ({len(too_big) - 1} more layer(s) are too large too)"
+                         if len(too_big) > 1 else ""))
+        else:
+            over = [k for k in range(num_ps) if ps_bytes[k] > budget]
+            if over:
+                k = max(over, key=lambda i: ps_bytes[i])
+                feasible = False
+                reason = (f"the layers do not fit on {num_ps} parameter server(s) of "
+                          f"{format_size(budget)}: ps:{k} would need "
+                          f"{format_size(ps_bytes[k])} for {', '.join(members[k])}; add "
+                          "parameter servers or raise memory.per_task_budget")
+    return PsPlan(feasible, reason, placement, ps_bytes, int(worker_bytes), int(chief_bytes),
+                  shares)

@@ -1,0 +1,570 @@
+"""The chief of a ``parameter_server`` job: asynchronous training with TensorFlow's
+``ParameterServerStrategy`` and ``ClusterCoordinator`` (``worker.task`` dispatches role
+``chief`` here; the job's ``worker`` and ``ps`` tasks are plain ``worker.server`` processes).
+
+Placement. ``ParameterServerStrategy``'s ``variable_partitioner`` does not reach Keras 3
+variables (each Keras variable wraps one whole ``tf.Variable``, placed round-robin), so Strata
+places whole layers: the config's ``parameter_server.placement`` maps each layer with variables
+to a PS task (``strata.psplan`` balances them against the PS memory slices). The model is built
+under a ``tf.variable_creator_scope`` that sets ``colocate_with`` (what
+``strategy.extended.colocate_vars_with`` does) to a scalar anchor variable already on the chosen
+PS task; the layer is the innermost component of the Keras name scope being built
+(``keras.src.backend.common.name_scope.current_path()``, e.g. ``hidden_0``) that names a placed
+layer. Optimizer slots follow their variable (Keras 3's TensorFlow optimizer creates each slot
+under ``colocate_vars_with(reference)``). After building, every model variable and every slot
+is checked against the placement and the job fails (bad_config) if one is elsewhere. Scalar
+optimizer state (iterations, learning rate, loss scale) is placed round-robin by TensorFlow.
+
+Training. ``steps = worker.data.total_steps(...)`` steps are scheduled with
+``coordinator.schedule``; each is one batch of ``data.batch_size`` examples on whichever worker
+is free, loss = mean over that batch, gradients applied to the PS variables at once
+(asynchronous). Each worker reads the full training set (embedded in its input pipeline) in
+its own order: a stateless shuffle per epoch seeded from the worker's clock when its pipeline
+is created (the pipeline function is traced once on the chief, so an op seed would be the same
+on every worker), so a restarted worker draws a new order too. At most ``4 x workers`` steps
+are queued ahead. A step returns nothing: it adds its loss and 1 to two scalar variables on a
+PS task, which the chief reads for ``progress`` (a result left on a worker could not be fetched
+once that worker died). A worker task that dies does not fail the job: the coordinator re-runs
+its step on another worker (a step that had already applied its gradients is then applied
+twice; the chief logs it). A lost PS task fails the job at once, naming the task. Every wait
+is bounded by a watchdog thread that probes the tasks' TCP ports: the strategy's constructor
+(which waits for every task) must connect within ``STRATA_PS_CONNECT_TIMEOUT_S`` (120 s), and
+the job fails with a clear error when no worker task is reachable, or a PS task is
+unreachable, for ``STRATA_PS_UNREACHABLE_TIMEOUT_S`` (60 s).
+
+Evaluation runs on the chief (the whole test split in batches of ``min(data.batch_size,
+256)``, reading the variables from the PS tasks), as do the weights' SHA-256 and
+``model.keras`` (saved when two copies of the weights fit in what is left of the chief's
+budget).
+
+Events as ``worker.task``: ``started`` (the coordinator connected to the cluster),
+``first_step``, ``progress`` (``step`` = steps applied, ``loss`` = mean loss of the steps since
+the previous report, ``memory`` = the chief's own allocator, near zero while training),
+``result``, or ``error`` before a failing exit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import threading
+import time
+
+from strata.exitcodes import TASK_EXIT_ERROR, TASK_EXIT_OK
+from worker.common import (
+    BadConfig, Events, configure_device, exit_task, format_mib, install_sigterm_handler, log,
+)
+
+DEFAULT_CONNECT_TIMEOUT_S = 120.0
+DEFAULT_UNREACHABLE_TIMEOUT_S = 60.0
+PROBE_INTERVAL_S = 1.0
+EVAL_BATCH_MAX = 256  # the chief evaluates in batches of at most this many rows
+
+
+# --------------------------------------------------------------------------------------------
+# cluster
+
+
+def _cluster_from_tf_config() -> dict[str, list[str]]:
+    raw = os.environ.get("TF_CONFIG", "")
+    try:
+        tc = json.loads(raw)
+        cluster = {str(k): [str(a) for a in v] for k, v in tc["cluster"].items()}
+        role, index = str(tc["task"]["type"]), int(tc["task"]["index"])
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise BadConfig("TF_CONFIG", "needs cluster and task.type/task.index") from None
+    if role != "chief" or index != 0 or len(cluster.get("chief", [])) != 1:
+        raise BadConfig("TF_CONFIG", f"the parameter_server driver runs as chief:0 of a cluster "
+                                     f"with one chief, not {role}:{index}")
+    if not cluster.get("worker"):
+        raise BadConfig("TF_CONFIG", "a parameter_server job needs at least one worker task")
+    if not cluster.get("ps"):
+        raise BadConfig("TF_CONFIG", "a parameter_server job needs at least one ps task")
+    return cluster
+
+
+def _reachable(address: str, timeout: float = 0.5) -> bool:
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]") or "localhost"
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+class Watchdog(threading.Thread):
+    """Bounds every wait of the chief. Probes each worker and PS task's port every second;
+    in phase ``connect`` fails when the coordinator has not connected within ``connect_s``;
+    in phase ``train`` when no worker is reachable for ``unreachable_s`` (the coordinator
+    would wait for one to come back for an hour); in ``train`` and ``eval`` when a PS task is
+    unreachable for ``unreachable_s`` (its variables are gone). Fails by writing an ``error``
+    event and ending the process (the main thread is blocked inside TensorFlow)."""
+
+    def __init__(self, cluster: dict[str, list[str]], events: Events, *, connect_s: float,
+                 unreachable_s: float):
+        super().__init__(name="ps-watchdog", daemon=True)
+        self.workers = list(cluster["worker"])
+        self.ps = list(cluster["ps"])
+        self.events = events
+        self.connect_s = connect_s
+        self.unreachable_s = unreachable_s
+        self.phase = "connect"
+        self._phase_t0 = time.time()
+        self._stopping = threading.Event()
+        self.worker_up = [True] * len(self.workers)
+
+    def set_phase(self, phase: str) -> None:
+        self.phase = phase
+        # time-outs count from the start of the phase
+        now = time.time()
+        self._phase_t0 = now
+        self._last_worker = now
+        self._last_ps = [now] * len(self.ps)
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    def _fail(self, msg: str) -> None:
+        log(f"failed: {msg}")
+        self.events.emit("error", kind="error", message=msg)
+        exit_task(TASK_EXIT_ERROR, self.events)
+
+    def run(self) -> None:
+        self.set_phase(self.phase)
+        while not self._stopping.wait(PROBE_INTERVAL_S):
+            now = time.time()
+            wup = [_reachable(a) for a in self.workers]
+            pup = [_reachable(a) for a in self.ps]
+            for i, (was, up) in enumerate(zip(self.worker_up, wup)):
+                if was and not up and self.phase == "train":
+                    log(f"worker:{i} at {self.workers[i]} is unreachable; its steps go to the "
+                        "other workers")
+                elif up and not was and self.phase == "train":
+                    log(f"worker:{i} at {self.workers[i]} is reachable again")
+            self.worker_up = wup
+            if any(wup):
+                self._last_worker = now
+            for i, up in enumerate(pup):
+                if up:
+                    self._last_ps[i] = now
+            phase = self.phase
+            if phase == "connect" and now - self._phase_t0 > self.connect_s:
+                down = [f"worker:{i} ({a})" for i, (a, u) in enumerate(zip(self.workers, wup))
+                        if not u] + [f"ps:{i} ({a})" for i, (a, u) in enumerate(zip(self.ps, pup))
+                                     if not u]
+                self._fail(f"could not connect to the cluster within {self.connect_s:.0f} s"
+                           + (f"; not reachable: {', '.join(down)}" if down else ""))
+            if phase == "train" and now - self._last_worker > self.unreachable_s:
+                self._fail(f"all {len(self.workers)} worker tasks have been unreachable for "
+                           f"{self.unreachable_s:.0f} s ({', '.join(self.workers)}); no step "
+                           "can run")
+            if phase in ("train", "eval"):
+                for i, last in enumerate(self._last_ps):
+                    if now - last > self.unreachable_s:
+                        self._fail(f"parameter server ps:{i} ({self.ps[i]}) has been "
+                                   f"unreachable for {self.unreachable_s:.0f} s; the variables "
+                                   "it held are lost")
+
+
+# --------------------------------------------------------------------------------------------
+# placement
+
+
+def _placement_from_config(cfg: dict, spec: dict, num_ps: int, n_workers: int) -> dict[str, int]:
+    section = cfg.get("parameter_server") or {}
+    placement = section.get("placement")
+    if placement is None:
+        from strata.modelspec import ModelSpecError, profile_model
+        from strata.psplan import plan_parameter_servers
+
+        try:
+            profile = profile_model(spec["model"])
+        except ModelSpecError as e:
+            raise BadConfig(e.field, e.message) from None
+        tr = spec.get("training", {}) or {}
+        plan = plan_parameter_servers(
+            profile, num_ps=num_ps, workers=n_workers,
+            optimizer=str((tr.get("optimizer") or {}).get("name", "adam")).lower(),
+            batch_size=int(spec["data"]["batch_size"]),
+            mixed_precision=(spec.get("memory", {}) or {}).get("mixed_precision", "none") or "none",
+            data_bytes=0)
+        log(f"no parameter_server.placement in the config; planned {plan.placement}")
+        return dict(plan.placement)
+    if not isinstance(placement, dict):
+        raise BadConfig("parameter_server.placement", "must map layer names to PS indexes")
+    out = {}
+    for name, k in placement.items():
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < num_ps:
+            raise BadConfig("parameter_server.placement",
+                            f"layer {name!r} -> {k!r}: not a PS index of the {num_ps} ps tasks")
+        out[str(name)] = k
+    # fail before connecting when the placement does not match the model's layers (checked
+    # again on the built model's variables)
+    from strata.modelspec import ModelSpecError, profile_model
+
+    try:
+        with_params = {l.name for l in profile_model(spec["model"]).layers if l.params > 0}
+    except ModelSpecError as e:
+        raise BadConfig(e.field, e.message) from None
+    missing, extra = sorted(with_params - set(out)), sorted(set(out) - with_params)
+    if missing or extra:
+        raise BadConfig("parameter_server.placement",
+                        "does not match the model's layers with parameters"
+                        + (f"; no PS for {', '.join(missing)}" if missing else "")
+                        + (f"; unknown or parameter-free {', '.join(extra)}" if extra else ""))
+    return out
+
+
+def _task_of(tf, device: str) -> tuple[str | None, int | None]:
+    d = tf.DeviceSpec.from_string(device or "")
+    return d.job, d.task
+
+
+def _check_placement(tf, model, placement: dict[str, int], slot_log: list,
+                     num_ps: int) -> dict[int, int]:
+    """Raises BadConfig unless every model variable lives on its layer's PS task and every
+    optimizer slot on its variable's task. Returns the bytes of variables per PS task."""
+    problems: list[str] = []
+    per_ps = {k: 0 for k in range(num_ps)}
+    var_task: dict[int, int] = {}
+    layers_with_vars = set()
+    for layer in model.layers:
+        if not layer.weights:
+            continue
+        layers_with_vars.add(layer.name)
+        if layer.name not in placement:
+            problems.append(f"layer {layer.name!r} has variables but no placement")
+            continue
+        want = placement[layer.name]
+        for w in layer.weights:
+            job, task = _task_of(tf, w.value.device)
+            if job != "ps" or task != want:
+                problems.append(f"{w.path} is on {w.value.device}, planned ps:{want}")
+            var_task[id(w.value)] = want
+            per_ps[want] += int(w.value.shape.num_elements() or 0) * w.value.dtype.size
+    extra = sorted(set(placement) - layers_with_vars)
+    if extra:
+        problems.append(f"placement names layers the model does not have (or that have no "
+                        f"variables): {', '.join(extra)}")
+    for var, ref in slot_log:
+        job, task = _task_of(tf, var.device)
+        n = int(var.shape.num_elements() or 0) * var.dtype.size
+        if ref is None:
+            if job != "ps":
+                problems.append(f"optimizer variable {var.name} is on {var.device}")
+            elif task is not None:
+                per_ps[task] += n
+            continue
+        want = var_task.get(id(ref))
+        if want is None:
+            rjob, want = _task_of(tf, ref.device)
+        if job != "ps" or task != want:
+            problems.append(f"optimizer slot {var.name} is on {var.device}, its variable on "
+                            f"ps:{want}")
+        elif task is not None:
+            per_ps[task] += n
+    if problems:
+        raise BadConfig("parameter_server.placement", "the layer placement was not honoured: "
+                        + "; ".join(problems[:8]) + (" ..." if len(problems) > 8 else ""))
+    return per_ps
+
+
+def _build_placed(tf, strategy, spec: dict, mixed: str, training: dict,
+                  placement: dict[str, int], num_ps: int):
+    from strata.modelspec import ModelSpecError
+    from worker import models as wmodels
+
+    try:
+        from keras.src.backend.common.name_scope import current_path
+    except ImportError:  # pragma: no cover - a Keras that moved its name scopes
+        raise BadConfig("strategy", "this Keras version does not expose the layer name scope "
+                                    "that parameter_server placement needs") from None
+
+    loss_name = training.get("loss", "sparse_categorical_crossentropy")
+    with strategy.scope():
+        # a scalar anchor on each PS task (TensorFlow places them round-robin)
+        anchors: dict[int, object] = {}
+        for i in range(2 * num_ps):
+            if len(anchors) == num_ps:
+                break
+            a = tf.Variable(0.0, trainable=False, name=f"strata_ps_anchor_{i}")
+            job, task = _task_of(tf, a.device)
+            if job == "ps" and task is not None:
+                anchors.setdefault(task, a)
+        if len(anchors) != num_ps:
+            raise BadConfig("parameter_server.placement", f"could not place an anchor variable "
+                                                          f"on each of the {num_ps} ps tasks")
+
+        def place(next_creator, **kwargs):
+            if kwargs.get("colocate_with") is None:
+                for part in reversed(current_path().split("/")):
+                    if part in placement:
+                        kwargs["colocate_with"] = anchors[placement[part]]
+                        break
+            return next_creator(**kwargs)
+
+        try:
+            with tf.variable_creator_scope(place):
+                model, from_logits = wmodels.build_model(spec["model"], mixed)
+            optimizer = wmodels.build_optimizer(training.get("optimizer") or {}, mixed)
+            loss_fn = wmodels.build_loss(loss_name, from_logits)
+        except ModelSpecError as e:
+            raise BadConfig(e.field, e.message) from None
+
+        slot_log: list = []
+
+        def record(next_creator, **kwargs):
+            v = next_creator(**kwargs)
+            slot_log.append((v, kwargs.get("colocate_with")))
+            return v
+
+        with tf.variable_creator_scope(record):
+            optimizer.build(model.trainable_variables)
+    per_ps = _check_placement(tf, model, placement, slot_log, num_ps)
+    return model, optimizer, loss_fn, per_ps
+
+
+# --------------------------------------------------------------------------------------------
+# the chief
+
+
+def run_chief(cfg: dict, events: Events) -> int:
+    spec = cfg["spec"]
+    data_spec = spec.get("data", {}) or {}
+    training = spec.get("training", {}) or {}
+    mem = spec.get("memory", {}) or {}
+    mixed = mem.get("mixed_precision", "none") or "none"
+    device = str(cfg.get("device", "CPU") or "CPU")
+    threads = int(cfg.get("threads", 0) or 0)
+    interval = float(cfg.get("report_interval_s", 0.5) or 0.5)
+    seed = int(training.get("seed", 0) or 0)
+    gb = int(data_spec["batch_size"])
+    loss_name = training.get("loss", "sparse_categorical_crossentropy")
+    cluster = _cluster_from_tf_config()
+    n_workers, num_ps = len(cluster["worker"]), len(cluster["ps"])
+    if int(spec.get("workers", n_workers) or n_workers) != n_workers:
+        log(f"warning: spec has {spec.get('workers')} workers, TF_CONFIG {n_workers}; using "
+            "TF_CONFIG's")
+    placement = _placement_from_config(cfg, spec, num_ps, n_workers)
+    budgets = (cfg.get("parameter_server") or {}).get("ps_budgets_bytes") or []
+
+    watchdog = Watchdog(cluster, events,
+                        connect_s=float(os.environ.get("STRATA_PS_CONNECT_TIMEOUT_S",
+                                                       DEFAULT_CONNECT_TIMEOUT_S)),
+                        unreachable_s=float(os.environ.get("STRATA_PS_UNREACHABLE_TIMEOUT_S",
+                                                           DEFAULT_UNREACHABLE_TIMEOUT_S)))
+
+    t_import = time.time()
+    import numpy as np
+
+    tf, memory = configure_device(cfg)
+    import keras
+
+    from worker import data as wdata
+
+    watchdog.start()  # phase connect: the strategy's constructor waits for every task
+    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    strategy = tf.distribute.ParameterServerStrategy(resolver)
+    coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+    install_sigterm_handler(events)
+    watchdog.set_phase("build")
+    events.emit("started", workers=n_workers, parameter_servers=num_ps)
+    log(f"started: chief of {n_workers} workers and {num_ps} parameter servers, device "
+        f"{device}, threads {threads or 'default'}, TF {tf.__version__} (import+connect "
+        f"{time.time() - t_import:.1f} s)")
+
+    keras.utils.set_random_seed(seed)
+    model, optimizer, loss_fn, per_ps = _build_placed(tf, strategy, spec, mixed, training,
+                                                      placement, num_ps)
+    for k in range(num_ps):
+        names = sorted(n for n, p in placement.items() if p == k)
+        log(f"placement: ps:{k} holds {format_mib(per_ps[k])} of variables and slots "
+            f"({', '.join(names) or 'no layers'})"
+            + (f", budget {format_mib(int(budgets[k]))}" if k < len(budgets) else ""))
+    input_shape = tuple(int(d) for d in model.inputs[0].shape[1:])
+    output_shape = tuple(int(d) for d in model.outputs[0].shape[1:])
+
+    try:
+        splits = wdata.load_splits(data_spec, input_shape, output_shape)
+        field = "data.path" if data_spec.get("source") == "npz" else "data.source"
+        y_train = wdata.prepare_targets(splits.y_train, loss_name, output_shape, field)
+        y_test = wdata.prepare_targets(splits.y_test, loss_name, output_shape, field)
+    except wdata.DataError as e:
+        raise BadConfig(e.field, e.message) from None
+    x_train, x_test = splits.x_train, splits.x_test
+    classify = loss_name in wdata.CLASSIFICATION_LOSSES or (
+        np.issubdtype(splits.y_test.dtype, np.integer) and splits.y_test.ndim == 1)
+    n_train = splits.n_train
+    steps = wdata.total_steps(training, n_train, gb)
+
+    def dataset_fn():
+        # Traced once on the chief, run on every worker. The shuffle seed comes from the
+        # worker's clock when its pipeline is created, so each worker (and a restarted one)
+        # draws its own order; a stateless shuffle because tf.data's shuffle takes no tensor
+        # seed. The training set is embedded in the function as constants and held once.
+        xt, yt = tf.constant(x_train), tf.constant(y_train)
+        wseed = tf.math.floormod(tf.cast(tf.timestamp() * 1e6, tf.int64) + seed, 2 ** 31 - 1)
+        order = tf.data.Dataset.range(2 ** 62).map(
+            lambda epoch: tf.random.experimental.stateless_shuffle(
+                tf.range(n_train, dtype=tf.int64), seed=tf.stack([wseed, epoch])))
+        ds = order.unbatch().batch(gb, drop_remainder=True)
+        ds = ds.map(lambda i: (tf.gather(xt, i), tf.gather(yt, i)))
+        return ds.prefetch(1)
+
+    per_worker_ds = coordinator.create_per_worker_dataset(dataset_fn)
+    per_worker_iter = iter(per_worker_ds)
+    variables = model.trainable_variables
+    scaled = mixed == "float16"
+
+    # steps applied and the sum of their losses, kept on a PS task: a step returns nothing,
+    # because a result left on a worker cannot be fetched once that worker dies
+    with strategy.scope():
+        applied = tf.Variable(0, dtype=tf.int64, trainable=False, name="strata_steps_applied")
+        loss_sum = tf.Variable(0.0, dtype=tf.float64, trainable=False, name="strata_loss_sum")
+
+    def step_fn(x, y):
+        with tf.GradientTape() as tape:
+            out = model(x, training=True)
+            loss = tf.reduce_mean(loss_fn(y, tf.cast(out, tf.float32)))
+            loss_for_grad = optimizer.scale_loss(loss) if scaled else loss
+        grads = tape.gradient(loss_for_grad, variables)
+        optimizer.apply_gradients(zip(grads, variables))
+        return loss
+
+    @tf.function
+    def train_step(it):
+        x, y = next(it)
+        losses = strategy.experimental_local_results(strategy.run(step_fn, args=(x, y)))
+        loss_sum.assign_add(tf.add_n([tf.cast(l, tf.float64) for l in losses]) / len(losses))
+        applied.assign_add(1)
+
+    log(f"training {model.name}: {model.count_params():,} params, {steps} steps of batch {gb} "
+        f"on {n_workers} workers (asynchronous), {n_train} train / {x_test.shape[0]} test rows, "
+        f"mixed precision {mixed}")
+
+    def wait(rv) -> None:
+        try:
+            rv.fetch()  # no return value: only waits, and raises the step's error
+        except Exception as first:  # noqa: BLE001 - surface the coordinator's first error
+            err = first
+            try:
+                coordinator.join()
+            except Exception as e:  # noqa: BLE001
+                err = e
+            # the coordinator re-runs the steps of a lost worker, but a lost PS task is fatal:
+            # name it
+            lost = [f"ps:{i} ({a})" for i, a in enumerate(cluster["ps"]) if a in str(err)]
+            if isinstance(err, tf.errors.UnavailableError) and lost:
+                raise RuntimeError(f"parameter server {', '.join(lost)} is unreachable; the "
+                                   f"variables it held are lost ({type(err).__name__})") from err
+            if err is first:
+                raise
+            raise err from first
+
+    window = max(4, 4 * n_workers)
+    watchdog.set_phase("train")
+    t_start = time.time()
+    last = {"t": t_start, "step": 0, "count": 0, "sum": 0.0, "loss": float("nan")}
+
+    def report(final: bool = False) -> None:
+        count, total = int(applied.numpy()), float(loss_sum.numpy())
+        now = time.time()
+        if count > last["count"]:
+            last["loss"] = (total - last["sum"]) / (count - last["count"])
+        # a step re-run after its worker died mid-step can count twice: clamp
+        step = steps if final else min(count, steps)
+        if step <= last["step"]:
+            return  # nothing new (steps in progress events strictly increase)
+        eps = (step - last["step"]) * gb / max(now - last["t"], 1e-9)
+        m = memory()
+        events.emit("progress", step=step, total_steps=steps, loss=last["loss"],
+                    examples_per_sec=eps, memory=m)
+        log(f"step {step}/{steps} loss {last['loss']:.4f} {eps:,.0f} ex/s chief mem "
+            f"{format_mib(m['current'])} (peak {format_mib(m['peak'])})")
+        last.update(t=now, step=step, count=count, sum=total)
+
+    inflight = [coordinator.schedule(train_step, args=(per_worker_iter,))]
+    wait(inflight.pop())
+    events.emit("first_step", latency_s=time.time() - t_start)
+    report()
+    scheduled = waited = 1
+    while waited < steps:
+        while scheduled < steps and len(inflight) < window:
+            inflight.append(coordinator.schedule(train_step, args=(per_worker_iter,)))
+            scheduled += 1
+        wait(inflight.pop(0))
+        waited += 1
+        if time.time() - last["t"] >= interval and waited < steps:
+            report()
+    coordinator.join()
+    train_s = time.time() - t_start
+    report(final=True)
+    if int(applied.numpy()) != steps:
+        log(f"note: {int(applied.numpy())} steps were applied for {steps} scheduled (a step "
+            "whose worker died after applying its gradients was run again)")
+    watchdog.set_phase("eval")
+
+    # evaluation on the chief: the whole test split, reading the variables from the PS tasks
+    @tf.function(reduce_retracing=True)
+    def eval_batch(x, y):
+        out = tf.cast(model(x, training=False), tf.float32)
+        per_example = loss_fn(y, out)
+        if classify:
+            pred = tf.argmax(out, axis=-1)
+            truth = tf.cast(y, tf.int64) if y.shape.rank == 1 else tf.argmax(y, axis=-1)
+            correct = tf.reduce_sum(tf.cast(tf.equal(pred, truth), tf.float32))
+        else:
+            correct = tf.constant(0.0)
+        return tf.reduce_sum(per_example), correct
+
+    total_loss, total_correct = 0.0, 0.0
+    n_test = int(x_test.shape[0])
+    eval_bs = min(gb, EVAL_BATCH_MAX)
+    local = "GPU:0" if device.startswith("GPU:") else "CPU:0"  # the device memory() reads
+    with tf.device(f"/job:chief/replica:0/task:0/device:{local}"):
+        for i in range(0, n_test, eval_bs):
+            l, c = eval_batch(tf.constant(x_test[i:i + eval_bs]),
+                              tf.constant(y_test[i:i + eval_bs]))
+            total_loss += float(l)
+            total_correct += float(c)
+    test_loss = total_loss / max(1, n_test)
+    test_acc = total_correct / max(1, n_test) if classify else 0.0
+
+    h = hashlib.sha256()
+    weight_bytes = 0
+    for w in model.weights:
+        a = np.ascontiguousarray(np.asarray(w.numpy(), dtype=np.float32))
+        weight_bytes += a.nbytes
+        h.update(a.tobytes())
+    digest = h.hexdigest()
+
+    model_path = None
+    budget = int(cfg.get("memory_budget_bytes", 0) or 0)
+    m = memory()
+    if budget and budget - m["peak"] < 2 * weight_bytes + (4 << 20):
+        log(f"not saving model.keras: {format_mib(2 * weight_bytes)} of weights copies would "
+            f"not fit in the chief's budget {format_mib(budget)} (peak so far "
+            f"{format_mib(m['peak'])})")
+    else:
+        out_dir = cfg.get("output_dir") or os.getcwd()
+        os.makedirs(out_dir, exist_ok=True)
+        path = os.path.abspath(os.path.join(out_dir, "model.keras"))
+        try:
+            model.save(path)
+            model_path = path
+        except Exception as e:  # noqa: BLE001 - the trained result still stands
+            log(f"warning: saving {path} failed: {type(e).__name__}: {e}")
+    watchdog.stop()
+    m = memory()
+    events.emit("result", test_accuracy=test_acc, test_loss=test_loss, weights_sha256=digest,
+                model_path=model_path, memory=m, steps=steps, train_seconds=train_s)
+    log(f"result: test accuracy {test_acc:.4f} test loss {test_loss:.4f} after {steps} steps "
+        f"({train_s:.1f} s); chief peak memory {format_mib(m['peak'])}; weights {digest[:12]}"
+        + (f"; saved {model_path}" if model_path else ""))
+    # leave at once: the coordinator's threads and the remote resources' destructors would
+    # talk to tasks that are being stopped
+    exit_task(TASK_EXIT_OK, events)
+    return TASK_EXIT_OK  # not reached
