@@ -91,17 +91,24 @@ How it is solved
 
 Memory of one stage task (``StageCostModel``; bytes, GPipe: all forwards, then all backwards)
 ----------------------------------------------------------------------------------------------
-With ``m`` the micro-batch size (global batch / replicas / microbatches), ``M`` the number of
-micro-batches and the stage's layers [first, last):
+The PEAK of the task's allocator while ``worker.pipeline`` runs the stage (what
+``get_memory_info`` reports in the task, and what its BFC limit is checked against). With ``m``
+the micro-batch size (global batch / replicas / microbatches), ``M`` the number of
+micro-batches, ``R`` the replicas and the stage's layers [first, last):
 
 - weights: 4 bytes per parameter, +2 with mixed precision (16-bit compute copies);
 - gradients: 4 bytes per trainable parameter;
-- accumulator: one more gradient-sized buffer that sums the M micro-batches' gradients before
-  the optimizer step (counted even with M = 1: the runner's step always accumulates);
+- accumulator: one more gradient-sized buffer wherever the step sums gradients: the sum of
+  the M micro-batches' gradients (M > 1; with M = 1 the one gradient is used as it is), or,
+  with replicas, a gradient received from another replica (see collective);
 - optimizer slots: ``OPTIMIZER_SLOTS[optimizer]`` x 4 bytes per trainable parameter;
-- collective (replicas > 1): the all-reduce buffer over the stage's replicas, one gradient size,
-  as ``strata.memory`` counts for multi-worker jobs;
-- activations: ``ACTIVATION_FACTOR`` x 4 bytes (``MIXED_ACTIVATION_BYTES`` with mixed
+- collective (replicas > 2): the runner averages a stage's gradients on every replica's task
+  of that stage, each receiving the other ``R - 1`` replicas' accumulated gradients and summing
+  them into its own accumulator once the micro-batches' gradients are gone: weights, slots,
+  its own accumulated gradient and ``R - 1`` received ones, of which the first takes the place
+  counted under gradients (M > 1) or accumulator (M = 1): ``R - 2`` more gradient sizes (none
+  for two replicas);
+- activations: ``PIPELINE_ACTIVATION_BYTES`` (``PIPELINE_MIXED_ACTIVATION_BYTES`` with mixed
   precision) per output element of the stage's layers per example, x m x M: GPipe keeps every
   micro-batch's activations until its backward pass. With ``recompute`` only ONE micro-batch's
   (the one being recomputed and back-propagated), x m;
@@ -111,12 +118,26 @@ micro-batches and the stage's layers [first, last):
 - boundary gradients: one micro-batch at a time, the gradient of the stage's output received
   from the next stage (not on the last stage, which starts from the loss) and the gradient of
   its input sent back (not on the first stage): 4 x elements x m each;
-- input data (first stage): ``INPUT_BATCHES_IN_FLIGHT`` per-replica batches (m x M examples)
-  of float32 model inputs in flight (tf.data prefetch, the iterator, the step), as measured for
-  ``strata.memory``, plus ``data_bytes`` (the training shard, when the caller knows it);
-  labels (last stage): the same number of batches of ``label_bytes`` per example (8: sparse
-  int64 labels; pass 4 x classes for one-hot);
+- input data (first stage): ``PIPELINE_INPUT_BATCHES`` GLOBAL batches (R x m x M examples: the
+  chief draws the whole global batch and splits it) of float32 model inputs, plus
+  ``data_bytes`` (0 for ``worker.pipeline``, which keeps the training set in host memory
+  outside the allocator; for a runner that holds it as tensors); labels (last stage):
+  ``PIPELINE_INPUT_BATCHES`` per-replica batches (m x M) of ``label_bytes`` per example (8:
+  sparse int64 labels; pass 4 x classes for one-hot);
 - overhead: ``FIXED_OVERHEAD`` + ``FRAGMENTATION`` of all the rest (BFC chunk rounding).
+
+Calibration (TF 2.21 CPU, BFC allocator, Adam; ``worker.pipeline`` on 4 stage tasks; deep
+uniform MLPs 64-[1024]x13-10 and 64-[512]x13-10, global batches 512-4096, M = 1, 4, 16, with
+and without recompute, float32 and bfloat16, hybrid 2 x 4): the peak comes at the start of the
+backward pass (weights, slots, the first micro-batch's gradients, every kept activation) or,
+when activations are small, in the optimizer step (weights, slots, the gradient and the
+optimizer's temporaries, about one more gradient size): the sum of the terms above with
+3.2 bytes per kept output element covers both within 20% (measured / estimate 0.81-1.06 in
+float32, 0.92-1.15 in bfloat16; ``docs/benchmarks.md``, "Pipeline throughput and stage memory").
+The data-parallel ``strata.memory`` constants (1.8 x 4 and 14 bytes per element) overestimate
+a pipeline stage by up to 50%: there the whole batch's backward temporaries are alive at once,
+here one micro-batch's. Mixed precision keeps 16-bit activations but the CPU kernels add
+float32 temporaries: measured about as much as float32 per element, so the same 3.2.
 
 Costs: ``3 x`` the stage's forward FLOPs per example (forward + backward = 2 x forward), ``4 x``
 with recompute (one more forward). A measured per-layer cost list (seconds or any unit; a
@@ -133,15 +154,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Sequence
 
-from strata.memory import (
-    ACTIVATION_FACTOR,
-    FIXED_OVERHEAD,
-    FRAGMENTATION,
-    INPUT_BATCHES_IN_FLIGHT,
-    MIXED_ACTIVATION_BYTES,
-    OPTIMIZER_SLOTS,
-    format_size,
-)
+from strata.memory import FIXED_OVERHEAD, FRAGMENTATION, OPTIMIZER_SLOTS, format_size
 from strata.modelspec import ModelProfile
 
 __all__ = [
@@ -150,6 +163,11 @@ __all__ = [
 ]
 
 MIXED_PRECISION_MODES = ("none", "bfloat16", "float16")
+
+# Calibrated against worker/pipeline.py (module docstring, "Memory of one stage task").
+PIPELINE_ACTIVATION_BYTES = 3.2        # per kept layer output element per example, float32
+PIPELINE_MIXED_ACTIVATION_BYTES = 3.2  # the same with bfloat16/float16 compute (CPU)
+PIPELINE_INPUT_BATCHES = 2.0           # input batches alive on the first stage (batch + split)
 
 
 @dataclass(frozen=True)
@@ -256,10 +274,12 @@ class StageCostModel:
         # per-unit coefficients (bytes)
         self.c_weight = 4 + (2 if mixed else 0)
         slots = OPTIMIZER_SLOTS[self.optimizer]
-        self.c_train = 4 * (1 + 1 + slots + (1 if replicas > 1 else 0))
-        per_elem = MIXED_ACTIVATION_BYTES if mixed else ACTIVATION_FACTOR * 4
+        self.accumulates = M > 1 or replicas > 1
+        self.c_train = 4 * (1 + (1 if self.accumulates else 0) + slots + max(0, replicas - 2))
+        per_elem = PIPELINE_MIXED_ACTIVATION_BYTES if mixed else PIPELINE_ACTIVATION_BYTES
         self.c_act = per_elem * m * (1 if self.recompute else M)
-        self.in_flight_examples = INPUT_BATCHES_IN_FLIGHT * m * M
+        self.in_flight_examples = PIPELINE_INPUT_BATCHES * m * M * replicas  # global batches
+        self.label_examples = PIPELINE_INPUT_BATCHES * m * M  # one replica's batches
 
         pp = [0] * (L + 1)
         pt = [0] * (L + 1)
@@ -320,7 +340,7 @@ class StageCostModel:
         return self.in_flight_examples * 4 * self.profile.input_elems + self.data_bytes
 
     def _labels(self) -> float:
-        return self.in_flight_examples * self.label_bytes
+        return self.label_examples * self.label_bytes
 
     # -- queries
 
@@ -361,9 +381,9 @@ class StageCostModel:
         terms = {
             "weights": self.c_weight * params,
             "gradients": 4 * train,
-            "accumulator": 4 * train,
+            "accumulator": 4 * train if self.accumulates else 0,
             "optimizer_slots": 4 * slots * train,
-            "collective": 4 * train if self.replicas > 1 else 0,
+            "collective": 4 * train * max(0, self.replicas - 2),
             "activations": math.ceil(self.c_act * acts),
             "boundary_input": math.ceil(self._boundary_in(first)),
             "boundary_gradients": math.ceil(self._grad_in(first) + self._grad_out(last)),
@@ -1195,7 +1215,7 @@ def _plan(model: StageCostModel, workers: list[WorkerSlot], stages: int) -> Pipe
 
 _TERM_WORDS = {
     "weights": "weights", "gradients": "gradients", "accumulator": "gradient accumulator",
-    "collective": "all-reduce buffer", "boundary_input": "stage inputs",
+    "collective": "gradient averaging buffers", "boundary_input": "stage inputs",
     "boundary_gradients": "boundary gradients", "input_data": "input batches",
     "labels": "labels", "overhead": "overhead",
 }

@@ -1,15 +1,18 @@
 """The coordinator's control logic driven tick by tick with a manual clock (no processes)."""
 
 import json
+import os
 
 import pytest
 
 from coordinator.core import Coordinator, StartTaskCommand, StopTaskCommand
 from coordinator.store import SqliteStore
+from strata.spec import load_spec_file
 from strata.errors import InfeasibleError, InvalidTransition, NotFoundError, UnknownAgentSession
 from strata.types import FailureKind, JobState, MemoryStatus, TaskReport, TaskState
 
 GiB = 1 << 30
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPEC = {"name": "t", "workers": 2,
         "model": {"builtin": {"kind": "mlp", "input_shape": [64], "hidden": [64], "classes": 10}},
         "data": {"source": "digits", "batch_size": 64}, "training": {"steps": 10}}
@@ -339,3 +342,16 @@ def test_mirrored_refusal_suggests_a_pipeline_depth(env):
     with pytest.raises(InfeasibleError) as e:
         coord.submit(big)
     assert "it fits as a pipeline: strategy: pipeline, stages: " in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("name", sorted(os.listdir(os.path.join(ROOT, "examples"))))
+def test_every_example_plans_on_four_agents(env, name):
+    """The shipped example specs parse and fit the clusters their comments name."""
+    coord, *_ = env
+    for n in "abcd":
+        register(coord, n, budget=88 << 20)
+    raw = load_spec_file(os.path.join(ROOT, "examples", name))
+    plan = coord.plan(raw)
+    assert plan.feasible, plan.reason
+    job = coord.submit(raw)
+    assert job.state == JobState.PENDING

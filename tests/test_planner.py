@@ -11,6 +11,8 @@ import pytest
 
 import coordinator.planner as planner
 from coordinator.planner import (
+    PIPELINE_ACTIVATION_BYTES,
+    PIPELINE_INPUT_BATCHES,
     PipelinePlan,
     StageCostModel,
     WorkerSlot,
@@ -19,13 +21,7 @@ from coordinator.planner import (
     stage_memory,
     suggest_stages,
 )
-from strata.memory import (
-    ACTIVATION_FACTOR,
-    FIXED_OVERHEAD,
-    FRAGMENTATION,
-    INPUT_BATCHES_IN_FLIGHT,
-    OPTIMIZER_SLOTS,
-)
+from strata.memory import FIXED_OVERHEAD, FRAGMENTATION, OPTIMIZER_SLOTS
 from strata.modelspec import LayerProfile, ModelProfile, profile_model
 
 MiB = 1 << 20
@@ -246,7 +242,7 @@ def test_memory_terms_match_the_documented_formula():
     acts = layers[1].output_elems + layers[2].output_elems
     expected = (4 * params                      # weights
                 + 4 * params * (1 + 1 + OPTIMIZER_SLOTS["adam"])  # grads, accumulator, slots
-                + ACTIVATION_FACTOR * 4 * acts * m * M            # all micro-batches in flight
+                + PIPELINE_ACTIVATION_BYTES * acts * m * M        # all micro-batches in flight
                 + 4 * layers[0].output_elems * m * M              # stage inputs, all in flight
                 + 4 * layers[0].output_elems * m                  # input gradient sent back
                 + 4 * layers[2].output_elems * m)                 # output gradient received
@@ -258,8 +254,8 @@ def test_memory_terms_match_the_documented_formula():
     assert terms["input_data"] == 0 and terms["labels"] == 0
     # the first stage holds the input batches in flight, the last the labels
     first = model.breakdown(0, 1)
-    assert first["input_data"] == math.ceil(INPUT_BATCHES_IN_FLIGHT * m * M * 4 * 64)
-    assert model.breakdown(3, 4)["labels"] == math.ceil(INPUT_BATCHES_IN_FLIGHT * m * M * 8)
+    assert first["input_data"] == math.ceil(PIPELINE_INPUT_BATCHES * m * M * 4 * 64)
+    assert model.breakdown(3, 4)["labels"] == math.ceil(PIPELINE_INPUT_BATCHES * m * M * 8)
     # stage_memory is the same number; the position is checked against the range
     kw = dict(microbatch=m, microbatches=M, optimizer="adam")
     assert stage_memory(profile, 1, 3, stage_index=1, num_stages=3, **kw) == model.memory(1, 3)
@@ -316,7 +312,9 @@ def test_mixed_precision_and_replicas_terms():
     assert mixed.breakdown(0, 2)["weights"] == 6 * profile.total_params
     assert mixed.memory(0, 2) > base.memory(0, 2)  # CPU calibration: 16-bit keeps more
     assert base.breakdown(0, 2)["collective"] == 0
-    assert hybrid.breakdown(0, 2)["collective"] == 4 * profile.trainable_params
+    assert hybrid.breakdown(0, 2)["collective"] == 0  # the received gradient replaces one
+    three = StageCostModel(profile, microbatch=8, microbatches=2, replicas=3)
+    assert three.breakdown(0, 2)["collective"] == 4 * profile.trainable_params
 
 
 def test_measured_costs_replace_flops():
@@ -339,7 +337,9 @@ def test_measured_costs_replace_flops():
 
 def test_heavy_stage_goes_to_the_only_big_worker():
     # one fat layer among thin ones: only the big worker can hold the stage that has it
-    layers = (dense("in", 64, 64), dense("fat", 64, 8192), dense("squeeze", 8192, 64),
+    # (fat in parameters as well as outputs: a stage starting at "squeeze" keeps the 8192-wide
+    # input for every micro-batch, about what "fat" keeps of its output)
+    layers = (dense("in", 64, 256), dense("fat", 256, 8192), dense("squeeze", 8192, 64),
               dense("t1", 64, 64), dense("t2", 64, 64), dense("out", 64, 10))
     profile = ModelProfile((64,), layers)
     model = StageCostModel(profile, microbatch=32, microbatches=2)

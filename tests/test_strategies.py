@@ -1,0 +1,199 @@
+"""parameter_server, pipeline and hybrid jobs end to end: one coordinator, four agents and real
+TensorFlow task processes on loopback, shared by the tests of this module (one job at a time:
+every job here needs all four agents)."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from strata.client import Infeasible
+from strata.local import LocalCluster
+from strata.types import JobState, TaskState
+
+from tests.conftest import spec, task_processes, wait_until
+
+MiB = 1 << 20
+AGENTS = 4
+# Sized so that the deep model's data-parallel estimate is more than 3x one agent's budget
+# while its four pipeline stages each fit one agent.
+AGENT_BUDGET_MIB = 88
+JOB_TIMEOUT_S = 420
+
+# 64 -> 1024 x 13 -> 10: 12.7 M parameters; a 4-stage split puts three 1024x1024 layers on
+# each stage (plus the small first and last layers on the end stages)
+DEEP = dict(
+    name="deep-mlp",
+    model={"builtin": {"kind": "mlp", "input_shape": [64], "hidden": [1024] * 13, "classes": 10}},
+    training={"epochs": 10, "optimizer": {"name": "adam", "learning_rate": 0.0005}},
+)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = LocalCluster(workers=AGENTS, memory_budget=f"{AGENT_BUDGET_MIB}MiB",
+                     state_dir=str(tmp_path_factory.mktemp("strategies")), threads=1,
+                     heartbeat_timeout_s=10)
+    c.start()
+    yield c
+    c.stop()
+
+
+@pytest.fixture
+def client(cluster):
+    with cluster.client() as c:
+        yield c
+
+
+def run_job(client, job_spec, timeout=JOB_TIMEOUT_S):
+    """Submits, follows the job to its end and returns (final job, first reported loss)."""
+    job = client.submit(job_spec)
+    first_loss = None
+    for ev in client.watch(job.id, timeout=timeout):
+        j = ev.job
+        if j is not None and first_loss is None and j.metrics.step >= 1 and j.metrics.loss is not None:
+            first_loss = j.metrics.loss
+    client.wait(job.id, timeout=30)
+    return settled(client, job.id), first_loss
+
+
+def settled(client, job_id):
+    """The job once its agents have confirmed every task's end (servers are stopped after the
+    chief finishes, so they end a moment after the job)."""
+    return wait_until(lambda: (lambda j: j if all(t.state.final for t in j.tasks) else None)(
+        client.get(job_id)), 30, what="every task ended")
+
+
+def deep(**over):
+    d = spec(**{k: v for k, v in DEEP.items() if k not in ("model", "training")})
+    d["model"], d["training"] = DEEP["model"], DEEP["training"]
+    d.update(over)
+    return d
+
+
+def by_role(job):
+    return {(t.role, t.index): t for t in job.tasks}
+
+
+# --------------------------------------------------------------------------------------------
+# parameter_server
+
+
+def ps_spec(**over):
+    d = spec(name="digits-ps", strategy="parameter_server", workers=2, parameter_servers=1,
+             training={"epochs": 20, "optimizer": {"name": "adam", "learning_rate": 0.001}})
+    d.update(over)
+    return d
+
+
+def test_parameter_server_job_trains_digits(client):
+    final, first_loss = run_job(client, ps_spec())
+    assert final.state == JobState.SUCCEEDED, final.message
+    assert final.metrics.test_accuracy >= 0.90, final.metrics
+    tasks = by_role(final)
+    assert sorted(tasks) == [("chief", 0), ("ps", 0), ("worker", 0), ("worker", 1)]
+    assert len({t.worker for t in final.tasks}) == 4  # one task per agent
+    for t in final.tasks:
+        assert t.state == TaskState.SUCCEEDED, (t.role, t.index, t.message)
+        assert 0 < t.peak_memory_bytes <= t.memory_budget_bytes, (t.role, t.index)
+    # every layer with variables is hosted by the one PS task
+    assert tasks[("ps", 0)].layers == ["hidden_0", "hidden_1", "hidden_2", "logits"]
+    assert first_loss is not None and final.metrics.loss < first_loss
+
+
+def test_parameter_server_job_survives_a_killed_worker(client):
+    job = client.submit(ps_spec(name="ps-kill", training={"epochs": 30}))
+    wait_until(lambda: client.get(job.id).metrics.step >= 20, 240, what="20 steps")
+    [pid] = wait_until(lambda: task_processes(os.path.join(job.id, "worker-1")), 10,
+                       what="the worker:1 task process")
+    os.kill(pid, signal.SIGKILL)
+    client.wait(job.id, timeout=JOB_TIMEOUT_S)
+    final = settled(client, job.id)
+    assert final.state == JobState.SUCCEEDED, final.message
+    assert final.metrics.test_accuracy >= 0.90
+    assert final.metrics.step == final.metrics.total_steps
+    tasks = by_role(final)
+    assert tasks[("worker", 1)].state == TaskState.FAILED
+    assert tasks[("worker", 0)].state == TaskState.SUCCEEDED
+    messages = [e.message for e in client.watch(job.id, timeout=10)]
+    assert any("continues on 1 remaining worker" in m for m in messages), messages
+
+
+# --------------------------------------------------------------------------------------------
+# pipeline: the headline
+
+
+@pytest.fixture(scope="module")
+def pipeline_job(cluster):
+    with cluster.client() as c:
+        return run_job(c, deep(strategy="pipeline", workers=1, stages=4, microbatches=4))
+
+
+def test_deep_model_is_refused_as_mirrored_with_a_pipeline_suggestion(client):
+    mirrored = deep(strategy="multi_worker_mirrored", workers=1)
+    plan = client.plan(mirrored)
+    assert not plan.feasible
+    estimate = plan.tasks[0].estimated_memory_bytes
+    assert estimate >= 3 * AGENT_BUDGET_MIB * MiB, estimate / MiB
+    with pytest.raises(Infeasible) as e:
+        client.submit(mirrored)
+    assert "strategy: pipeline, stages: 4" in e.value.message, e.value.message
+
+
+def test_deep_model_trains_as_a_four_stage_pipeline(pipeline_job):
+    final, first_loss = pipeline_job
+    assert final.state == JobState.SUCCEEDED, final.message
+    assert final.metrics.test_accuracy >= 0.90, final.metrics
+    assert first_loss is not None and final.metrics.loss < first_loss
+    stages = sorted(final.tasks, key=lambda t: t.stage)
+    assert [t.stage for t in stages] == [0, 1, 2, 3]
+    assert (stages[0].role, stages[0].index) == ("chief", 0)
+    assert len({t.worker for t in stages}) == 4
+    names = [n for t in stages for n in t.layers]
+    assert names == [f"hidden_{i}" for i in range(13)] + ["logits"]
+    for t in stages:
+        assert t.state == TaskState.SUCCEEDED, (t.stage, t.message)
+        peak, est = t.peak_memory_bytes, t.estimated_memory_bytes
+        assert 0 < peak <= t.memory_budget_bytes, (t.stage, peak / MiB, t.memory_budget_bytes / MiB)
+        assert abs(peak - est) <= 0.20 * est, (t.stage, peak / MiB, est / MiB)
+
+
+def test_recompute_lowers_the_measured_peak(client, pipeline_job):
+    plain, _ = pipeline_job
+    final, _ = run_job(client, deep(name="deep-recompute", strategy="pipeline", workers=1,
+                                    stages=4, microbatches=4,
+                                    memory={"recompute": True}, training={"steps": 30}))
+    assert final.state == JobState.SUCCEEDED, final.message
+    before = {t.stage: t.peak_memory_bytes for t in plain.tasks}
+    after = {t.stage: t.peak_memory_bytes for t in final.tasks}
+    assert sum(after.values()) < sum(before.values()), (before, after)
+    for t in final.tasks:
+        assert t.peak_memory_bytes <= t.memory_budget_bytes
+        assert abs(t.peak_memory_bytes - t.estimated_memory_bytes) <= 0.20 * t.estimated_memory_bytes
+
+
+# --------------------------------------------------------------------------------------------
+# hybrid
+
+
+def test_hybrid_replicas_stay_identical(client):
+    final, _ = run_job(client, spec(name="digits-hybrid", strategy="hybrid", workers=2, stages=2,
+                                    microbatches=2))
+    assert final.state == JobState.SUCCEEDED, final.message
+    assert final.metrics.test_accuracy >= 0.90, final.metrics
+    tasks = sorted(final.tasks, key=lambda t: (t.replica, t.stage))
+    assert [(t.replica, t.stage) for t in tasks] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    chief = by_role(final)[("chief", 0)]
+    digests = chief.replica_weights_sha256
+    assert len(digests) == 2 and digests[0] == digests[1], digests
+    assert chief.weights_sha256 == digests[0]
+    for t in tasks:
+        assert 0 < t.peak_memory_bytes <= t.memory_budget_bytes
+
+
+def test_agents_are_idle_after_the_jobs(client):
+    wait_until(lambda: all(w.memory.reserved_bytes == 0 for w in client.workers()), 30,
+               what="every reservation released")
+    assert not task_processes(" ")  # no task process left behind

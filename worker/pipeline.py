@@ -1,0 +1,825 @@
+"""The driver of ``pipeline`` and ``hybrid`` jobs: GPipe model parallelism over TensorFlow's own
+distributed runtime, run by the job's chief task (``worker.task`` dispatches here).
+
+Tasks and placement
+-------------------
+A job of ``S`` stages and ``R`` replicas (``pipeline``: R = 1) has ``R x S`` stage tasks. The
+task config's ``pipeline.layout`` says which task holds replica r's stage s and its layers
+``[first_layer, last_layer)`` (indices into ``strata.modelspec.profile_model``'s layers, as
+``coordinator.planner`` split them). Replica 0's stage 0 is this process, the chief
+(``/job:chief/replica:0/task:0``); every other stage is a ``worker:K`` task running
+``worker.server`` (a plain ``tf.distribute.Server``). The chief connects to the cluster with
+``tf.config.experimental_connect_to_cluster(..., job_name="chief")`` and then drives
+everything: it never builds the whole model. Each stage's Keras layers are deserialized one by
+one (the builtin MLP's layers, or the layer configs of a Sequential or linear Functional
+``keras_json`` model) and created AND called under ``tf.device(<the stage's task>)``, so their
+variables, their Keras optimizer (one per stage and replica, its slots next to the variables),
+the forward and backward ops and the gradient accumulators all live on that task. What crosses
+the wire is only: the input micro-batches (chief -> each replica's first stage; for replica 0
+that is local), the labels (chief -> last stages), the activations at stage boundaries
+(forward) and their gradients (backward), a few scalars (losses, the float16 finiteness
+flags), and, with R > 1, each stage's accumulated gradient once per step from every replica's
+task to the other replicas' tasks of that stage. The chief reads only its own allocator for
+the ``memory`` it reports; each server reports its own (``worker.server``).
+
+The training step (one ``tf.function``, GPipe)
+----------------------------------------------
+The chief draws the global batch (the training set stays a NumPy array in the chief's host
+memory; each step's rows become one tensor there) and splits it into ``R x M`` micro-batches
+of ``m`` rows; replica r takes micro-batches ``r*M .. r*M+M-1``. Every micro-batch goes
+forward through the stages; the last stage computes the loss ``sum(per-example loss) /
+(m * M)`` (the replica's mean loss); then the backward passes run in REVERSE micro-batch
+order (GPipe: all forwards, then all backwards) and each stage sums its micro-batches'
+parameter gradients into one accumulator, so the result is the gradient of the replica's mean
+loss over its m x M rows. The optimizer step follows on every stage at once.
+Control dependencies fix the order WITHIN a stage task (forward of micro-batch i after i-1;
+backward of i after the accumulation of i+1, so one micro-batch's gradients are alive at a
+time); nothing orders different tasks, so TensorFlow's executor runs stage s on micro-batch i
+while stage s+1 works on i-1: the pipeline overlap comes from the dataflow graph itself.
+``bench/pipeline_throughput.py`` measures it (and the bubble).
+
+Hybrid (R > 1): the replicas start identical (replica 0's initial values are copied to the
+others, seed-generator states excepted) and stay identical. The gradients are averaged per
+stage ON THE STAGE'S OWN TASKS: every replica's task of stage s receives the other replicas'
+accumulated gradients of that stage and computes ``add_n(all R, in replica order) / R`` (the
+mean of the replicas' mean losses: the gradient of the mean loss over the global batch); the
+same op on the same bits gives the same mean everywhere, and each replica's own optimizer
+(identical state) applies it. Each task sums into its own accumulator only after the others
+have received it, so every replica holds the same buffers (R gradient sizes at the peak; no
+task is a hot spot; R - 1 transfers in and out per task: for R = 2 as cheap as a reduce and
+broadcast through one task, and symmetric in memory, which keeps the planner's one estimate
+per stage right for every replica). Non-trainable float state (BatchNormalization moving
+statistics) is averaged on replica 0's task and assigned everywhere at the end of the step;
+each replica's dropout seed state stays its own. Every step therefore leaves bit-identical
+weights on all replicas; the ``result`` event carries one digest per replica
+(``replica_weights_sha256``) so anyone can check.
+
+Layer state: every layer with non-trainable variables (BatchNormalization statistics, a
+Dropout seed) runs in a ``keras.StatelessScope`` with its state threaded from micro-batch to
+micro-batch and written back once at the end of the step. This keeps recomputation exact
+(below) and the replicas' averaging simple.
+
+Activation recomputation (``memory.recompute``)
+----------------------------------------------
+Without it, each stage's forward for each micro-batch is recorded on a ``tf.GradientTape``
+whose saved activations stay alive until that micro-batch's backward (all M micro-batches at
+the peak, as GPipe). With it, the forward runs without a tape (its intermediate activations
+are freed at once) and each stage keeps only its input per micro-batch; the backward re-runs
+that micro-batch's forward under a tape from the kept input and the kept layer state, then
+back-propagates: one micro-batch's activations at a time, for one more forward pass.
+``tf.recompute_grad`` was tried first: it runs with Keras 3 layers on remote devices, but it
+re-runs Dropout with the seed generator advanced (the recomputed mask differs from the one the
+forward used, so the gradient is wrong) and would update BatchNormalization statistics twice;
+the explicit form above replays the same state, so it is exact.
+
+Mixed precision (``memory.mixed_precision``)
+-------------------------------------------
+Layers get the Keras ``mixed_bfloat16`` / ``mixed_float16`` policy as in ``worker.models``
+(variables float32, compute 16-bit; the model's last layer float32 so logits and the loss
+are float32), so boundary activations and their gradients cross the wire in 16 bits. Keras
+casts a layer's weights to 16 bits on every call, and each micro-batch's tape would keep its
+own copy until its backward pass (measured: 2 bytes per parameter per micro-batch); the step
+instead casts each weight once and feeds that copy to every micro-batch (through the stateless
+scope), differentiates with respect to it and casts the gradient back to float32, which is
+exactly what the gradient of Keras' own cast does.
+float16 needs loss scaling, and the scale must be ONE for the whole pipeline (a stage cannot
+unscale by a factor another stage did not use), so instead of a ``LossScaleOptimizer`` per
+stage the driver keeps one dynamic scale (a variable on the chief, Keras' defaults: 2**15,
+halved on overflow, doubled after 2,000 finite steps): the last stage scales the loss, each
+stage unscales its averaged gradient, and the step is applied on every stage only when all
+gradients of all stages are finite.
+
+Events and result
+-----------------
+As ``worker.task``: ``started`` (cluster connected), ``first_step``, ``progress`` (the global
+mean loss, examples/s, this chief's allocator memory), ``result`` (test accuracy and loss over
+the full test split, evaluated through replica 0's pipeline; ``weights_sha256`` over replica
+0's weights in layer order as float32 bytes, like ``worker.task``; ``replica_weights_sha256``;
+``model_path`` is None: no stage task holds the whole model and gathering it on the chief
+would defeat the point, so the trained model is not saved in this release), then
+``exit_task(0)``. Config problems raise ``BadConfig``; an out-of-memory op on any stage
+reaches the chief as ``ResourceExhaustedError`` (checked), which ``worker.task`` reports as
+kind ``oom``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+from strata.exitcodes import TASK_EXIT_OK
+from worker.common import (
+    BadConfig, Events, configure_device, exit_task, format_mib, install_sigterm_handler, log,
+)
+
+CONNECT_TIMEOUT_S = 120.0          # STRATA_PIPELINE_CONNECT_TIMEOUT_S overrides
+LOSS_SCALE_INITIAL = 2.0 ** 15     # float16: Keras LossScaleOptimizer's defaults
+LOSS_SCALE_GROWTH_STEPS = 2000
+HASH_CHUNK_ELEMS = 1 << 18         # weights are read for hashing 1 MiB at a time (chief memory)
+
+
+# --------------------------------------------------------------------------------------------
+# the layout (checked before TensorFlow is imported)
+
+
+@dataclass(frozen=True)
+class StagePlace:
+    replica: int
+    stage: int
+    job: str            # "chief" or "worker"
+    task: int
+    first: int
+    last: int
+    names: tuple[str, ...]
+    estimate: int
+    budget: int
+
+    @property
+    def task_name(self) -> str:
+        return f"{self.job}:{self.task}"
+
+
+@dataclass(frozen=True)
+class Layout:
+    stages: int
+    replicas: int
+    microbatches: int
+    microbatch: int
+    places: dict
+
+    def at(self, replica: int, stage: int) -> StagePlace:
+        return self.places[(replica, stage)]
+
+
+def _pos_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+def parse_layout(cfg: dict, layer_names: list[str]) -> Layout:
+    """The ``pipeline`` section of the task config, checked against the spec and the model's
+    layers. Raises ``BadConfig``."""
+    spec = cfg["spec"]
+    p = cfg.get("pipeline")
+    if not isinstance(p, dict):
+        raise BadConfig("pipeline", "the chief of a pipeline or hybrid job needs the pipeline "
+                                    "section (stages, replicas, microbatches, layout)")
+    for k in ("stages", "replicas", "microbatches", "microbatch"):
+        if not _pos_int(p.get(k)):
+            raise BadConfig(f"pipeline.{k}", f"must be a positive integer, got {p.get(k)!r}")
+    S, R, M, m = p["stages"], p["replicas"], p["microbatches"], p["microbatch"]
+    if spec.get("strategy") == "pipeline" and R != 1:
+        raise BadConfig("pipeline.replicas", f"a pipeline job has one replica, got {R}")
+    if int(spec.get("microbatches", M) or M) != M:
+        raise BadConfig("pipeline.microbatches", f"{M} differs from the spec's "
+                                                 f"{spec.get('microbatches')}")
+    gb = int((spec.get("data") or {}).get("batch_size", 0) or 0)
+    if m * M * R != gb:
+        raise BadConfig("pipeline.microbatch", f"{R} replicas x {M} micro-batches x {m} rows = "
+                                               f"{R * M * m}, not the global batch {gb}")
+    L = len(layer_names)
+    if S > L:
+        raise BadConfig("pipeline.stages", f"{S} stages for a model of {L} layers")
+    entries = p.get("layout")
+    if not isinstance(entries, list) or len(entries) != R * S:
+        raise BadConfig("pipeline.layout", f"needs {R * S} entries ({R} replicas x {S} stages), "
+                                           f"got {len(entries) if isinstance(entries, list) else entries!r}")
+    places: dict = {}
+    tasks_seen: set = set()
+    for e in entries:
+        if not isinstance(e, dict):
+            raise BadConfig("pipeline.layout", f"entries must be objects, got {e!r}")
+        r, s = e.get("replica"), e.get("stage")
+        if not (isinstance(r, int) and isinstance(s, int) and 0 <= r < R and 0 <= s < S):
+            raise BadConfig("pipeline.layout", f"entry has replica {r!r} stage {s!r}; replicas run "
+                                               f"0..{R - 1}, stages 0..{S - 1}")
+        if (r, s) in places:
+            raise BadConfig("pipeline.layout", f"replica {r} stage {s} appears twice")
+        task = str(e.get("task", ""))
+        job, _, idx = task.partition(":")
+        if job not in ("chief", "worker") or not idx.isdigit():
+            raise BadConfig("pipeline.layout", f"replica {r} stage {s}: task {task!r} must be "
+                                               "chief:0 or worker:K")
+        if (r, s) == (0, 0) and task != "chief:0":
+            raise BadConfig("pipeline.layout", f"replica 0 stage 0 must be the chief (chief:0), "
+                                               f"got {task!r}")
+        if (r, s) != (0, 0) and job != "worker":
+            raise BadConfig("pipeline.layout", f"replica {r} stage {s} must be a worker task, "
+                                               f"got {task!r}")
+        if task in tasks_seen:
+            raise BadConfig("pipeline.layout", f"task {task} holds two stages")
+        tasks_seen.add(task)
+        a, b = e.get("first_layer"), e.get("last_layer")
+        if not (isinstance(a, int) and isinstance(b, int) and 0 <= a < b <= L):
+            raise BadConfig("pipeline.layout", f"replica {r} stage {s}: layers [{a!r}, {b!r}) are "
+                                               f"not a non-empty range of 0..{L}")
+        names = tuple(str(n) for n in (e.get("layers") or []))
+        if names != tuple(layer_names[a:b]):
+            raise BadConfig("pipeline.layout", f"replica {r} stage {s}: layers {list(names)} are "
+                                               f"not the model's layers {a}..{b - 1} "
+                                               f"{layer_names[a:b]}")
+        places[(r, s)] = StagePlace(r, s, job, int(idx), a, b, names,
+                                    int(e.get("estimated_memory_bytes", 0) or 0),
+                                    int(e.get("memory_budget_bytes", 0) or 0))
+    for r in range(R):
+        if places[(r, 0)].first != 0 or places[(r, S - 1)].last != L:
+            raise BadConfig("pipeline.layout", f"replica {r}'s stages must cover layers 0..{L - 1}")
+        for s in range(S):
+            if (places[(r, s)].first, places[(r, s)].last) != \
+                    (places[(0, s)].first, places[(0, s)].last):
+                raise BadConfig("pipeline.layout", f"stage {s} has different layers on replica {r} "
+                                                   "and replica 0")
+            if s + 1 < S and places[(r, s)].last != places[(r, s + 1)].first:
+                raise BadConfig("pipeline.layout", f"replica {r}: stage {s + 1} does not start "
+                                                   f"where stage {s} ends")
+    return Layout(S, R, M, m, places)
+
+
+def read_cluster(layout: Layout) -> dict[str, list[str]]:
+    raw = os.environ.get("TF_CONFIG", "")
+    try:
+        tc = json.loads(raw)
+        cluster = {str(k): [str(a) for a in v] for k, v in tc["cluster"].items()}
+        role, index = str(tc["task"]["type"]), int(tc["task"]["index"])
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise BadConfig("TF_CONFIG", "needs cluster and task.type/task.index") from None
+    if (role, index) != ("chief", 0) or len(cluster.get("chief", [])) != 1:
+        raise BadConfig("TF_CONFIG", f"the pipeline driver must be the one chief task (chief:0), "
+                                     f"TF_CONFIG says {role}:{index}")
+    for pl in layout.places.values():
+        if pl.task >= len(cluster.get(pl.job, [])):
+            raise BadConfig("TF_CONFIG", f"stage task {pl.task_name} (replica {pl.replica} stage "
+                                         f"{pl.stage}) is not in the cluster")
+    return cluster
+
+
+# --------------------------------------------------------------------------------------------
+# layers
+
+
+def _layer_entries(model_spec: dict, mixed: str) -> list:
+    """One zero-argument factory per layer of the chain, in order (the names are checked
+    against the layout by the caller)."""
+    import keras
+
+    from strata.modelspec import (
+        ModelSpecError, _functional_chain, check_keras_json_safe, parse_keras_json,
+    )
+    from worker.models import POLICIES, _rewrite_json
+
+    policy = POLICIES[mixed]
+    if model_spec.get("builtin"):
+        b = model_spec["builtin"]
+        shape = [int(d) for d in b["input_shape"]]
+        out = []
+        if len(shape) > 1:
+            out.append(lambda: keras.layers.Flatten(name="flatten", dtype=policy))
+        for i, units in enumerate(b.get("hidden", [])):
+            out.append(lambda i=i, u=int(units): keras.layers.Dense(
+                u, activation="relu", name=f"hidden_{i}", dtype=policy))
+        out.append(lambda: keras.layers.Dense(int(b["classes"]), name="logits", dtype="float32"))
+        return out
+    try:
+        obj = parse_keras_json(model_spec.get("keras_json"))
+        check_keras_json_safe(obj)
+        if policy != "float32":
+            obj = _rewrite_json(obj, policy, sync_batchnorm=False)
+        cfg = obj.get("config") or {}
+        if obj.get("class_name") == "Sequential":
+            chain = [l for l in cfg.get("layers", []) if isinstance(l, dict)]
+        else:
+            chain, _ = _functional_chain(cfg)
+    except ModelSpecError as e:
+        raise BadConfig(e.field, e.message) from None
+    out = []
+    for entry in chain:
+        if entry.get("class_name") == "InputLayer":
+            continue
+        d = {k: entry[k] for k in ("module", "class_name", "config", "registered_name")
+             if k in entry}
+
+        def make(d=d):
+            try:
+                layer = keras.saving.deserialize_keras_object(d, safe_mode=True)
+            except Exception as e:  # Keras raises ValueError/TypeError for what it refuses
+                raise BadConfig("model.keras_json", f"Keras cannot build layer "
+                                                    f"{d.get('config', {}).get('name')!r}: "
+                                                    f"{type(e).__name__}: {e}") from None
+            if not isinstance(layer, keras.layers.Layer):
+                raise BadConfig("model.keras_json", f"{d.get('class_name')} is not a layer")
+            return layer
+        out.append(make)
+    return out
+
+
+class Stage:
+    """One stage task's share of one replica: its layers, variables and optimizer."""
+
+    def __init__(self, place: StagePlace, device: str, layers: list):
+        self.place = place
+        self.device = device
+        self.layers = layers
+        self.tvars = [v for l in layers for v in l.trainable_variables]
+        # per layer: its non-trainable variables (BN statistics, seed generator states)
+        self.nt = [list(l.non_trainable_variables) for l in layers]
+        # mixed precision: the variables Keras would cast to the layer's compute dtype on every
+        # call (as Layer.__call__'s AutocastScope does), with that dtype
+        self.casts = {}
+        for l in layers:
+            if l.autocast and l.compute_dtype != l.variable_dtype and "float" in l.compute_dtype:
+                for v in l.trainable_variables:
+                    if getattr(v, "_autocast", False) and _is_float(v):
+                        self.casts[id(v)] = l.compute_dtype
+        self.optimizer = None
+
+
+def _is_float(v) -> bool:
+    return "float" in str(v.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# connecting
+
+
+def _reachable(addr: str, timeout: float = 1.0) -> bool:
+    host, _, port = addr.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+def connect(tf, cluster: dict, layout: Layout, timeout_s: float) -> float:
+    """Connects the eager context to the cluster. ``experimental_connect_to_cluster`` returns
+    at once; the context then blocks (GIL released) until every task answers, for ever, so the
+    wait runs in a thread with a deadline. Returns the seconds it took."""
+    t0 = time.time()
+    deadline = t0 + timeout_s
+    stage_addrs = {pl.task_name: cluster[pl.job][pl.task] for pl in layout.places.values()
+                   if pl.job != "chief"}
+    # first the cheap check: every stage server accepts TCP connections
+    missing = dict(stage_addrs)
+    last_log = 0.0
+    while missing:
+        missing = {t: a for t, a in missing.items() if not _reachable(a)}
+        if not missing:
+            break
+        now = time.time()
+        if now >= deadline:
+            raise RuntimeError(f"stage servers not reachable after {timeout_s:.0f} s: "
+                               + ", ".join(f"{t} at {a}" for t, a in sorted(missing.items())))
+        if now - last_log > 10:
+            log(f"waiting for stage servers: {', '.join(sorted(missing))}")
+            last_log = now
+        time.sleep(0.25)
+    tf.config.experimental_connect_to_cluster(tf.train.ClusterSpec(cluster), job_name="chief")
+    box: dict = {}
+
+    def init() -> None:
+        try:
+            box["devices"] = tf.config.list_logical_devices()
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread
+            box["error"] = e
+
+    th = threading.Thread(target=init, name="cluster-connect", daemon=True)
+    th.start()
+    th.join(max(1.0, deadline - time.time()))
+    if th.is_alive():
+        raise RuntimeError(f"could not connect to the cluster within {timeout_s:.0f} s (stage "
+                           f"servers {', '.join(sorted(stage_addrs))} accept connections but "
+                           "the TensorFlow runtime did not answer)")
+    if "error" in box:
+        raise box["error"]
+    names = {d.name for d in box["devices"]}
+    for pl in layout.places.values():
+        want = f"/job:{pl.job}/replica:0/task:{pl.task}/"
+        if not any(n.startswith(want) for n in names):
+            raise RuntimeError(f"stage task {pl.task_name} has no device after connecting "
+                               f"(devices: {sorted(names)})")
+    return time.time() - t0
+
+
+# --------------------------------------------------------------------------------------------
+# the driver
+
+
+def run_driver(cfg: dict, events: Events) -> int:
+    from strata.modelspec import ModelSpecError, profile_model
+
+    spec = cfg["spec"]
+    data_spec = spec.get("data", {}) or {}
+    training = spec.get("training", {}) or {}
+    mem = spec.get("memory", {}) or {}
+    mixed = mem.get("mixed_precision", "none") or "none"
+    recompute = bool(mem.get("recompute", False))
+    device = str(cfg.get("device", "CPU") or "CPU")
+    kind = "GPU" if device.startswith("GPU") else "CPU"
+    interval = float(cfg.get("report_interval_s", 0.5) or 0.5)
+    seed = int(training.get("seed", 0) or 0)
+    gb = int(data_spec["batch_size"])
+    try:
+        profile = profile_model(spec["model"])
+    except ModelSpecError as e:
+        raise BadConfig(e.field, e.message) from None
+    layer_names = [l.name for l in profile.layers]
+    layout = parse_layout(cfg, layer_names)
+    S, R, M, m = layout.stages, layout.replicas, layout.microbatches, layout.microbatch
+    cluster = read_cluster(layout)
+    loss_name = training.get("loss", "sparse_categorical_crossentropy")
+
+    t_import = time.time()
+    import numpy as np
+
+    tf, memory = configure_device(cfg)
+    import keras
+
+    from worker import data as wdata
+    from worker import models as wmodels
+
+    timeout = float(os.environ.get("STRATA_PIPELINE_CONNECT_TIMEOUT_S", CONNECT_TIMEOUT_S))
+    waited = connect(tf, cluster, layout, timeout)
+    install_sigterm_handler(events)
+
+    def dev_of(pl: StagePlace) -> str:
+        return f"/job:{pl.job}/replica:0/task:{pl.task}/device:{kind}:0"
+
+    chief_dev = dev_of(layout.at(0, 0))
+    events.emit("started", stages=S, replicas=R, microbatches=M, microbatch=m)
+    log(f"started: {S} stages x {R} replica{'s' if R > 1 else ''}, {M} micro-batches of {m}, "
+        f"recompute {recompute}, mixed precision {mixed}, TF {tf.__version__} (import "
+        f"{time.time() - t_import - waited:.1f} s, connect {waited:.1f} s)")
+
+    # ---- data (on the chief)
+    try:
+        splits = wdata.load_splits(data_spec, profile.input_shape, profile.output_shape)
+        field = "data.path" if data_spec.get("source") == "npz" else "data.source"
+        y_train = wdata.prepare_targets(splits.y_train, loss_name, profile.output_shape, field)
+        y_test = wdata.prepare_targets(splits.y_test, loss_name, profile.output_shape, field)
+    except wdata.DataError as e:
+        raise BadConfig(e.field, e.message) from None
+    x_test = splits.x_test
+    classify = loss_name in wdata.CLASSIFICATION_LOSSES or (
+        np.issubdtype(splits.y_test.dtype, np.integer) and splits.y_test.ndim == 1)
+    n_train = splits.n_train
+    steps = wdata.total_steps(training, n_train, gb)
+
+    # ---- layers, stage by stage (never the whole model in one place)
+    keras.utils.set_random_seed(seed)
+    factories = _layer_entries(spec["model"], mixed)
+    if len(factories) != len(layer_names):
+        raise BadConfig("model", f"the model has {len(factories)} layers, its profile "
+                                 f"{len(layer_names)}")
+    stages: list[list[Stage]] = []
+    for r in range(R):
+        row = []
+        h = tf.zeros((1,) + tuple(profile.input_shape), tf.float32)
+        for s in range(S):
+            pl = layout.at(r, s)
+            dev = dev_of(pl)
+            with tf.device(dev):
+                layers = [factories[i]() for i in range(pl.first, pl.last)]
+                for layer, want in zip(layers, pl.names):
+                    if layer.name != want:
+                        raise BadConfig("pipeline.layout", f"layer {layer.name!r} is where the "
+                                                           f"layout has {want!r}")
+                    h = layer(h, training=False)  # builds it here: its variables live on dev
+            row.append(Stage(pl, dev, layers))
+        stages.append(row)
+    from_logits = _from_logits(spec["model"])
+    loss_fn = wmodels.build_loss(loss_name, from_logits)
+
+    # replicas start identical: replica 0's values everywhere (seed states stay their own)
+    for r in range(1, R):
+        for s in range(S):
+            src, dst = stages[0][s], stages[r][s]
+            pairs = list(zip(src.tvars, dst.tvars)) + [
+                (a, b) for la, lb in zip(src.nt, dst.nt) for a, b in zip(la, lb) if _is_float(a)]
+            with tf.device(dst.device):
+                for a, b in pairs:
+                    b.assign(a)
+
+    for row in stages:
+        for st in row:
+            with tf.device(st.device):
+                st.optimizer = wmodels.build_optimizer(training.get("optimizer") or {}, "none")
+                st.optimizer.build(st.tvars)
+
+    scaled = mixed == "float16"
+    with tf.device(chief_dev):
+        loss_scale = tf.Variable(LOSS_SCALE_INITIAL, dtype=tf.float32, trainable=False,
+                                 name="loss_scale")
+        good_steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="good_steps")
+    batches = _batch_indices(n_train, gb, seed)
+
+    per_replica = m * M
+    for s in range(S):
+        pl = layout.at(0, s)
+        n_params = sum(int(np.prod(v.shape)) for l in stages[0][s].layers for v in l.weights)
+        log(f"stage {s}: layers {pl.first}-{pl.last - 1} ({pl.names[0]} .. {pl.names[-1]}), "
+            f"{n_params:,} params on {', '.join(stages[r][s].place.task_name for r in range(R))}"
+            f"; estimate {format_mib(pl.estimate)}, budget {format_mib(pl.budget)}")
+
+    def run_layers(st: Stage, h, nt_vals, casts: dict, training: bool):
+        """The stage's layers on ``h``. Layers with state run statelessly from ``nt_vals``
+        (one list per layer) and return their new state; the variables are not touched.
+        ``casts`` maps id(variable) to its 16-bit copy for this step (mixed precision)."""
+        new = []
+        for layer, vars_, vals in zip(st.layers, st.nt, nt_vals):
+            raw = [(v, casts[id(v)]) for v in layer.trainable_variables if id(v) in casts]
+            if vars_ or raw:
+                scope = keras.StatelessScope(list(zip(vars_, vals)))
+                # StatelessScope casts mapped values back to the variable's dtype; the 16-bit
+                # copy goes in as it is (Keras' autocast then leaves it alone)
+                for v, val in raw:
+                    scope.state_mapping[id(v)] = val
+                with scope:
+                    h = layer(h, training=training)
+                new.append([scope.get_current_value(v) for v in vars_])
+            else:
+                h = layer(h, training=training)
+                new.append([])
+        return h, new
+
+    def mb_loss(out, y):
+        per_example = loss_fn(y, tf.cast(out, tf.float32))
+        return tf.reduce_sum(per_example) / float(per_replica)
+
+    @tf.function
+    def train_step(x, y):
+        with tf.device(chief_dev):
+            xs = tf.split(x, R * M)
+            ys = tf.split(y, R * M)
+            scale = loss_scale.read_value() if scaled else None
+        losses = []
+        acc = [[None] * S for _ in range(R)]
+        nt_final = [[None] * S for _ in range(R)]
+        for r in range(R):
+            row = stages[r]
+            state, casts, sources = [], [], []
+            for st in row:
+                with tf.device(st.device):
+                    state.append([[v.value for v in vs] for vs in st.nt])
+                    # one 16-bit copy of each weight per step, shared by the micro-batches
+                    # (Keras would cast on every call, and each micro-batch's tape would keep
+                    # its own copy until its backward pass)
+                    c = {id(v): tf.cast(v.value, st.casts[id(v)]) for v in st.tvars
+                         if id(v) in st.casts}
+                casts.append(c)
+                sources.append([c.get(id(v), v) for v in st.tvars])
+            saved = {}
+            prev = [None] * S
+            # forward: micro-batch i through every stage; in order within a stage
+            for i in range(M):
+                h = xs[r * M + i]
+                y_mb = ys[r * M + i]
+                for s, st in enumerate(row):
+                    last = s == S - 1
+                    deps = [prev[s]] if prev[s] is not None else []
+                    with tf.device(st.device), tf.control_dependencies(deps):
+                        h_in = tf.identity(h)
+                        nt_in = state[s]
+                        loss = target = None
+                        if recompute:
+                            tape = None
+                            out, state[s] = run_layers(st, h_in, nt_in, casts[s], True)
+                            if last:
+                                loss = mb_loss(out, y_mb)
+                        else:
+                            tape = tf.GradientTape()
+                            with tape:
+                                tape.watch(list(casts[s].values()) + ([h_in] if s > 0 else []))
+                                out, state[s] = run_layers(st, h_in, nt_in, casts[s], True)
+                                if last:
+                                    loss = mb_loss(out, y_mb)
+                                    target = loss * scale if scaled else loss
+                    saved[(s, i)] = (h_in, nt_in, tape, out, loss, target)
+                    prev[s] = loss if last else out
+                    h = out
+                losses.append(saved[(S - 1, i)][4])
+            # backward: reverse micro-batch order (GPipe); one micro-batch's grads at a time
+            for i in reversed(range(M)):
+                dy = None
+                y_mb = ys[r * M + i]
+                for s in reversed(range(S)):
+                    st = row[s]
+                    last = s == S - 1
+                    h_in, nt_in, tape, out, loss, target = saved.pop((s, i))
+                    deps = acc[r][s] if acc[r][s] is not None else []
+                    with tf.device(st.device), tf.control_dependencies(deps):
+                        if recompute:
+                            # re-run this micro-batch's forward from its kept input and state
+                            tape = tf.GradientTape()
+                            with tape:
+                                tape.watch(list(casts[s].values()) + ([h_in] if s > 0 else []))
+                                out, _ = run_layers(st, h_in, nt_in, casts[s], True)
+                                if last:
+                                    rl = mb_loss(out, y_mb)
+                                    target = rl * scale if scaled else rl
+                        if last:
+                            out_grad = None
+                        else:
+                            target, out_grad = out, dy
+                        grads = tape.gradient(target, ([h_in] if s > 0 else []) + sources[s],
+                                              output_gradients=out_grad)
+                        if s > 0:
+                            dy, grads = grads[0], grads[1:]
+                        # float32 gradients (a 16-bit copy's gradient cast back, as the
+                        # gradient of Keras' own cast would be)
+                        grads = [tf.zeros_like(v) if g is None else
+                                 tf.cast(tf.convert_to_tensor(g), v.dtype)
+                                 for g, v in zip(grads, st.tvars)]
+                        acc[r][s] = grads if acc[r][s] is None else \
+                            [a + g for a, g in zip(acc[r][s], grads)]
+            for s in range(S):
+                nt_final[r][s] = state[s]
+
+        # average over the replicas: every replica's task of a stage receives the others'
+        # accumulated gradients and sums all R in replica order (the same op on the same
+        # values: bit-identical means, and the same memory on every replica); unscale
+        means = [[None] * S for _ in range(R)]
+        finite = []
+        for s in range(S):
+            got = {}  # (q, r): replica r's accumulated gradients as received on q's task
+            for q in range(R):
+                with tf.device(stages[q][s].device):
+                    for r in range(R):
+                        if r != q:
+                            got[(q, r)] = [tf.identity(t) for t in acc[r][s]]
+            for q in range(R):
+                st = stages[q][s]
+                with tf.device(st.device):
+                    g = []
+                    for k in range(len(st.tvars)):
+                        if R == 1:
+                            g.append(acc[q][s][k])
+                            continue
+                        # sum into our own accumulator only once the others have it: then
+                        # nothing else holds it and the sum reuses its buffer (R gradient
+                        # buffers here at the peak, on every replica alike)
+                        sent = [got[(r, q)][k] for r in range(R) if r != q]
+                        with tf.control_dependencies(sent):
+                            terms = [acc[q][s][k] if r == q else got[(q, r)][k]
+                                     for r in range(R)]
+                            g.append(tf.add_n(terms) * (1.0 / R))
+                    if scaled:
+                        inv = 1.0 / scale
+                        g = [t * inv for t in g]
+                        finite.append(tf.reduce_all(
+                            [tf.reduce_all(tf.math.is_finite(t)) for t in g]))
+                means[q][s] = g
+
+        if scaled:
+            with tf.device(chief_dev):
+                ok = tf.reduce_all(tf.stack(finite))
+        for r in range(R):
+            for s in range(S):
+                st = stages[r][s]
+                with tf.device(st.device):
+                    if scaled:
+                        def apply(st=st, g=means[r][s]):
+                            st.optimizer.apply_gradients(zip(g, st.tvars))
+                            return tf.constant(True)
+                        tf.cond(ok, apply, lambda: tf.constant(False))
+                    else:
+                        st.optimizer.apply_gradients(zip(means[r][s], st.tvars))
+        # layer state: float state averaged over the replicas, seed states each their own
+        for s in range(S):
+            home = stages[0][s]
+            for li, vars_ in enumerate(home.nt):
+                for k, v in enumerate(vars_):
+                    vals = [nt_final[r][s][li][k] for r in range(R)]
+                    if R > 1 and _is_float(v):
+                        with tf.device(home.device):
+                            mean = tf.add_n(vals) * (1.0 / R)
+                        vals = [mean] * R
+                    for r in range(R):
+                        with tf.device(stages[r][s].device):
+                            stages[r][s].nt[li][k].assign(vals[r])
+        with tf.device(chief_dev):
+            total = tf.add_n(losses) * (1.0 / R)
+            if scaled:
+                grow = tf.logical_and(ok, good_steps + 1 >= LOSS_SCALE_GROWTH_STEPS)
+                new_scale = tf.where(ok, tf.where(grow, loss_scale * 2.0, loss_scale),
+                                     tf.maximum(loss_scale * 0.5, 1.0))
+                loss_scale.assign(new_scale)
+                good_steps.assign(tf.where(ok, tf.where(grow, tf.constant(0, tf.int64),
+                                                        good_steps + 1),
+                                           tf.constant(0, tf.int64)))
+        return total
+
+    log(f"training: {profile.total_params:,} params in {S} stages, {steps} steps, global batch "
+        f"{gb} ({R} x {M} micro-batches of {m}), {n_train} train / {x_test.shape[0]} test rows")
+    t_start = time.time()
+    last_t, last_step, last_report = t_start, 0, t_start
+    loss_v = float("nan")
+    for step in range(1, steps + 1):
+        idx = next(batches)
+        with tf.device(chief_dev):
+            xb, yb = tf.constant(splits.x_train[idx]), tf.constant(y_train[idx])
+        total = train_step(xb, yb)
+        now = time.time()
+        if step == 1:
+            events.emit("first_step", latency_s=now - t_start)
+        if step == 1 or step == steps or now - last_report >= interval:
+            loss_v = float(total)
+            now = time.time()
+            eps = (step - last_step) * gb / max(now - last_t, 1e-9)
+            mm = memory()
+            events.emit("progress", step=step, total_steps=steps, loss=loss_v,
+                        examples_per_sec=eps, memory=mm)
+            log(f"step {step}/{steps} loss {loss_v:.4f} {eps:,.0f} ex/s mem "
+                f"{format_mib(mm['current'])} (peak {format_mib(mm['peak'])})")
+            last_t, last_step, last_report = now, step, now
+    train_s = time.time() - t_start
+
+    # ---- evaluation through replica 0's pipeline (whole batches, no micro-batching)
+    last_dev = stages[0][-1].device
+
+    @tf.function(reduce_retracing=True)
+    def eval_batch(x, y):
+        h = x
+        for st in stages[0]:
+            with tf.device(st.device):
+                for layer in st.layers:
+                    h = layer(h, training=False)
+        with tf.device(last_dev):
+            out = tf.cast(h, tf.float32)
+            per_example = loss_fn(y, out)
+            if classify:
+                pred = tf.argmax(out, axis=-1)
+                truth = tf.cast(y, tf.int64) if y.shape.rank == 1 else tf.argmax(y, axis=-1)
+                correct = tf.reduce_sum(tf.cast(tf.equal(pred, truth), tf.float32))
+            else:
+                correct = tf.constant(0.0)
+            return tf.reduce_sum(per_example), correct
+
+    total_loss, total_correct = 0.0, 0.0
+    n_test = int(x_test.shape[0])
+    eval_bs = max(1, per_replica)
+    for i in range(0, n_test, eval_bs):
+        with tf.device(chief_dev):
+            xb, yb = tf.constant(x_test[i:i + eval_bs]), tf.constant(y_test[i:i + eval_bs])
+        l, c = eval_batch(xb, yb)
+        total_loss += float(l)
+        total_correct += float(c)
+    test_loss = total_loss / max(1, n_test)
+    test_acc = total_correct / max(1, n_test) if classify else 0.0
+
+    digests = [_digest(tf, np, row) for row in stages]
+    mm = memory()
+    events.emit("result", test_accuracy=test_acc, test_loss=test_loss, weights_sha256=digests[0],
+                replica_weights_sha256=digests, model_path=None, memory=mm, steps=steps,
+                train_seconds=train_s)
+    same = "identical" if len(set(digests)) == 1 else "DIFFERENT"
+    log(f"result: test accuracy {test_acc:.4f} test loss {test_loss:.4f} after {steps} steps "
+        f"({train_s:.1f} s); chief peak memory {format_mib(mm['peak'])}; weights "
+        f"{digests[0][:12]}" + (f" ({R} replicas {same})" if R > 1 else "")
+        + "; model not saved (pipeline jobs keep the model split across stage tasks)")
+    exit_task(TASK_EXIT_OK, events)
+    return TASK_EXIT_OK  # not reached
+
+
+def _batch_indices(n: int, batch: int, seed: int):
+    """Endless global batches of row indices: every pass over the training set in a fresh
+    random order, batches running on across passes (as ``worker.data.make_train_dataset``).
+    The training set stays a NumPy array on the host; only each step's batch becomes a
+    tensor, so the chief's allocator holds input batches, not the data set (a tf.data
+    pipeline over the whole set as a constant holds it twice while its iterator is made)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    pending = np.empty(0, dtype=np.int64)
+    while True:
+        while pending.size < batch:
+            pending = np.concatenate([pending, rng.permutation(n)])
+        idx, pending = pending[:batch], pending[batch:]
+        yield np.sort(idx)
+
+
+def _from_logits(model_spec: dict) -> bool:
+    from strata.modelspec import final_activation
+
+    return final_activation(model_spec) != "softmax"
+
+
+def _digest(tf, np, row: list[Stage]) -> str:
+    """SHA-256 over the replica's weights in layer order as float32 bytes (as worker.task
+    hashes ``model.weights``). Remote weights come over in chunks so the chief never holds a
+    whole remote kernel."""
+    h = hashlib.sha256()
+    for st in row:
+        for layer in st.layers:
+            for w in layer.weights:
+                n = int(np.prod(w.shape)) if len(w.shape) else 1
+                with tf.device(st.device):
+                    flat = tf.reshape(w.value, [-1])
+                    for a in range(0, n, HASH_CHUNK_ELEMS):
+                        piece = flat[a:a + HASH_CHUNK_ELEMS]
+                        h.update(np.ascontiguousarray(
+                            np.asarray(piece.numpy(), dtype=np.float32)).tobytes())
+    return h.hexdigest()
