@@ -134,8 +134,7 @@ def _pipeline_hint(spec: JobSpec, profile: ModelProfile, workers: Sequence[Worke
         k = suggest_stages(profile, largest, global_batch=spec.data.batch_size,
                            microbatches=microbatches, optimizer=spec.training.optimizer.name,
                            mixed_precision=spec.memory.mixed_precision,
-                           label_bytes=label_bytes_of(d, profile),
-                           data_bytes=dataset_bytes(d, profile))
+                           label_bytes=label_bytes_of(d, profile), data_bytes=0)
     except ValueError:
         k = None
     if k is None:
@@ -203,7 +202,9 @@ def _plan_pipeline(spec: JobSpec, workers: Sequence[WorkerOffer], profile: Model
         global_batch=spec.data.batch_size, replicas=replicas,
         optimizer=spec.training.optimizer.name, mixed_precision=spec.memory.mixed_precision,
         recompute=spec.memory.recompute, label_bytes=label_bytes_of(d, profile),
-        data_bytes=dataset_bytes(d, profile))
+        # worker.pipeline keeps the training set in host memory, outside the allocator: only
+        # the batches it draws count (the planner's input term)
+        data_bytes=0)
     S = p.num_stages
     tasks = []
     for s in sorted(p.stages, key=lambda s: (s.replica, s.index)):
