@@ -126,18 +126,21 @@ micro-batches, ``R`` the replicas and the stage's layers [first, last):
   sparse int64 labels; pass 4 x classes for one-hot);
 - overhead: ``FIXED_OVERHEAD`` + ``FRAGMENTATION`` of all the rest (BFC chunk rounding).
 
-Calibration (TF 2.21 CPU, BFC allocator, Adam; ``worker.pipeline`` on 4 stage tasks; deep
-uniform MLPs 64-[1024]x13-10 and 64-[512]x13-10, global batches 512-4096, M = 1, 4, 16, with
-and without recompute, float32 and bfloat16, hybrid 2 x 4): the peak comes at the start of the
-backward pass (weights, slots, the first micro-batch's gradients, every kept activation) or,
-when activations are small, in the optimizer step (weights, slots, the gradient and the
-optimizer's temporaries, about one more gradient size): the sum of the terms above with
-3.2 bytes per kept output element covers both within 20% (measured / estimate 0.81-1.06 in
-float32, 0.92-1.15 in bfloat16; ``docs/benchmarks.md``, "Pipeline throughput and stage memory").
-The data-parallel ``strata.memory`` constants (1.8 x 4 and 14 bytes per element) overestimate
-a pipeline stage by up to 50%: there the whole batch's backward temporaries are alive at once,
-here one micro-batch's. Mixed precision keeps 16-bit activations but the CPU kernels add
-float32 temporaries: measured about as much as float32 per element, so the same 3.2.
+Calibration (TF 2.21 CPU, BFC allocator, Adam, ``worker.pipeline``): 4-stage runs of deep
+uniform MLPs 64-[1024]x13-10 and 64-[512]x13-10 at global batches 512-4096, M = 1, 4, 16, with
+and without recompute, float32 and bfloat16, and hybrid 2 x 2 and 2 x 4. The peak comes at the
+start of the backward pass (weights, slots, the first micro-batch's gradients, every kept
+activation) or, when activations are small, in the optimizer step (weights, slots, the
+gradient and the optimizer's temporaries, about one more gradient size): the sum of the terms
+above with 3.2 bytes per kept output element covers both. Measured / estimate 0.83-1.06 over
+the configurations of ``bench/pipeline_throughput.py --calibrate`` and 0.81-1.04 over its
+throughput runs (``docs/benchmarks.md``, "Pipeline throughput and stage memory"). The
+data-parallel ``strata.memory`` constants (1.8 x 4 and 14 bytes per element) overestimate a
+pipeline stage by up to 45%: there the whole batch's backward temporaries are alive at once,
+here one micro-batch's. With mixed precision the kept activations are 16-bit but the CPU
+kernels add float32 temporaries: measured about as much per element as float32, so the same
+3.2; the 16-bit weight copies are 2 bytes per parameter because the runner casts once per
+step, not once per micro-batch.
 
 Costs: ``3 x`` the stage's forward FLOPs per example (forward + backward = 2 x forward), ``4 x``
 with recompute (one more forward). A measured per-layer cost list (seconds or any unit; a

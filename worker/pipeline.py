@@ -186,8 +186,9 @@ def parse_layout(cfg: dict, layer_names: list[str]) -> Layout:
         raise BadConfig("pipeline.stages", f"{S} stages for a model of {L} layers")
     entries = p.get("layout")
     if not isinstance(entries, list) or len(entries) != R * S:
+        got = len(entries) if isinstance(entries, list) else repr(entries)
         raise BadConfig("pipeline.layout", f"needs {R * S} entries ({R} replicas x {S} stages), "
-                                           f"got {len(entries) if isinstance(entries, list) else entries!r}")
+                                           f"got {got}")
     places: dict = {}
     tasks_seen: set = set()
     for e in entries:
