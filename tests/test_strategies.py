@@ -160,18 +160,30 @@ def test_deep_model_trains_as_a_four_stage_pipeline(pipeline_job):
         assert abs(peak - est) <= 0.20 * est, (t.stage, peak / MiB, est / MiB)
 
 
-def test_recompute_lowers_the_measured_peak(client, pipeline_job):
-    plain, _ = pipeline_job
-    final, _ = run_job(client, deep(name="deep-recompute", strategy="pipeline", workers=1,
-                                    stages=4, microbatches=4,
-                                    memory={"recompute": True}, training={"steps": 30}))
-    assert final.state == JobState.SUCCEEDED, final.message
-    before = {t.stage: t.peak_memory_bytes for t in plain.tasks}
-    after = {t.stage: t.peak_memory_bytes for t in final.tasks}
-    assert sum(after.values()) < sum(before.values()), (before, after)
-    for t in final.tasks:
-        assert t.peak_memory_bytes <= t.memory_budget_bytes
-        assert abs(t.peak_memory_bytes - t.estimated_memory_bytes) <= 0.20 * t.estimated_memory_bytes
+def test_recompute_lowers_the_measured_peak(client):
+    """A model whose stages' memory is mostly activations (64-[512]x13-10 at a global batch of
+    4096 in 4 micro-batches), so that what recomputation saves stands well clear of the
+    allocator's run-to-run noise (at batch 256 the deep model above saves ~2 MiB a stage)."""
+    def job(name, recompute):
+        d = spec(name=name, strategy="pipeline", workers=1, stages=4, microbatches=4,
+                 memory={"recompute": recompute}, training={"steps": 4},
+                 data={"source": "synthetic", "batch_size": 4096, "examples": 8192})
+        d["model"] = {"builtin": {"kind": "mlp", "input_shape": [64], "hidden": [512] * 13,
+                                  "classes": 10}}
+        final, _ = run_job(client, d)
+        assert final.state == JobState.SUCCEEDED, final.message
+        for t in final.tasks:
+            assert 0 < t.peak_memory_bytes <= t.memory_budget_bytes, (t.stage, name)
+            assert abs(t.peak_memory_bytes - t.estimated_memory_bytes) \
+                <= 0.20 * t.estimated_memory_bytes, (name, t.stage, t.peak_memory_bytes / MiB,
+                                                     t.estimated_memory_bytes / MiB)
+        return {t.stage: t.peak_memory_bytes for t in final.tasks}
+
+    before, after = job("act-plain", False), job("act-recompute", True)
+    assert sum(after.values()) < 0.9 * sum(before.values()), (before, after)
+    # the middle stages hold nothing but layers: each saves activations
+    for s in (1, 2):
+        assert after[s] < before[s], (s, before[s] / MiB, after[s] / MiB)
 
 
 # --------------------------------------------------------------------------------------------

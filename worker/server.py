@@ -40,19 +40,23 @@ def cluster_from_tf_config() -> tuple[dict[str, list[str]], str, int]:
     return cluster, role, index
 
 
-def _gpu_config(tf, cfg: dict):
-    """On GPU the server builds its own devices from a ConfigProto: the budget goes there as a
-    virtual device's memory limit (set_logical_device_configuration alone does not reach the
-    server's device manager)."""
+def _server_config(tf, cfg: dict):
+    """The server builds its own devices and thread pools from a ConfigProto (what
+    ``configure_device`` set on the eager context does not reach them): the task's intra-op
+    threads, and on GPU the budget as a virtual device's memory limit."""
     device = str(cfg.get("device", "CPU") or "CPU")
+    threads = int(cfg.get("threads", 0) or 0)
     budget_mb = int(cfg.get("memory_budget_bytes", 0) or 0) >> 20
-    if not device.startswith("GPU:") or budget_mb <= 0:
-        return None
-    gpu_options = tf.compat.v1.GPUOptions(
-        experimental=tf.compat.v1.GPUOptions.Experimental(
-            virtual_devices=[tf.compat.v1.GPUOptions.Experimental.VirtualDevices(
-                memory_limit_mb=[float(budget_mb)])]))
-    return tf.compat.v1.ConfigProto(gpu_options=gpu_options)
+    config = tf.compat.v1.ConfigProto()
+    if threads > 0:
+        config.intra_op_parallelism_threads = threads
+        config.inter_op_parallelism_threads = 2
+    if device.startswith("GPU:") and budget_mb > 0:
+        config.gpu_options.CopyFrom(tf.compat.v1.GPUOptions(
+            experimental=tf.compat.v1.GPUOptions.Experimental(
+                virtual_devices=[tf.compat.v1.GPUOptions.Experimental.VirtualDevices(
+                    memory_limit_mb=[float(budget_mb)])])))
+    return config
 
 
 def serve(cfg: dict, events: Events) -> int:
@@ -61,7 +65,7 @@ def serve(cfg: dict, events: Events) -> int:
     t0 = time.time()
     tf, memory = configure_device(cfg)
     server = tf.distribute.Server(tf.train.ClusterSpec(cluster), job_name=role, task_index=index,
-                                  protocol="grpc", config=_gpu_config(tf, cfg), start=True)
+                                  protocol="grpc", config=_server_config(tf, cfg), start=True)
     stopping = threading.Event()
 
     def on_term(signum, frame):  # noqa: ARG001
