@@ -205,7 +205,8 @@ def test_hybrid_replicas_stay_identical(client):
         assert 0 < t.peak_memory_bytes <= t.memory_budget_bytes
 
 
-def test_agents_are_idle_after_the_jobs(client):
+def test_agents_are_idle_after_the_jobs(cluster, client):
     wait_until(lambda: all(w.memory.reserved_bytes == 0 for w in client.workers()), 30,
                what="every reservation released")
-    assert not task_processes(" ")  # no task process left behind
+    # no task process of this cluster left behind (their configs live under its state dir)
+    assert not task_processes(cluster.state_dir)

@@ -216,6 +216,34 @@ def summarize_error(exc: BaseException, limit: int = 600) -> str:
 
 
 
+def cluster_from_tf_config() -> tuple[dict[str, list[str]], str, int]:
+    """``(cluster, role, index)`` from ``TF_CONFIG``; BadConfig when it is missing, malformed, or
+    does not list this task."""
+    raw = os.environ.get("TF_CONFIG", "")
+    try:
+        tc = json.loads(raw)
+        cluster = {str(k): [str(a) for a in v] for k, v in tc["cluster"].items()}
+        role, index = str(tc["task"]["type"]), int(tc["task"]["index"])
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise BadConfig("TF_CONFIG", "needs cluster and task.type/task.index") from None
+    if role not in cluster or not 0 <= index < len(cluster[role]):
+        raise BadConfig("TF_CONFIG", f"task {role}:{index} is not in the cluster")
+    return cluster, role, index
+
+
+def eval_sums(tf, loss_fn, y, out, classify: bool):
+    """(summed loss, number of correct predictions) of one evaluation batch, for float32
+    outputs ``out``; the count is 0 for a model that does not classify."""
+    per_example = loss_fn(y, out)
+    if classify:
+        pred = tf.argmax(out, axis=-1)
+        truth = tf.cast(y, tf.int64) if y.shape.rank == 1 else tf.argmax(y, axis=-1)
+        correct = tf.reduce_sum(tf.cast(tf.equal(pred, truth), tf.float32))
+    else:
+        correct = tf.constant(0.0)
+    return tf.reduce_sum(per_example), correct
+
+
 def configure_device(cfg: dict):
     """Imports TensorFlow and applies the task's device settings before the runtime starts:
     on ``GPU:N`` a logical device limited to the memory budget, on CPU no GPUs (the BFC limit

@@ -105,7 +105,6 @@ kind ``oom``.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import socket
 import threading
@@ -114,7 +113,9 @@ from dataclasses import dataclass
 
 from strata.exitcodes import TASK_EXIT_OK
 from worker.common import (
-    BadConfig, Events, configure_device, exit_task, format_mib, install_sigterm_handler, log,
+    eval_sums,
+    BadConfig, Events, cluster_from_tf_config, configure_device, exit_task, format_mib,
+    install_sigterm_handler, log,
 )
 
 CONNECT_TIMEOUT_S = 120.0          # STRATA_PIPELINE_CONNECT_TIMEOUT_S overrides
@@ -241,13 +242,7 @@ def parse_layout(cfg: dict, layer_names: list[str]) -> Layout:
 
 
 def read_cluster(layout: Layout) -> dict[str, list[str]]:
-    raw = os.environ.get("TF_CONFIG", "")
-    try:
-        tc = json.loads(raw)
-        cluster = {str(k): [str(a) for a in v] for k, v in tc["cluster"].items()}
-        role, index = str(tc["task"]["type"]), int(tc["task"]["index"])
-    except (ValueError, KeyError, TypeError, AttributeError):
-        raise BadConfig("TF_CONFIG", "needs cluster and task.type/task.index") from None
+    cluster, role, index = cluster_from_tf_config()
     if (role, index) != ("chief", 0) or len(cluster.get("chief", [])) != 1:
         raise BadConfig("TF_CONFIG", f"the pipeline driver must be the one chief task (chief:0), "
                                      f"TF_CONFIG says {role}:{index}")
@@ -750,14 +745,7 @@ def run_driver(cfg: dict, events: Events) -> int:
                     h = layer(h, training=False)
         with tf.device(last_dev):
             out = tf.cast(h, tf.float32)
-            per_example = loss_fn(y, out)
-            if classify:
-                pred = tf.argmax(out, axis=-1)
-                truth = tf.cast(y, tf.int64) if y.shape.rank == 1 else tf.argmax(y, axis=-1)
-                correct = tf.reduce_sum(tf.cast(tf.equal(pred, truth), tf.float32))
-            else:
-                correct = tf.constant(0.0)
-            return tf.reduce_sum(per_example), correct
+            return eval_sums(tf, loss_fn, y, out, classify)
 
     total_loss, total_correct = 0.0, 0.0
     n_test = int(x_test.shape[0])

@@ -46,7 +46,6 @@ the previous report, ``memory`` = the chief's own allocator, near zero while tra
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import socket
 import threading
@@ -54,7 +53,9 @@ import time
 
 from strata.exitcodes import TASK_EXIT_ERROR, TASK_EXIT_OK
 from worker.common import (
-    BadConfig, Events, configure_device, exit_task, format_mib, install_sigterm_handler, log,
+    eval_sums,
+    BadConfig, Events, cluster_from_tf_config, configure_device, exit_task, format_mib,
+    install_sigterm_handler, log,
 )
 
 DEFAULT_CONNECT_TIMEOUT_S = 120.0
@@ -67,14 +68,8 @@ EVAL_BATCH_MAX = 256  # the chief evaluates in batches of at most this many rows
 # cluster
 
 
-def _cluster_from_tf_config() -> dict[str, list[str]]:
-    raw = os.environ.get("TF_CONFIG", "")
-    try:
-        tc = json.loads(raw)
-        cluster = {str(k): [str(a) for a in v] for k, v in tc["cluster"].items()}
-        role, index = str(tc["task"]["type"]), int(tc["task"]["index"])
-    except (ValueError, KeyError, TypeError, AttributeError):
-        raise BadConfig("TF_CONFIG", "needs cluster and task.type/task.index") from None
+def _ps_cluster() -> dict[str, list[str]]:
+    cluster, role, index = cluster_from_tf_config()
     if role != "chief" or index != 0 or len(cluster.get("chief", [])) != 1:
         raise BadConfig("TF_CONFIG", f"the parameter_server driver runs as chief:0 of a cluster "
                                      f"with one chief, not {role}:{index}")
@@ -343,7 +338,7 @@ def run_chief(cfg: dict, events: Events) -> int:
     seed = int(training.get("seed", 0) or 0)
     gb = int(data_spec["batch_size"])
     loss_name = training.get("loss", "sparse_categorical_crossentropy")
-    cluster = _cluster_from_tf_config()
+    cluster = _ps_cluster()
     n_workers, num_ps = len(cluster["worker"]), len(cluster["ps"])
     if int(spec.get("workers", n_workers) or n_workers) != n_workers:
         log(f"warning: spec has {spec.get('workers')} workers, TF_CONFIG {n_workers}; using "
@@ -511,14 +506,7 @@ def run_chief(cfg: dict, events: Events) -> int:
     @tf.function(reduce_retracing=True)
     def eval_batch(x, y):
         out = tf.cast(model(x, training=False), tf.float32)
-        per_example = loss_fn(y, out)
-        if classify:
-            pred = tf.argmax(out, axis=-1)
-            truth = tf.cast(y, tf.int64) if y.shape.rank == 1 else tf.argmax(y, axis=-1)
-            correct = tf.reduce_sum(tf.cast(tf.equal(pred, truth), tf.float32))
-        else:
-            correct = tf.constant(0.0)
-        return tf.reduce_sum(per_example), correct
+        return eval_sums(tf, loss_fn, y, out, classify)
 
     total_loss, total_correct = 0.0, 0.0
     n_test = int(x_test.shape[0])

@@ -17,27 +17,12 @@ crash (a signal or a non-zero status).
 
 from __future__ import annotations
 
-import json
-import os
 import signal
 import threading
 import time
 
 from strata.exitcodes import TASK_EXIT_OK
-from worker.common import BadConfig, Events, configure_device, exit_task, log
-
-
-def cluster_from_tf_config() -> tuple[dict[str, list[str]], str, int]:
-    raw = os.environ.get("TF_CONFIG", "")
-    try:
-        tc = json.loads(raw)
-        cluster = {str(k): [str(a) for a in v] for k, v in tc["cluster"].items()}
-        role, index = str(tc["task"]["type"]), int(tc["task"]["index"])
-    except (ValueError, KeyError, TypeError, AttributeError):
-        raise BadConfig("TF_CONFIG", "needs cluster and task.type/task.index") from None
-    if role not in cluster or not 0 <= index < len(cluster[role]):
-        raise BadConfig("TF_CONFIG", f"task {role}:{index} is not in the cluster")
-    return cluster, role, index
+from worker.common import Events, cluster_from_tf_config, configure_device, exit_task, log
 
 
 def _server_config(tf, cfg: dict):

@@ -39,6 +39,7 @@ import traceback
 
 from strata.exitcodes import TASK_EXIT_BAD_CONFIG, TASK_EXIT_ERROR, TASK_EXIT_OK, TASK_EXIT_OOM
 from worker.common import (
+    eval_sums,
     BadConfig, Events, configure_device, exit_task, format_mib, install_sigterm_handler, is_oom,
     log, prepare_environment, start_parent_watchdog, summarize_error,
 )
@@ -262,14 +263,7 @@ def run(cfg: dict, events: Events) -> int:
     @tf.function(reduce_retracing=True)
     def eval_batch(x, y):
         out = tf.cast(model(x, training=False), tf.float32)
-        per_example = loss_fn(y, out)
-        if classify:
-            pred = tf.argmax(out, axis=-1)
-            truth = tf.cast(y, tf.int64) if y.shape.rank == 1 else tf.argmax(y, axis=-1)
-            correct = tf.reduce_sum(tf.cast(tf.equal(pred, truth), tf.float32))
-        else:
-            correct = tf.constant(0.0)
-        return tf.reduce_sum(per_example), correct
+        return eval_sums(tf, loss_fn, y, out, classify)
 
     total_loss, total_correct = 0.0, 0.0
     eval_bs = max(1, per_replica)
