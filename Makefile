@@ -26,7 +26,7 @@ test: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
 
 protos: $(TEST_STAMP)
-	$(BIN)/python -m protos.codegen
+	$(BIN)/python -m strata.protos.codegen
 
 bench: $(TEST_STAMP)
 	$(BIN)/python bench/service_overhead.py

@@ -10,7 +10,7 @@ MLP at global batch 512, 3 plain runs; most of it is starting 1-4 task processes
 (``--wait-quiet``) for other jobs' task processes to end and is marked noisy if any ran.
 
 Each pipeline run launches the job's task processes by hand exactly as an agent would
-(``python -m worker.task`` with ``TF_CONFIG``, a BFC allocator limited to the task's budget,
+(``python -m strata.worker.task`` with ``TF_CONFIG``, a BFC allocator limited to the task's budget,
 events on a pipe): the chief runs ``worker.pipeline`` and holds stage 0, every other stage is a
 ``worker.server`` task. The layout comes from ``coordinator.planner.plan_pipeline`` and each
 task's budget is ``strata.memory.default_budget`` of its stage's estimate, as the coordinator
@@ -43,7 +43,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from coordinator.planner import WorkerSlot, plan_pipeline  # noqa: E402
+from strata.coordinator.planner import WorkerSlot, plan_pipeline  # noqa: E402
 from strata.memory import default_budget  # noqa: E402
 from strata.modelspec import profile_model  # noqa: E402
 from strata.spec import parse_job_spec  # noqa: E402
@@ -190,7 +190,7 @@ def launch_job(raw: dict, workdir: str, *, threads: int = 1,
         r, w = os.pipe()
         log_path = os.path.join(workdir, f"{role}{idx}.log")
         with open(log_path, "w") as logf:
-            proc = subprocess.Popen([sys.executable, "-m", "worker.task", "--config", path,
+            proc = subprocess.Popen([sys.executable, "-m", "strata.worker.task", "--config", path,
                                      "--events-fd", str(w)], cwd=ROOT, env=env, pass_fds=(w,),
                                     stdout=logf, stderr=subprocess.STDOUT)
         os.close(w)
@@ -316,8 +316,8 @@ def plain_child(args: argparse.Namespace) -> int:
     tf.config.threading.set_inter_op_parallelism_threads(2)
     import keras
 
-    from worker import data as wdata
-    from worker import models as wmodels
+    from strata.worker import data as wdata
+    from strata.worker import models as wmodels
 
     raw = mlp_spec(hidden=[args.width] * args.depth, input_dim=args.input_dim, batch=args.batch)
     spec = parse_job_spec(raw, plan_only=True).to_dict()

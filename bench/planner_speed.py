@@ -30,8 +30,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import coordinator.planner as planner  # noqa: E402
-from coordinator.planner import WorkerSlot, plan_pipeline  # noqa: E402
+import strata.coordinator.planner as planner  # noqa: E402
+from strata.coordinator.planner import WorkerSlot, plan_pipeline  # noqa: E402
 from strata.memory import format_size  # noqa: E402
 from strata.modelspec import LayerProfile, ModelProfile  # noqa: E402
 

@@ -66,7 +66,7 @@ def run_by_hand(raw: dict, threads: int, workdir: str) -> tuple[float, float]:
         env = dict(os.environ, TF_CONFIG=build_tf_config(cluster, "worker", i),
                    TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPU_BFC_MEM_LIMIT_IN_MB=str(budget >> 20),
                    CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="1", PYTHONPATH=ROOT)
-        procs.append(subprocess.Popen([sys.executable, "-m", "worker.task", "--config", path,
+        procs.append(subprocess.Popen([sys.executable, "-m", "strata.worker.task", "--config", path,
                                        "--events-fd", str(w)], pass_fds=(w,), env=env, cwd=d,
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         os.close(w)

@@ -16,9 +16,9 @@ import secrets
 import time
 from typing import AsyncIterator, Callable, Sequence
 
-from coordinator.jobplan import JobPlan, WorkerOffer, plan_job
-from coordinator.placement import Capacity, TaskDemand, place
-from coordinator.store import Store, WorkerRecord
+from strata.coordinator.jobplan import JobPlan, WorkerOffer, plan_job
+from strata.coordinator.placement import Capacity, TaskDemand, place
+from strata.coordinator.store import Store, WorkerRecord
 from strata.errors import (
     DuplicateAgent, InfeasibleError, InvalidTransition, NotFoundError, SpecError,
     UnknownAgentSession,

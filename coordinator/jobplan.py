@@ -123,7 +123,7 @@ def _plan_mirrored(spec: JobSpec, workers: Sequence[WorkerOffer], profile: Model
 
 def _pipeline_hint(spec: JobSpec, profile: ModelProfile, workers: Sequence[WorkerOffer]) -> str:
     """How deep a pipeline of this model would fit the largest worker, for the refusal."""
-    from coordinator.planner import suggest_stages
+    from strata.coordinator.planner import suggest_stages
 
     largest = offer_for_estimate(max(w.bytes for w in workers))
     microbatches = max(spec.microbatches, 4)
@@ -185,7 +185,7 @@ def _plan_parameter_server(spec: JobSpec, workers: Sequence[WorkerOffer],
 
 
 def _plan_pipeline(spec: JobSpec, workers: Sequence[WorkerOffer], profile: ModelProfile) -> JobPlan:
-    from coordinator.planner import WorkerSlot, plan_pipeline
+    from strata.coordinator.planner import WorkerSlot, plan_pipeline
 
     fixed = spec.memory.per_task_budget_bytes
     slots = []

@@ -17,10 +17,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from coordinator.core import Coordinator, StartTaskCommand, StopTaskCommand
-from coordinator.store import SqliteStore
-from protos import strata_pb2 as pb
-from protos import strata_pb2_grpc as pb_grpc
+from strata.coordinator.core import Coordinator, StartTaskCommand, StopTaskCommand
+from strata.coordinator.store import SqliteStore
+from strata.protos import strata_pb2 as pb
+from strata.protos import strata_pb2_grpc as pb_grpc
 from strata import convert
 from strata.errors import (
     DuplicateAgent, InfeasibleError, InvalidTransition, NotFoundError, SpecError, StrataError,

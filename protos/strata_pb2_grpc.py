@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos import strata_pb2 as protos_dot_strata__pb2
+from strata.protos import strata_pb2 as strata_dot_protos_dot_strata__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/strata_pb2_grpc.py depends on'
+        + ' but the generated code in strata/protos/strata_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,43 +36,43 @@ class JobServiceStub:
         """
         self.SubmitJob = channel.unary_unary(
                 '/strata.v1.JobService/SubmitJob',
-                request_serializer=protos_dot_strata__pb2.SubmitJobRequest.SerializeToString,
-                response_deserializer=protos_dot_strata__pb2.Job.FromString,
+                request_serializer=strata_dot_protos_dot_strata__pb2.SubmitJobRequest.SerializeToString,
+                response_deserializer=strata_dot_protos_dot_strata__pb2.Job.FromString,
                 _registered_method=True)
         self.GetJob = channel.unary_unary(
                 '/strata.v1.JobService/GetJob',
-                request_serializer=protos_dot_strata__pb2.GetJobRequest.SerializeToString,
-                response_deserializer=protos_dot_strata__pb2.Job.FromString,
+                request_serializer=strata_dot_protos_dot_strata__pb2.GetJobRequest.SerializeToString,
+                response_deserializer=strata_dot_protos_dot_strata__pb2.Job.FromString,
                 _registered_method=True)
         self.ListJobs = channel.unary_unary(
                 '/strata.v1.JobService/ListJobs',
-                request_serializer=protos_dot_strata__pb2.ListJobsRequest.SerializeToString,
-                response_deserializer=protos_dot_strata__pb2.ListJobsResponse.FromString,
+                request_serializer=strata_dot_protos_dot_strata__pb2.ListJobsRequest.SerializeToString,
+                response_deserializer=strata_dot_protos_dot_strata__pb2.ListJobsResponse.FromString,
                 _registered_method=True)
         self.CancelJob = channel.unary_unary(
                 '/strata.v1.JobService/CancelJob',
-                request_serializer=protos_dot_strata__pb2.CancelJobRequest.SerializeToString,
-                response_deserializer=protos_dot_strata__pb2.Job.FromString,
+                request_serializer=strata_dot_protos_dot_strata__pb2.CancelJobRequest.SerializeToString,
+                response_deserializer=strata_dot_protos_dot_strata__pb2.Job.FromString,
                 _registered_method=True)
         self.WatchJob = channel.unary_stream(
                 '/strata.v1.JobService/WatchJob',
-                request_serializer=protos_dot_strata__pb2.WatchJobRequest.SerializeToString,
-                response_deserializer=protos_dot_strata__pb2.JobEvent.FromString,
+                request_serializer=strata_dot_protos_dot_strata__pb2.WatchJobRequest.SerializeToString,
+                response_deserializer=strata_dot_protos_dot_strata__pb2.JobEvent.FromString,
                 _registered_method=True)
         self.GetLogs = channel.unary_stream(
                 '/strata.v1.JobService/GetLogs',
-                request_serializer=protos_dot_strata__pb2.GetLogsRequest.SerializeToString,
-                response_deserializer=protos_dot_strata__pb2.LogChunk.FromString,
+                request_serializer=strata_dot_protos_dot_strata__pb2.GetLogsRequest.SerializeToString,
+                response_deserializer=strata_dot_protos_dot_strata__pb2.LogChunk.FromString,
                 _registered_method=True)
         self.PlanJob = channel.unary_unary(
                 '/strata.v1.JobService/PlanJob',
-                request_serializer=protos_dot_strata__pb2.PlanJobRequest.SerializeToString,
-                response_deserializer=protos_dot_strata__pb2.Plan.FromString,
+                request_serializer=strata_dot_protos_dot_strata__pb2.PlanJobRequest.SerializeToString,
+                response_deserializer=strata_dot_protos_dot_strata__pb2.Plan.FromString,
                 _registered_method=True)
         self.ListWorkers = channel.unary_unary(
                 '/strata.v1.JobService/ListWorkers',
-                request_serializer=protos_dot_strata__pb2.ListWorkersRequest.SerializeToString,
-                response_deserializer=protos_dot_strata__pb2.ListWorkersResponse.FromString,
+                request_serializer=strata_dot_protos_dot_strata__pb2.ListWorkersRequest.SerializeToString,
+                response_deserializer=strata_dot_protos_dot_strata__pb2.ListWorkersResponse.FromString,
                 _registered_method=True)
 
 
@@ -132,43 +132,43 @@ def add_JobServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'SubmitJob': grpc.unary_unary_rpc_method_handler(
                     servicer.SubmitJob,
-                    request_deserializer=protos_dot_strata__pb2.SubmitJobRequest.FromString,
-                    response_serializer=protos_dot_strata__pb2.Job.SerializeToString,
+                    request_deserializer=strata_dot_protos_dot_strata__pb2.SubmitJobRequest.FromString,
+                    response_serializer=strata_dot_protos_dot_strata__pb2.Job.SerializeToString,
             ),
             'GetJob': grpc.unary_unary_rpc_method_handler(
                     servicer.GetJob,
-                    request_deserializer=protos_dot_strata__pb2.GetJobRequest.FromString,
-                    response_serializer=protos_dot_strata__pb2.Job.SerializeToString,
+                    request_deserializer=strata_dot_protos_dot_strata__pb2.GetJobRequest.FromString,
+                    response_serializer=strata_dot_protos_dot_strata__pb2.Job.SerializeToString,
             ),
             'ListJobs': grpc.unary_unary_rpc_method_handler(
                     servicer.ListJobs,
-                    request_deserializer=protos_dot_strata__pb2.ListJobsRequest.FromString,
-                    response_serializer=protos_dot_strata__pb2.ListJobsResponse.SerializeToString,
+                    request_deserializer=strata_dot_protos_dot_strata__pb2.ListJobsRequest.FromString,
+                    response_serializer=strata_dot_protos_dot_strata__pb2.ListJobsResponse.SerializeToString,
             ),
             'CancelJob': grpc.unary_unary_rpc_method_handler(
                     servicer.CancelJob,
-                    request_deserializer=protos_dot_strata__pb2.CancelJobRequest.FromString,
-                    response_serializer=protos_dot_strata__pb2.Job.SerializeToString,
+                    request_deserializer=strata_dot_protos_dot_strata__pb2.CancelJobRequest.FromString,
+                    response_serializer=strata_dot_protos_dot_strata__pb2.Job.SerializeToString,
             ),
             'WatchJob': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchJob,
-                    request_deserializer=protos_dot_strata__pb2.WatchJobRequest.FromString,
-                    response_serializer=protos_dot_strata__pb2.JobEvent.SerializeToString,
+                    request_deserializer=strata_dot_protos_dot_strata__pb2.WatchJobRequest.FromString,
+                    response_serializer=strata_dot_protos_dot_strata__pb2.JobEvent.SerializeToString,
             ),
             'GetLogs': grpc.unary_stream_rpc_method_handler(
                     servicer.GetLogs,
-                    request_deserializer=protos_dot_strata__pb2.GetLogsRequest.FromString,
-                    response_serializer=protos_dot_strata__pb2.LogChunk.SerializeToString,
+                    request_deserializer=strata_dot_protos_dot_strata__pb2.GetLogsRequest.FromString,
+                    response_serializer=strata_dot_protos_dot_strata__pb2.LogChunk.SerializeToString,
             ),
             'PlanJob': grpc.unary_unary_rpc_method_handler(
                     servicer.PlanJob,
-                    request_deserializer=protos_dot_strata__pb2.PlanJobRequest.FromString,
-                    response_serializer=protos_dot_strata__pb2.Plan.SerializeToString,
+                    request_deserializer=strata_dot_protos_dot_strata__pb2.PlanJobRequest.FromString,
+                    response_serializer=strata_dot_protos_dot_strata__pb2.Plan.SerializeToString,
             ),
             'ListWorkers': grpc.unary_unary_rpc_method_handler(
                     servicer.ListWorkers,
-                    request_deserializer=protos_dot_strata__pb2.ListWorkersRequest.FromString,
-                    response_serializer=protos_dot_strata__pb2.ListWorkersResponse.SerializeToString,
+                    request_deserializer=strata_dot_protos_dot_strata__pb2.ListWorkersRequest.FromString,
+                    response_serializer=strata_dot_protos_dot_strata__pb2.ListWorkersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -196,8 +196,8 @@ class JobService:
             request,
             target,
             '/strata.v1.JobService/SubmitJob',
-            protos_dot_strata__pb2.SubmitJobRequest.SerializeToString,
-            protos_dot_strata__pb2.Job.FromString,
+            strata_dot_protos_dot_strata__pb2.SubmitJobRequest.SerializeToString,
+            strata_dot_protos_dot_strata__pb2.Job.FromString,
             options,
             channel_credentials,
             insecure,
@@ -223,8 +223,8 @@ class JobService:
             request,
             target,
             '/strata.v1.JobService/GetJob',
-            protos_dot_strata__pb2.GetJobRequest.SerializeToString,
-            protos_dot_strata__pb2.Job.FromString,
+            strata_dot_protos_dot_strata__pb2.GetJobRequest.SerializeToString,
+            strata_dot_protos_dot_strata__pb2.Job.FromString,
             options,
             channel_credentials,
             insecure,
@@ -250,8 +250,8 @@ class JobService:
             request,
             target,
             '/strata.v1.JobService/ListJobs',
-            protos_dot_strata__pb2.ListJobsRequest.SerializeToString,
-            protos_dot_strata__pb2.ListJobsResponse.FromString,
+            strata_dot_protos_dot_strata__pb2.ListJobsRequest.SerializeToString,
+            strata_dot_protos_dot_strata__pb2.ListJobsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -277,8 +277,8 @@ class JobService:
             request,
             target,
             '/strata.v1.JobService/CancelJob',
-            protos_dot_strata__pb2.CancelJobRequest.SerializeToString,
-            protos_dot_strata__pb2.Job.FromString,
+            strata_dot_protos_dot_strata__pb2.CancelJobRequest.SerializeToString,
+            strata_dot_protos_dot_strata__pb2.Job.FromString,
             options,
             channel_credentials,
             insecure,
@@ -304,8 +304,8 @@ class JobService:
             request,
             target,
             '/strata.v1.JobService/WatchJob',
-            protos_dot_strata__pb2.WatchJobRequest.SerializeToString,
-            protos_dot_strata__pb2.JobEvent.FromString,
+            strata_dot_protos_dot_strata__pb2.WatchJobRequest.SerializeToString,
+            strata_dot_protos_dot_strata__pb2.JobEvent.FromString,
             options,
             channel_credentials,
             insecure,
@@ -331,8 +331,8 @@ class JobService:
             request,
             target,
             '/strata.v1.JobService/GetLogs',
-            protos_dot_strata__pb2.GetLogsRequest.SerializeToString,
-            protos_dot_strata__pb2.LogChunk.FromString,
+            strata_dot_protos_dot_strata__pb2.GetLogsRequest.SerializeToString,
+            strata_dot_protos_dot_strata__pb2.LogChunk.FromString,
             options,
             channel_credentials,
             insecure,
@@ -358,8 +358,8 @@ class JobService:
             request,
             target,
             '/strata.v1.JobService/PlanJob',
-            protos_dot_strata__pb2.PlanJobRequest.SerializeToString,
-            protos_dot_strata__pb2.Plan.FromString,
+            strata_dot_protos_dot_strata__pb2.PlanJobRequest.SerializeToString,
+            strata_dot_protos_dot_strata__pb2.Plan.FromString,
             options,
             channel_credentials,
             insecure,
@@ -385,8 +385,8 @@ class JobService:
             request,
             target,
             '/strata.v1.JobService/ListWorkers',
-            protos_dot_strata__pb2.ListWorkersRequest.SerializeToString,
-            protos_dot_strata__pb2.ListWorkersResponse.FromString,
+            strata_dot_protos_dot_strata__pb2.ListWorkersRequest.SerializeToString,
+            strata_dot_protos_dot_strata__pb2.ListWorkersResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -409,28 +409,28 @@ class ClusterServiceStub:
         """
         self.RegisterAgent = channel.unary_unary(
                 '/strata.v1.ClusterService/RegisterAgent',
-                request_serializer=protos_dot_strata__pb2.RegisterAgentRequest.SerializeToString,
-                response_deserializer=protos_dot_strata__pb2.RegisterAgentResponse.FromString,
+                request_serializer=strata_dot_protos_dot_strata__pb2.RegisterAgentRequest.SerializeToString,
+                response_deserializer=strata_dot_protos_dot_strata__pb2.RegisterAgentResponse.FromString,
                 _registered_method=True)
         self.Heartbeat = channel.unary_unary(
                 '/strata.v1.ClusterService/Heartbeat',
-                request_serializer=protos_dot_strata__pb2.HeartbeatRequest.SerializeToString,
-                response_deserializer=protos_dot_strata__pb2.HeartbeatResponse.FromString,
+                request_serializer=strata_dot_protos_dot_strata__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=strata_dot_protos_dot_strata__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
         self.Connect = channel.unary_stream(
                 '/strata.v1.ClusterService/Connect',
-                request_serializer=protos_dot_strata__pb2.ConnectRequest.SerializeToString,
-                response_deserializer=protos_dot_strata__pb2.AgentCommand.FromString,
+                request_serializer=strata_dot_protos_dot_strata__pb2.ConnectRequest.SerializeToString,
+                response_deserializer=strata_dot_protos_dot_strata__pb2.AgentCommand.FromString,
                 _registered_method=True)
         self.ReportTask = channel.unary_unary(
                 '/strata.v1.ClusterService/ReportTask',
-                request_serializer=protos_dot_strata__pb2.ReportTaskRequest.SerializeToString,
-                response_deserializer=protos_dot_strata__pb2.ReportTaskResponse.FromString,
+                request_serializer=strata_dot_protos_dot_strata__pb2.ReportTaskRequest.SerializeToString,
+                response_deserializer=strata_dot_protos_dot_strata__pb2.ReportTaskResponse.FromString,
                 _registered_method=True)
         self.AppendLogs = channel.unary_unary(
                 '/strata.v1.ClusterService/AppendLogs',
-                request_serializer=protos_dot_strata__pb2.AppendLogsRequest.SerializeToString,
-                response_deserializer=protos_dot_strata__pb2.AppendLogsResponse.FromString,
+                request_serializer=strata_dot_protos_dot_strata__pb2.AppendLogsRequest.SerializeToString,
+                response_deserializer=strata_dot_protos_dot_strata__pb2.AppendLogsResponse.FromString,
                 _registered_method=True)
 
 
@@ -473,28 +473,28 @@ def add_ClusterServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'RegisterAgent': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterAgent,
-                    request_deserializer=protos_dot_strata__pb2.RegisterAgentRequest.FromString,
-                    response_serializer=protos_dot_strata__pb2.RegisterAgentResponse.SerializeToString,
+                    request_deserializer=strata_dot_protos_dot_strata__pb2.RegisterAgentRequest.FromString,
+                    response_serializer=strata_dot_protos_dot_strata__pb2.RegisterAgentResponse.SerializeToString,
             ),
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.Heartbeat,
-                    request_deserializer=protos_dot_strata__pb2.HeartbeatRequest.FromString,
-                    response_serializer=protos_dot_strata__pb2.HeartbeatResponse.SerializeToString,
+                    request_deserializer=strata_dot_protos_dot_strata__pb2.HeartbeatRequest.FromString,
+                    response_serializer=strata_dot_protos_dot_strata__pb2.HeartbeatResponse.SerializeToString,
             ),
             'Connect': grpc.unary_stream_rpc_method_handler(
                     servicer.Connect,
-                    request_deserializer=protos_dot_strata__pb2.ConnectRequest.FromString,
-                    response_serializer=protos_dot_strata__pb2.AgentCommand.SerializeToString,
+                    request_deserializer=strata_dot_protos_dot_strata__pb2.ConnectRequest.FromString,
+                    response_serializer=strata_dot_protos_dot_strata__pb2.AgentCommand.SerializeToString,
             ),
             'ReportTask': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportTask,
-                    request_deserializer=protos_dot_strata__pb2.ReportTaskRequest.FromString,
-                    response_serializer=protos_dot_strata__pb2.ReportTaskResponse.SerializeToString,
+                    request_deserializer=strata_dot_protos_dot_strata__pb2.ReportTaskRequest.FromString,
+                    response_serializer=strata_dot_protos_dot_strata__pb2.ReportTaskResponse.SerializeToString,
             ),
             'AppendLogs': grpc.unary_unary_rpc_method_handler(
                     servicer.AppendLogs,
-                    request_deserializer=protos_dot_strata__pb2.AppendLogsRequest.FromString,
-                    response_serializer=protos_dot_strata__pb2.AppendLogsResponse.SerializeToString,
+                    request_deserializer=strata_dot_protos_dot_strata__pb2.AppendLogsRequest.FromString,
+                    response_serializer=strata_dot_protos_dot_strata__pb2.AppendLogsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -522,8 +522,8 @@ class ClusterService:
             request,
             target,
             '/strata.v1.ClusterService/RegisterAgent',
-            protos_dot_strata__pb2.RegisterAgentRequest.SerializeToString,
-            protos_dot_strata__pb2.RegisterAgentResponse.FromString,
+            strata_dot_protos_dot_strata__pb2.RegisterAgentRequest.SerializeToString,
+            strata_dot_protos_dot_strata__pb2.RegisterAgentResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -549,8 +549,8 @@ class ClusterService:
             request,
             target,
             '/strata.v1.ClusterService/Heartbeat',
-            protos_dot_strata__pb2.HeartbeatRequest.SerializeToString,
-            protos_dot_strata__pb2.HeartbeatResponse.FromString,
+            strata_dot_protos_dot_strata__pb2.HeartbeatRequest.SerializeToString,
+            strata_dot_protos_dot_strata__pb2.HeartbeatResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -576,8 +576,8 @@ class ClusterService:
             request,
             target,
             '/strata.v1.ClusterService/Connect',
-            protos_dot_strata__pb2.ConnectRequest.SerializeToString,
-            protos_dot_strata__pb2.AgentCommand.FromString,
+            strata_dot_protos_dot_strata__pb2.ConnectRequest.SerializeToString,
+            strata_dot_protos_dot_strata__pb2.AgentCommand.FromString,
             options,
             channel_credentials,
             insecure,
@@ -603,8 +603,8 @@ class ClusterService:
             request,
             target,
             '/strata.v1.ClusterService/ReportTask',
-            protos_dot_strata__pb2.ReportTaskRequest.SerializeToString,
-            protos_dot_strata__pb2.ReportTaskResponse.FromString,
+            strata_dot_protos_dot_strata__pb2.ReportTaskRequest.SerializeToString,
+            strata_dot_protos_dot_strata__pb2.ReportTaskResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -630,8 +630,8 @@ class ClusterService:
             request,
             target,
             '/strata.v1.ClusterService/AppendLogs',
-            protos_dot_strata__pb2.AppendLogsRequest.SerializeToString,
-            protos_dot_strata__pb2.AppendLogsResponse.FromString,
+            strata_dot_protos_dot_strata__pb2.AppendLogsRequest.SerializeToString,
+            strata_dot_protos_dot_strata__pb2.AppendLogsResponse.FromString,
             options,
             channel_credentials,
             insecure,

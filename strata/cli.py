@@ -74,7 +74,7 @@ def _print_json(obj: Any) -> None:
 def cmd_coordinator(args: argparse.Namespace) -> int:
     import asyncio
 
-    from coordinator.service import serve
+    from strata.coordinator.service import serve
 
     _address("--listen", args.listen, allow_port_zero=True)
     if args.heartbeat_timeout <= 0:
@@ -88,7 +88,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from worker.agent import AgentConfig, main
+    from strata.worker.agent import AgentConfig, main
 
     budget = _size("--memory-budget", args.memory_budget)
     device = args.device.upper()
@@ -392,6 +392,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="strata", description="Strata: distributed TensorFlow training.",
                                 epilog="Exit codes: 0 ok; 1 job failed or command failed; 2 bad usage "
                                        "or rejected spec; 3 coordinator unreachable; 4 not found.")
+    from strata import __version__
+
+    p.add_argument("--version", action="version", version=f"strata {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 

@@ -15,8 +15,8 @@ from typing import Any, Iterator, Mapping
 
 import grpc
 
-from protos import strata_pb2 as pb
-from protos import strata_pb2_grpc as pb_grpc
+from strata.protos import strata_pb2 as pb
+from strata.protos import strata_pb2_grpc as pb_grpc
 from strata import convert
 from strata.errors import SpecError, StrataError
 from strata.spec import JobSpec, load_spec_file, parse_job_spec

@@ -8,7 +8,7 @@ from typing import Any
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
-from protos import strata_pb2 as pb
+from strata.protos import strata_pb2 as pb
 from strata.types import (
     FailureKind, Job, JobEvent, JobMetrics, JobState, MemoryStatus, Plan, PlannedTask, Task,
     TaskReport, TaskState, WorkerInfo, WorkerState, WorkerTask,

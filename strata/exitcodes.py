@@ -1,4 +1,4 @@
-"""Exit codes of a Strata task process (``python -m worker.task``).
+"""Exit codes of a Strata task process (``python -m strata.worker.task``).
 
 The worker agent launches one task process per job task and classifies how it ended from
 its exit status (the task also writes an ``error`` event with a ``kind`` before a failing

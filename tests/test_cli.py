@@ -115,8 +115,8 @@ def test_health_and_reflection(coord):
 
 
 def test_hostile_agent_calls_are_refused_not_crashing(coord):
-    from protos import strata_pb2 as pb
-    from protos import strata_pb2_grpc as pb_grpc
+    from strata.protos import strata_pb2 as pb
+    from strata.protos import strata_pb2_grpc as pb_grpc
     with grpc.insecure_channel(coord.address) as ch:
         stub = pb_grpc.ClusterServiceStub(ch)
         with pytest.raises(grpc.RpcError) as e:
@@ -138,8 +138,8 @@ def test_second_coordinator_on_same_state_dir_or_port_is_refused(coord):
 
 
 def test_malformed_agent_status_is_invalid_argument(coord):
-    from protos import strata_pb2 as pb
-    from protos import strata_pb2_grpc as pb_grpc
+    from strata.protos import strata_pb2 as pb
+    from strata.protos import strata_pb2_grpc as pb_grpc
     with grpc.insecure_channel(coord.address) as ch:
         stub = pb_grpc.ClusterServiceStub(ch)
         with pytest.raises(grpc.RpcError) as e:

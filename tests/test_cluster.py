@@ -82,7 +82,7 @@ def test_over_budget_job_is_refused(cluster, client, tmp_path):
 
 def test_invalid_spec_names_the_field(cluster, client):
     bad = spec(data={"source": "digits", "batch_size": 255})
-    from protos import strata_pb2 as pb
+    from strata.protos import strata_pb2 as pb
     from strata import convert
     import grpc
     # Bypass the client's local validation: the coordinator itself must refuse.

@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from coordinator.core import Coordinator, StartTaskCommand, StopTaskCommand
-from coordinator.store import SqliteStore
+from strata.coordinator.core import Coordinator, StartTaskCommand, StopTaskCommand
+from strata.coordinator.store import SqliteStore
 from strata.spec import load_spec_file
 from strata.errors import InfeasibleError, InvalidTransition, NotFoundError, UnknownAgentSession
 from strata.types import FailureKind, JobState, MemoryStatus, TaskReport, TaskState

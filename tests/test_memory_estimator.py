@@ -180,7 +180,7 @@ def _launch_job(spec: dict, tmp_path, bfc_mb: int = 1024) -> list[tuple[subproce
                    TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}}))
         r, w = os.pipe()
         log = open(tmp_path / f"task{i}.log", "w")
-        proc = subprocess.Popen([sys.executable, "-m", "worker.task", "--config", str(path),
+        proc = subprocess.Popen([sys.executable, "-m", "strata.worker.task", "--config", str(path),
                                  "--events-fd", str(w)], cwd=ROOT, env=env, pass_fds=(w,),
                                 stdout=log, stderr=subprocess.STDOUT)
         log.close()

@@ -2,7 +2,7 @@
 
 import itertools
 
-from coordinator.placement import Capacity, TaskDemand, admission_error, place
+from strata.coordinator.placement import Capacity, TaskDemand, admission_error, place
 
 MiB = 1 << 20
 

@@ -9,8 +9,8 @@ import random
 
 import pytest
 
-import coordinator.planner as planner
-from coordinator.planner import (
+import strata.coordinator.planner as planner
+from strata.coordinator.planner import (
     PIPELINE_ACTIVATION_BYTES,
     PIPELINE_INPUT_BATCHES,
     PipelinePlan,

@@ -2,7 +2,7 @@
 
 import pytest
 
-from coordinator.store import SqliteStore, Store, WorkerRecord
+from strata.coordinator.store import SqliteStore, Store, WorkerRecord
 from strata.types import FailureKind, Job, JobMetrics, JobState, Task, TaskState
 
 

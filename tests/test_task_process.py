@@ -1,4 +1,4 @@
-"""The task process (python -m worker.task) run for real: MultiWorkerMirroredStrategy workers
+"""The task process (python -m strata.worker.task) run for real: MultiWorkerMirroredStrategy workers
 launched by hand with TF_CONFIG on loopback ports, events read from a pipe (os.pipe +
 pass_fds), as the worker agent does.
 
@@ -120,7 +120,7 @@ def launch(spec: dict, tmp_path, workers: int = 2, bfc_mb: int | None = 1024,
             env.update(TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPU_BFC_MEM_LIMIT_IN_MB=str(bfc_mb))
         env.update(env_extra or {})
         r, w = os.pipe()
-        cmd = [sys.executable, "-m", "worker.task", "--config", str(cfg_path), "--events-fd", str(w)]
+        cmd = [sys.executable, "-m", "strata.worker.task", "--config", str(cfg_path), "--events-fd", str(w)]
         if wrap_in_shell:  # a parent we can kill, to see the task notice it
             cmd = ["bash", "-c", " ".join(cmd) + " & wait"]
         log_path = str(tmp_path / f"task{i}.log")

@@ -2,7 +2,7 @@
 
 It registers with the coordinator, keeps a server stream open on which the coordinator pushes
 StartTask / StopTask commands, heartbeats its memory status, and reports every task state change
-at once. Each task is one ``python -m worker.task`` process in its own process group, so a stop
+at once. Each task is one ``python -m strata.worker.task`` process in its own process group, so a stop
 kills the whole tree. The memory slice is enforced by TensorFlow's allocator: on CPU through
 ``TF_CPU_ALLOCATOR_USE_BFC`` + ``TF_CPU_BFC_MEM_LIMIT_IN_MB``, on GPU through the logical device's
 ``memory_limit`` (the task applies it from its config).
@@ -24,8 +24,8 @@ from typing import Any
 
 import grpc
 
-from protos import strata_pb2 as pb
-from protos import strata_pb2_grpc as pb_grpc
+from strata.protos import strata_pb2 as pb
+from strata.protos import strata_pb2_grpc as pb_grpc
 from strata import convert, exitcodes
 from strata.types import FailureKind, MemoryStatus, TaskReport, TaskState
 
@@ -128,7 +128,7 @@ class TaskProcess:
         read_fd, write_fd = os.pipe()
         try:
             self.proc = subprocess.Popen(
-                [self.agent.cfg.python, "-m", "worker.task", "--config", config_path,
+                [self.agent.cfg.python, "-m", "strata.worker.task", "--config", config_path,
                  "--events-fd", str(write_fd)],
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 pass_fds=(write_fd,), start_new_session=True, cwd=self.dir, env=env)

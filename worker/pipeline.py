@@ -112,7 +112,7 @@ import time
 from dataclasses import dataclass
 
 from strata.exitcodes import TASK_EXIT_OK
-from worker.common import (
+from strata.worker.common import (
     eval_sums,
     BadConfig, Events, cluster_from_tf_config, configure_device, exit_task, format_mib,
     install_sigterm_handler, log,
@@ -265,7 +265,7 @@ def _layer_entries(model_spec: dict, mixed: str) -> list:
     from strata.modelspec import (
         ModelSpecError, _functional_chain, check_keras_json_safe, parse_keras_json,
     )
-    from worker.models import POLICIES, _rewrite_json
+    from strata.worker.models import POLICIES, _rewrite_json
 
     policy = POLICIES[mixed]
     if model_spec.get("builtin"):
@@ -434,8 +434,8 @@ def run_driver(cfg: dict, events: Events) -> int:
     tf, memory = configure_device(cfg)
     import keras
 
-    from worker import data as wdata
-    from worker import models as wmodels
+    from strata.worker import data as wdata
+    from strata.worker import models as wmodels
 
     timeout = float(os.environ.get("STRATA_PIPELINE_CONNECT_TIMEOUT_S", CONNECT_TIMEOUT_S))
     waited = connect(tf, cluster, layout, timeout)

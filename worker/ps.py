@@ -52,7 +52,7 @@ import threading
 import time
 
 from strata.exitcodes import TASK_EXIT_ERROR, TASK_EXIT_OK
-from worker.common import (
+from strata.worker.common import (
     eval_sums,
     BadConfig, Events, cluster_from_tf_config, configure_device, exit_task, format_mib,
     install_sigterm_handler, log,
@@ -270,7 +270,7 @@ def _check_placement(tf, model, placement: dict[str, int], slot_log: list,
 def _build_placed(tf, strategy, spec: dict, mixed: str, training: dict,
                   placement: dict[str, int], num_ps: int):
     from strata.modelspec import ModelSpecError
-    from worker import models as wmodels
+    from strata.worker import models as wmodels
 
     try:
         from keras.src.backend.common.name_scope import current_path
@@ -358,7 +358,7 @@ def run_chief(cfg: dict, events: Events) -> int:
     tf, memory = configure_device(cfg)
     import keras
 
-    from worker import data as wdata
+    from strata.worker import data as wdata
 
     watchdog.start()  # phase connect: the strategy's constructor waits for every task
     resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()

@@ -22,7 +22,7 @@ import threading
 import time
 
 from strata.exitcodes import TASK_EXIT_OK
-from worker.common import Events, cluster_from_tf_config, configure_device, exit_task, log
+from strata.worker.common import Events, cluster_from_tf_config, configure_device, exit_task, log
 
 
 def _server_config(tf, cfg: dict):

@@ -1,6 +1,6 @@
 """A Strata task process: one TensorFlow training task of a job.
 
-    python -m worker.task --config CONFIG.json --events-fd N
+    python -m strata.worker.task --config CONFIG.json --events-fd N
 
 The worker agent starts it with ``TF_CONFIG`` (the job's cluster and this task's place in it)
 and, on CPU, ``TF_CPU_ALLOCATOR_USE_BFC=true`` and ``TF_CPU_BFC_MEM_LIMIT_IN_MB`` (the task's
@@ -38,7 +38,7 @@ import time
 import traceback
 
 from strata.exitcodes import TASK_EXIT_BAD_CONFIG, TASK_EXIT_ERROR, TASK_EXIT_OK, TASK_EXIT_OOM
-from worker.common import (
+from strata.worker.common import (
     eval_sums,
     BadConfig, Events, configure_device, exit_task, format_mib, install_sigterm_handler, is_oom,
     log, prepare_environment, start_parent_watchdog, summarize_error,
@@ -65,7 +65,7 @@ def load_config(path: str) -> dict:
 
 def validate(cfg: dict) -> None:
     from strata.modelspec import ModelSpecError, check_keras_json_safe, parse_keras_json
-    from worker.models import LOSSES, OPTIMIZERS, POLICIES
+    from strata.worker.models import LOSSES, OPTIMIZERS, POLICIES
 
     spec = cfg["spec"]
     strategy = spec.get("strategy", "multi_worker_mirrored")
@@ -112,7 +112,7 @@ def validate(cfg: dict) -> None:
 def _check_npz(path: str) -> None:
     """Fails fast (before importing TensorFlow) on a missing or incomplete npz file; reads
     only the archive's directory."""
-    from worker.data import DataError, load_npz_keys
+    from strata.worker.data import DataError, load_npz_keys
 
     try:
         load_npz_keys(path)
@@ -159,8 +159,8 @@ def run(cfg: dict, events: Events) -> int:
     tf, memory = configure_device(cfg)
     import keras
 
-    from worker import data as wdata
-    from worker import models as wmodels
+    from strata.worker import data as wdata
+    from strata.worker import models as wmodels
 
     timeout = float(os.environ.get("STRATA_COLLECTIVE_TIMEOUT_S", DEFAULT_COLLECTIVE_TIMEOUT_S))
     options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=timeout)
@@ -312,18 +312,18 @@ def runner_for(cfg: dict):
         return run
     if role == "chief":
         if strategy == "parameter_server":
-            from worker.ps import run_chief
+            from strata.worker.ps import run_chief
             return run_chief
-        from worker.pipeline import run_driver
+        from strata.worker.pipeline import run_driver
         return run_driver
     if role in ("worker", "ps"):
-        from worker.server import serve
+        from strata.worker.server import serve
         return serve
     raise BadConfig("role", f"role {role!r} has no runner for strategy {strategy!r}")
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m worker.task", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m strata.worker.task", description=__doc__.split("\n")[0])
     p.add_argument("--config", required=True, help="task config JSON file")
     p.add_argument("--events-fd", type=int, default=None,
                    help="file descriptor for newline-delimited JSON events (default: stderr)")
