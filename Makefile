@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: demo test protos bench clean
+.PHONY: demo test test-fast lint typecheck protos bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -22,8 +22,20 @@ $(TEST_STAMP): pyproject.toml $(STAMP)
 demo: $(STAMP)
 	$(BIN)/strata demo
 
-test: $(TEST_STAMP)
+# The whole suite: lint, types, then every test (the integration tests start real processes).
+test: lint typecheck
 	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
+
+# The pure tests only: no coordinator, agent or TensorFlow process is started (seconds).
+test-fast: $(TEST_STAMP)
+	$(BIN)/python -m pytest -q -ra -m "not integration" $(PYTEST_ARGS)
+
+lint: $(TEST_STAMP)
+	$(BIN)/ruff check .
+
+typecheck: $(TEST_STAMP)
+	.ci/mypy-stage.sh >/dev/null
+	$(BIN)/mypy
 
 protos: $(TEST_STAMP)
 	$(BIN)/python -m strata.protos.codegen

@@ -43,6 +43,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from strata.taskconfig import TASK_CONFIG_VERSION  # noqa: E402
 from strata.coordinator.planner import WorkerSlot, plan_pipeline  # noqa: E402
 from strata.memory import default_budget  # noqa: E402
 from strata.modelspec import profile_model  # noqa: E402
@@ -173,11 +174,17 @@ def launch_job(raw: dict, workdir: str, *, threads: int = 1,
         entry = by_task[task]
         budget = (budget_bytes.get(task) if isinstance(budget_bytes, dict) else budget_bytes) \
             or entry["memory_budget_bytes"]
-        cfg = {"job_id": "bench", "role": role, "index": int(idx), "spec": spec,
-               "output_dir": os.path.join(workdir, "out"), "threads": threads, "device": "CPU",
-               "memory_budget_bytes": budget, "report_interval_s": report_interval_s}
+        # the TaskConfig message in its JSON form, as the coordinator and agent would build it
+        cfg = {"version": TASK_CONFIG_VERSION, "job_id": "bench", "role": role,
+               "index": int(idx), "spec": spec, "memory_budget_bytes": budget,
+               "report_interval_s": report_interval_s,
+               "agent": {"output_dir": os.path.join(workdir, "out"), "threads": threads,
+                         "device": "CPU"}}
         if role == "chief":
-            cfg["pipeline"] = section
+            cfg["stage_layout"] = dict(section, layout=[
+                {k: v for k, v in dict(e, role=e["task"].partition(":")[0],
+                                       index=int(e["task"].partition(":")[2])).items()
+                 if k != "task"} for e in section["layout"]])
         path = os.path.join(workdir, f"{role}{idx}.json")
         with open(path, "w") as f:
             json.dump(cfg, f)

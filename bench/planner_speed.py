@@ -4,7 +4,7 @@
 
 Prints one line per case: the median wall time of ``plan_pipeline`` over the runs
 (time.perf_counter), the full probes it made (0: the two homogeneous bounds met, see the
-planner's docstring, point 4), the depth and bottleneck found, whether the bottleneck is proven
+docs/planner.md, point 4), the depth and bottleneck found, whether the bottleneck is proven
 optimal (else the proven lower bound), and the largest stage's memory. Target: well
 under a second per plan. The model: 1,000 Dense layers of widths 256..4096 (2.3 G parameters,
 Adam, global batch 512 in 8 micro-batches: about 52 GiB of training state). Budget cases, each

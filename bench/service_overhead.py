@@ -22,6 +22,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from strata.taskconfig import TASK_CONFIG_VERSION  # noqa: E402
 from strata.local import LocalCluster  # noqa: E402
 from strata.memory import default_budget, estimate_task_memory  # noqa: E402
 from strata.spec import parse_job_spec  # noqa: E402
@@ -56,9 +57,10 @@ def run_by_hand(raw: dict, threads: int, workdir: str) -> tuple[float, float]:
     for i in range(2):
         d = os.path.join(workdir, f"hand-{i}")
         os.makedirs(d, exist_ok=True)
-        cfg = {"job_id": "hand", "role": "worker", "index": i, "spec": spec.to_dict(),
-               "output_dir": os.path.join(workdir, "hand-out"), "threads": threads, "device": "CPU",
-               "memory_budget_bytes": budget, "report_interval_s": 0.5}
+        cfg = {"version": TASK_CONFIG_VERSION, "job_id": "hand", "role": "worker", "index": i,
+               "spec": spec.to_dict(), "memory_budget_bytes": budget, "report_interval_s": 0.5,
+               "agent": {"output_dir": os.path.join(workdir, "hand-out"), "threads": threads,
+                         "device": "CPU"}}
         path = os.path.join(d, "config.json")
         with open(path, "w") as f:
             json.dump(cfg, f)

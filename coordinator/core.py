@@ -1,9 +1,12 @@
-"""The coordinator's state and control loop.
+"""The coordinator's state and control loop: the job lifecycle.
 
 Everything here runs on one asyncio event loop (the gRPC aio server's), so the live state needs no
 locks: gRPC handlers and the control loop take turns. Every change is written through to the
-``Store`` so that a restarted coordinator resumes from it. Decisions (placement, admission) are
-pure functions in ``coordinator.placement``; this module applies them.
+``Store`` so that a restarted coordinator resumes from it. Decisions are pure functions that
+return data, and this module carries them out: placement (``coordinator.placement``), the
+strategy's plan, success rule and failure policy (``strata.strategies``), and how a registering
+agent's tasks line up (``coordinator.agents.reconcile``). Agent sessions live in
+``coordinator.agents``, job logs in ``coordinator.logs``.
 """
 
 from __future__ import annotations
@@ -14,53 +17,34 @@ import logging
 import os
 import secrets
 import time
-from typing import AsyncIterator, Callable, Sequence
+from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 
-from strata.coordinator.jobplan import JobPlan, WorkerOffer, plan_job
+from strata import strategies
+from strata.coordinator.agents import (
+    AgentCommand, Agents, LiveWorker, StartTaskCommand, StopTaskCommand, reconcile,
+)
+from strata.coordinator.logs import JobLogs
 from strata.coordinator.placement import Capacity, TaskDemand, place
 from strata.coordinator.store import Store, WorkerRecord
-from strata.errors import (
-    DuplicateAgent, InfeasibleError, InvalidTransition, NotFoundError, SpecError,
-    UnknownAgentSession,
-)
+from strata.errors import InfeasibleError, InvalidTransition, NotFoundError, SpecError
 from strata.memory import format_size
+from strata.modelspec import ModelSpecError, profile_model
 from strata.spec import JobSpec, parse_job_spec
+from strata.strategies import FailureAction
+from strata.taskconfig import REPORT_INTERVAL_S, TaskConfig
 from strata.tfconfig import build_tf_config
 from strata.types import (
-    FailureKind, Job, JobEvent, JobState, MemoryStatus, Plan, PlannedTask, Task, TaskReport,
-    TaskState, WorkerInfo, WorkerState, WorkerTask, can_transition,
+    FailureKind, Job, JobEvent, JobPlan, JobState, MemoryStatus, Plan, Task,
+    TaskReport, TaskState, WorkerInfo, WorkerOffer, WorkerState, WorkerTask, can_transition,
 )
+
+__all__ = ["Coordinator", "PreparedJob", "StartTaskCommand", "StopTaskCommand", "AgentCommand",
+           "LiveWorker"]
 
 log = logging.getLogger("strata.coordinator")
 
 # How often progress metrics are written to the store (they are always live in memory).
 METRICS_PERSIST_INTERVAL_S = 2.0
-# How often a task process reports progress. Every report costs the agent and the coordinator a
-# little CPU, and on a small host that is CPU the lockstep training processes do not get.
-REPORT_INTERVAL_S = 1.0
-
-
-@dataclasses.dataclass
-class StartTaskCommand:
-    job_id: str
-    role: str
-    index: int
-    attempt: int
-    tf_config: str
-    memory_budget_bytes: int
-    config: dict
-
-
-@dataclasses.dataclass
-class StopTaskCommand:
-    job_id: str
-    role: str = ""   # empty: every task of the job on that agent
-    index: int = 0
-    reason: str = ""
-
-
-AgentCommand = StartTaskCommand | StopTaskCommand
-
 # Bytes no task could ever need; larger estimates come from nonsense shapes and would overflow
 # the store's 64-bit integers.
 MAX_TASK_BYTES = 1 << 50
@@ -75,22 +59,25 @@ class PreparedJob:
     plan: JobPlan
 
 
-@dataclasses.dataclass
-class LiveWorker:
-    """A worker agent as the coordinator sees it now."""
-
-    record: WorkerRecord
-    session: str = ""            # empty until the agent (re-)registers after a coordinator start
-    last_seen: float = 0.0
-    lost: bool = False
-    memory: MemoryStatus = dataclasses.field(default_factory=MemoryStatus)
-    free_ports: list[int] = dataclasses.field(default_factory=list)
-    queue: asyncio.Queue | None = None
-    pid: int = 0
-
-    @property
-    def connected(self) -> bool:
-        return bool(self.session) and not self.lost
+def prepare(spec: JobSpec | Mapping[str, Any], workers: Sequence[WorkerOffer] = ()) -> PreparedJob:
+    """Validates a spec (unless already parsed) and has its strategy plan the tasks against
+    ``workers`` (a snapshot: see ``Coordinator.worker_offers``). Pure and possibly slow (it
+    profiles the model and may run the stage planner), so the service runs it off the event
+    loop. Raises SpecError naming the field."""
+    if not isinstance(spec, JobSpec):
+        spec = parse_job_spec(spec)
+    try:
+        profile = profile_model(dict(spec.model))
+    except ModelSpecError as e:
+        raise SpecError(e.field, e.message) from None
+    plan = strategies.get(spec.strategy).plan(spec, list(workers), profile)
+    for t in plan.tasks:
+        need = max(t.estimated_memory_bytes, t.memory_budget_bytes)
+        if need > MAX_TASK_BYTES:
+            field = "memory.per_task_budget" if t.memory_budget_bytes > MAX_TASK_BYTES else "model"
+            raise SpecError(field, f"task {t.role}:{t.index} would need {format_size(need)}, "
+                                   "beyond any machine")
+    return PreparedJob(spec=spec, plan=plan)
 
 
 class Coordinator:
@@ -99,7 +86,7 @@ class Coordinator:
                  start_timeout_s: float = 300.0, clock: Callable[[], float] = time.time):
         self.store = store
         self.state_dir = state_dir
-        self.log_dir = os.path.join(state_dir, "logs")
+        self.logs = JobLogs(os.path.join(state_dir, "logs"))
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.heartbeat_interval_s = heartbeat_interval_s
         self.tick_interval_s = tick_interval_s
@@ -107,15 +94,9 @@ class Coordinator:
         self._scheduled_at: dict[str, float] = {}  # job id -> when it was placed (this process)
         self.clock = clock
         self.jobs: dict[str, Job] = {j.id: j for j in store.load_jobs()}
-        self.workers: dict[str, LiveWorker] = {}
-        now = clock()
-        for rec in store.load_workers():
-            # Known from before a restart: not schedulable until the agent registers again, and
-            # declared LOST if it has not done so within one heartbeat timeout.
-            self.workers[rec.name] = LiveWorker(record=rec, last_seen=now)
+        self.agents = Agents(store.load_workers(), clock())
+        self.workers = self.agents.workers
         self._signals: dict[str, asyncio.Event] = {}
-        self._log_signals: dict[str, asyncio.Event] = {}  # new log data, kept apart so log
-        # traffic never wakes job watchers (each wake-up sends a snapshot)
         self._wake = asyncio.Event()
         self._metrics_saved: dict[str, float] = {}
         self._stops_sent: dict[tuple[str, str, str, int], float] = {}
@@ -123,25 +104,17 @@ class Coordinator:
 
     # --- notifications ------------------------------------------------------------------------
 
-    @staticmethod
-    def _notify_in(signals: dict[str, asyncio.Event], job_id: str) -> None:
-        ev = signals.pop(job_id, None)
+    def _notify(self, job_id: str) -> None:
+        """Wakes the job's watchers (state, task or progress changes)."""
+        ev = self._signals.pop(job_id, None)
         if ev is not None:
             ev.set()
 
-    @staticmethod
-    def _signal_in(signals: dict[str, asyncio.Event], job_id: str) -> asyncio.Event:
-        ev = signals.get(job_id)
-        if ev is None:
-            ev = signals[job_id] = asyncio.Event()
-        return ev
-
-    def _notify(self, job_id: str) -> None:
-        """Wakes the job's watchers (state, task or progress changes)."""
-        self._notify_in(self._signals, job_id)
-
     def _signal(self, job_id: str) -> asyncio.Event:
-        return self._signal_in(self._signals, job_id)
+        ev = self._signals.get(job_id)
+        if ev is None:
+            ev = self._signals[job_id] = asyncio.Event()
+        return ev
 
     def wake(self) -> None:
         self._wake.set()
@@ -175,40 +148,20 @@ class Coordinator:
 
     # --- job API ------------------------------------------------------------------------------
 
-    @staticmethod
-    def prepare(raw_spec: dict, plan_only: bool = False,
-                workers: Sequence[WorkerOffer] = ()) -> PreparedJob:
-        """Validates a spec and plans its tasks against ``workers`` (a snapshot: see
-        ``worker_offers``): pure and possibly slow (it profiles the model and may run the stage
-        planner), so the service runs it off the event loop. Raises SpecError."""
-        spec = parse_job_spec(raw_spec, plan_only=plan_only)
-        try:
-            plan = plan_job(spec, list(workers))
-        except ValueError as e:
-            field, _, message = str(e).partition(": ")
-            raise SpecError(field, message) from None
-        for t in plan.tasks:
-            if max(t.estimate_bytes, t.budget_bytes) > MAX_TASK_BYTES:
-                field = "memory.per_task_budget" if t.budget_bytes > MAX_TASK_BYTES else "model"
-                raise SpecError(field, f"task {t.role}:{t.index} would need "
-                                       f"{format_size(max(t.estimate_bytes, t.budget_bytes))}, "
-                                       "beyond any machine")
-        return PreparedJob(spec=spec, plan=plan)
-
     def worker_offers(self, free: bool) -> list[WorkerOffer]:
         """The connected workers as the job planner sees them: whole budgets (admission: could
         the job ever run here) or free budgets (``strata plan``: where would it run now)."""
         if free:
             return [WorkerOffer(c.name, c.free_bytes) for c in self._capacities()]
-        return [WorkerOffer(w.record.name, w.record.budget_bytes)
-                for w in self.workers.values() if not w.lost and not w.record.draining]
+        return [WorkerOffer(w.name, w.record.budget_bytes)
+                for w in self.agents.values() if not w.lost and not w.record.draining]
 
-    def submit(self, raw_spec: dict | PreparedJob) -> Job:
-        prepared = (raw_spec if isinstance(raw_spec, PreparedJob)
-                    else self.prepare(raw_spec, workers=self.worker_offers(free=False)))
+    def submit(self, spec: JobSpec | Mapping[str, Any] | PreparedJob) -> Job:
+        prepared = (spec if isinstance(spec, PreparedJob)
+                    else prepare(spec, workers=self.worker_offers(free=False)))
         spec, plan = prepared.spec, prepared.plan
         if not plan.feasible:
-            budgets = [w.record.budget_bytes for w in self.workers.values() if not w.lost]
+            budgets = [w.record.budget_bytes for w in self.agents.values() if not w.lost]
             raise InfeasibleError(f"job {spec.name!r} cannot run on this cluster: {plan.reason}",
                                   estimate_bytes=plan.largest_estimate,
                                   largest_budget_bytes=max(budgets, default=0))
@@ -217,35 +170,24 @@ class Coordinator:
         while job_id in self.jobs:
             job_id = f"{spec.name}-{secrets.token_hex(3)}"
         job = Job(id=job_id, name=spec.name, state=JobState.PENDING, strategy=spec.strategy,
-                  spec=spec.to_dict(), created_at=now,
-                  estimated_memory_bytes=plan.largest_estimate, message="waiting for workers")
+                  spec=spec, created_at=now, estimated_memory_bytes=plan.largest_estimate,
+                  message="waiting for workers")
         job.tasks = [Task(job_id=job_id, role=t.role, index=t.index, stage=t.stage,
                           replica=t.replica, first_layer=t.first_layer, last_layer=t.last_layer,
-                          layers=list(t.layers), memory_budget_bytes=t.budget_bytes,
-                          estimated_memory_bytes=t.estimate_bytes) for t in plan.tasks]
+                          layers=list(t.layers), memory_budget_bytes=t.memory_budget_bytes,
+                          estimated_memory_bytes=t.estimated_memory_bytes) for t in plan.tasks]
         self.store.put_job(job)
         self.store.put_tasks(job.tasks)
         self.jobs[job_id] = job  # only once stored: a failed write leaves no phantom job
-        if spec.strategy == "multi_worker_mirrored":
-            t0 = plan.tasks[0]
-            what = (f"{spec.workers} x {spec.strategy} task(s), estimate "
-                    f"{format_size(t0.estimate_bytes)}, budget {format_size(t0.budget_bytes)} each")
-        else:
-            what = f"{spec.strategy}: {plan.summary}; tasks " + ", ".join(
-                f"{t.role}:{t.index}" + (f" (stage {t.stage}" + (f", replica {t.replica}"
-                                                                 if spec.workers > 1 and
-                                                                 spec.strategy == "hybrid"
-                                                                 else "") + ")"
-                                         if spec.strategy in ("pipeline", "hybrid") else "")
-                + f" est {format_size(t.estimate_bytes)} budget {format_size(t.budget_bytes)}"
-                for t in plan.tasks)
+        what = strategies.get(spec.strategy).describe_plan(spec, plan)
         self._event(job, "state", f"PENDING: submitted; {what}")
-        low = [t for t in plan.tasks if t.budget_bytes < t.estimate_bytes]
+        low = [t for t in plan.tasks if t.memory_budget_bytes < t.estimated_memory_bytes]
         if spec.memory.per_task_budget and low:
             self._event(job, "message", f"warning: memory.per_task_budget "
-                                        f"{format_size(low[0].budget_bytes)} is below the estimate "
-                                        f"{format_size(max(t.estimate_bytes for t in low))} of "
-                                        f"{len(low)} task(s); they may run out of memory")
+                                        f"{format_size(low[0].memory_budget_bytes)} is below the "
+                                        f"estimate "
+                                        f"{format_size(max(t.estimated_memory_bytes for t in low))}"
+                                        f" of {len(low)} task(s); they may run out of memory")
         self.wake()
         return job
 
@@ -276,7 +218,7 @@ class Coordinator:
         for t in job.tasks:
             if t.state.final:
                 continue
-            w = self.workers.get(t.worker) if t.worker else None
+            w = self.agents.get(t.worker) if t.worker else None
             if w is not None and not w.lost:
                 by_worker.add(t.worker)  # also for a start that may still be in flight
             if w is None or t.state == TaskState.PENDING:
@@ -289,23 +231,19 @@ class Coordinator:
                 t.failure = FailureKind.LOST
         self.store.put_tasks(job.tasks)
         for name in by_worker:
-            self._send(name, StopTaskCommand(job_id=job.id, reason=message))
+            self.agents.send(name, StopTaskCommand(job_id=job.id, reason=message))
         self._notify(job.id)
 
-    def plan(self, raw_spec: dict | PreparedJob) -> Plan:
+    def plan(self, spec: JobSpec | Mapping[str, Any] | PreparedJob) -> Plan:
         """What the coordinator would run now, on the free budgets of the connected workers."""
-        prepared = (raw_spec if isinstance(raw_spec, PreparedJob)
-                    else self.prepare(raw_spec, plan_only=True, workers=self.worker_offers(True)))
+        prepared = (spec if isinstance(spec, PreparedJob)
+                    else prepare(spec, workers=self.worker_offers(True)))
         spec, plan = prepared.spec, prepared.plan
-        placement = place([TaskDemand(t.role, t.index, t.budget_bytes) for t in plan.tasks],
+        placement = place([TaskDemand(t.role, t.index, t.memory_budget_bytes) for t in plan.tasks],
                           self._capacities()) if plan.feasible else None
-        tasks = [PlannedTask(role=t.role, index=t.index,
-                             worker=(placement.assignments.get((t.role, t.index), "")
-                                     if placement is not None and placement.assignments
-                                     else t.worker),
-                             stage=t.stage, layers=list(t.layers),
-                             estimated_memory_bytes=t.estimate_bytes,
-                             memory_budget_bytes=t.budget_bytes) for t in plan.tasks]
+        assigned = placement.assignments if placement is not None else {}
+        tasks = [dataclasses.replace(t, worker=assigned.get((t.role, t.index), "")
+                                     if assigned else t.worker) for t in plan.tasks]
         if not plan.feasible:
             return Plan(spec.strategy, False, plan.reason, tasks)
         summary = f"{plan.summary}; " if plan.summary else ""
@@ -339,120 +277,56 @@ class Coordinator:
     # --- logs ---------------------------------------------------------------------------------
 
     def log_path(self, job_id: str, role: str, index: int) -> str:
-        return os.path.join(self.log_dir, job_id, f"{role}-{index}.log")
+        return self.logs.path(job_id, role, index)
 
     def append_logs(self, worker: str, session: str, job_id: str, role: str, index: int,
                     data: bytes) -> None:
-        self._check_session(worker, session)
+        self.agents.check_session(worker, session)
         job = self.jobs.get(job_id)
         if job is None or not any(t.role == role and t.index == index for t in job.tasks):
             return
-        path = self.log_path(job_id, role, index)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "ab") as f:
-            f.write(data)
-        self._notify_in(self._log_signals, job_id)
+        self.logs.append(job_id, role, index, data)
 
-    async def read_logs(self, job_id: str, tasks: list[tuple[str, int]],
-                        follow: bool) -> AsyncIterator[tuple[str, int, bytes]]:
+    def read_logs(self, job_id: str, tasks: list[tuple[str, int]],
+                  follow: bool) -> AsyncIterator[tuple[str, int, bytes]]:
         job = self.get(job_id)
-        offsets = {t: 0 for t in tasks}
-        while True:
-            final = job.state.final and all(t.state.final for t in job.tasks)
-            got = False
-            for (role, index) in tasks:
-                path = self.log_path(job_id, role, index)
-                try:
-                    with open(path, "rb") as f:
-                        f.seek(offsets[(role, index)])
-                        data = f.read(1 << 20)
-                except FileNotFoundError:
-                    continue
-                if data:
-                    got = True
-                    offsets[(role, index)] += len(data)
-                    yield role, index, data
-            if got:
-                continue
-            if not follow or final:
-                return
-            try:
-                await asyncio.wait_for(self._signal_in(self._log_signals, job_id).wait(), timeout=1.0)
-            except asyncio.TimeoutError:
-                pass
+        return self.logs.read(job_id, tasks, follow,
+                              lambda: job.state.final and all(t.state.final for t in job.tasks))
 
     # --- cluster API --------------------------------------------------------------------------
 
     def register(self, name: str, host: str, device: str, budget_bytes: int, free_ports: list[int],
                  reports: list[TaskReport], work_dir: str = "", pid: int = 0) -> str:
         now = self.clock()
-        live = self.workers.get(name)
-        if (live is not None and live.connected and now - live.last_seen < self.heartbeat_timeout_s
-                and (live.record.address, live.pid) != (host, pid)):
-            raise DuplicateAgent(name, live.record.address, live.pid)
         rec = WorkerRecord(name=name, address=host, device=device, budget_bytes=budget_bytes,
                            work_dir=work_dir, last_seen=now)
-        if live is None:
-            live = self.workers[name] = LiveWorker(record=rec)
-        else:
-            rec.draining = live.record.draining
-            live.record = rec
-        old_queue = live.queue
-        live.session = secrets.token_hex(8)
-        live.pid = pid
-        live.last_seen = now
-        live.lost = False
-        live.free_ports = list(free_ports)
-        live.queue = asyncio.Queue()
-        if old_queue is not None:
-            old_queue.put_nowait(None)  # ends the previous Connect stream, if one is still open
-        self.store.put_worker(rec)
-        log.info("worker %s registered (%s, %s, budget %s)", name, host, device,
-                 format_size(budget_bytes))
+        live = self.agents.register(rec, pid, free_ports, now, self.heartbeat_timeout_s)
+        self.store.put_worker(live.record)
         self._reconcile(live, reports)
         self.wake()
         return live.session
 
     def _reconcile(self, live: LiveWorker, reports: list[TaskReport]) -> None:
         """Aligns what the agent runs with what the coordinator assigned to it."""
-        reported = {r.key: r for r in reports}
-        for key, r in reported.items():
-            task = self._task(*key)
-            job = self.jobs.get(r.job_id)
-            if r.state.final:
-                if task is not None and task.worker == live.record.name and not task.state.final:
-                    self.report(live.record.name, live.session, r)
-                continue
-            if task is not None and job is not None and task.worker == live.record.name \
-                    and job.state.final:
-                self._resend_stop(live, r)  # a stop lost while the agent was away
-            elif task is None or job is None or task.worker != live.record.name or task.state.final:
-                live.queue.put_nowait(StopTaskCommand(job_id=r.job_id, role=r.role, index=r.index,
-                                                      reason="not assigned to this worker"))
-            else:
-                self.report(live.record.name, live.session, r)
-        for job in self.jobs.values():
-            for t in job.tasks:
-                if t.worker != live.record.name or t.state.final or t.key in reported:
-                    continue
-                if job.state.final:
-                    self._set_task_state(t, TaskState.CANCELLED)
-                    self.store.put_tasks([t])
-                elif t.state == TaskState.PENDING and job.state == JobState.SCHEDULED:
-                    self._send_start(job, t)  # the start never reached the agent
-                else:
-                    self._fail_task(job, t, FailureKind.LOST, "the agent restarted and no longer "
-                                                              "runs this task")
-
-    def _check_session(self, name: str, session: str) -> LiveWorker:
-        live = self.workers.get(name)
-        if live is None or not live.session or live.session != session:
-            raise UnknownAgentSession(f"worker {name!r} is not registered with this session")
-        return live
+        todo = reconcile(live.name, reports, self.jobs)
+        for r in todo.apply:
+            self.report(live.name, live.session, r)
+        for r in todo.stop_again:
+            self._resend_stop(live, r)
+        for cmd in todo.stop:
+            self.agents.send(live.name, cmd)
+        for t in todo.cancel:
+            self._set_task_state(t, TaskState.CANCELLED)
+            self.store.put_tasks([t])
+        for job, t in todo.start_again:
+            self._send_start(job, t)
+        for job, t in todo.lost:
+            self._fail_task(job, t, FailureKind.LOST,
+                            "the agent restarted and no longer runs this task")
 
     def heartbeat(self, name: str, session: str, memory: MemoryStatus, reports: list[TaskReport],
                   free_ports: list[int]) -> None:
-        live = self._check_session(name, session)
+        live = self.agents.check_session(name, session)
         was_lost = live.lost
         live.last_seen = self.clock()
         live.memory = memory
@@ -473,25 +347,14 @@ class Coordinator:
 
     def _resend_stop(self, live: LiveWorker, r: TaskReport) -> None:
         now = self.clock()
-        key = (live.record.name, *r.key)
+        key = (live.name, *r.key)
         if now - self._stops_sent.get(key, 0.0) >= STOP_RESEND_INTERVAL_S:
             self._stops_sent[key] = now
-            live.queue.put_nowait(StopTaskCommand(job_id=r.job_id, role=r.role, index=r.index,
-                                                  reason="its job has ended"))
+            self.agents.send(live.name, StopTaskCommand(job_id=r.job_id, role=r.role,
+                                                        index=r.index, reason="its job has ended"))
 
-    async def commands(self, name: str, session: str) -> AsyncIterator[AgentCommand]:
-        live = self._check_session(name, session)
-        queue = live.queue
-        while True:
-            cmd = await queue.get()
-            if cmd is None:
-                return
-            yield cmd
-
-    def _send(self, worker: str, cmd: AgentCommand) -> None:
-        live = self.workers.get(worker)
-        if live is not None and live.queue is not None:
-            live.queue.put_nowait(cmd)
+    def commands(self, name: str, session: str) -> AsyncIterator[AgentCommand]:
+        return self.agents.commands(name, session)
 
     def _task(self, job_id: str, role: str, index: int) -> Task | None:
         job = self.jobs.get(job_id)
@@ -500,13 +363,14 @@ class Coordinator:
         return next((t for t in job.tasks if t.role == role and t.index == index), None)
 
     def report(self, worker: str, session: str, r: TaskReport) -> None:
-        self._check_session(worker, session)
+        self.agents.check_session(worker, session)
         job = self.jobs.get(r.job_id)
         task = self._task(*r.key)
         if job is None or task is None or task.worker != worker or r.attempt != task.attempt:
             return
         if task.state.final:
             return
+        strategy = strategies.get(job.strategy)
         # Heartbeats repeat the last report of every task: only a change wakes watchers.
         before = (task.in_use_bytes, task.peak_memory_bytes, job.metrics.step,
                   job.metrics.test_accuracy)
@@ -518,7 +382,7 @@ class Coordinator:
             task.replica_weights_sha256 = list(r.replica_weights_sha256)
         if r.model_path:
             task.model_path = r.model_path
-        lead = _is_lead(job, task)
+        lead = strategy.is_lead(task)
         if lead and r.step:
             m = job.metrics
             m.step, m.total_steps, m.loss = r.step, r.total_steps, r.loss
@@ -529,9 +393,10 @@ class Coordinator:
         if lead and r.test_accuracy is not None:
             job.metrics.test_accuracy = r.test_accuracy
             job.metrics.test_loss = r.test_loss
-        if r.state == TaskState.CANCELLED and job.state == JobState.SUCCEEDED and not lead:
-            # a server task (PS, worker or stage) stopped because its chief finished: that is
-            # how such a task ends when all went well
+        if r.state == TaskState.CANCELLED and job.state == JobState.SUCCEEDED \
+                and strategy.stopped_counts_as_success(job, task):
+            # a server task stopped because its driver finished: that is how such a task ends
+            # when all went well
             r = dataclasses.replace(r, state=TaskState.SUCCEEDED,
                                     message="stopped after the job succeeded")
         if r.state != task.state and r.state != TaskState.PENDING:
@@ -557,24 +422,22 @@ class Coordinator:
 
     def _fail_task(self, job: Job, task: Task, failure: FailureKind, message: str,
                    exit_code: int = 0) -> None:
+        from strata.strategies import describe_failure
+
         self._set_task_state(task, TaskState.FAILED)
         task.failure = failure
         task.exit_code = exit_code
         task.message = message
         self.store.put_tasks([task])
         self._event(job, "task", f"task {task.role}:{task.index} on {task.worker} failed "
-                                 f"({failure.value}): {_describe_failure(task)}")
-        if job.strategy == "parameter_server" and task.role == "worker" and not job.state.final:
-            left = [t for t in job.tasks if t.role == "worker" and not t.state.final]
-            if left:
-                self._event(job, "message", f"the job continues on {len(left)} remaining "
-                                            f"worker(s): the chief's ClusterCoordinator "
-                                            f"reschedules the steps of worker:{task.index}")
-                self._notify(job.id)
-                return
-        if not job.state.final:
-            self._stop_job(job, JobState.FAILED, f"task {task.role}:{task.index} failed: "
-                                                 f"{_describe_failure(task)}")
+                                 f"({failure.value}): {describe_failure(task)}")
+        if job.state.final:
+            return
+        decision = strategies.get(job.strategy).on_failure(job, task)
+        if decision.action == FailureAction.CONTINUE:
+            self._event(job, "message", decision.message)
+            return
+        self._stop_job(job, JobState.FAILED, decision.message)
 
     def _after_task_change(self, job: Job, task: Task) -> None:
         self._event(job, "task", f"task {task.role}:{task.index} on {task.worker}: {task.state.value}")
@@ -582,22 +445,18 @@ class Coordinator:
             if task.state.final:
                 self.wake()
             return
-        states = [t.state for t in job.tasks]
-        if job.strategy != "multi_worker_mirrored" and task.role == "chief" \
-                and task.state == TaskState.SUCCEEDED:
-            # the chief drives the job: when it has its result the job is done, and the
-            # servers (PS, workers, stages) are stopped
-            acc = job.metrics.test_accuracy
-            self._stop_job(job, JobState.SUCCEEDED,
-                           f"test accuracy {acc:.4f}" if acc is not None else "done")
-            return
-        if all(s == TaskState.SUCCEEDED for s in states):
-            acc = job.metrics.test_accuracy
-            self._set_job_state(job, JobState.SUCCEEDED,
-                                f"test accuracy {acc:.4f}" if acc is not None else "done")
-        elif job.state == JobState.SCHEDULED and all(
-                s in (TaskState.RUNNING, TaskState.SUCCEEDED, TaskState.FAILED) for s in states):
-            # (a FAILED task here is a parameter_server worker the job carries on without)
+        if task.state.final:
+            end = strategies.get(job.strategy).decide_on_end(job, task)
+            if end is not None:
+                if end.stop_others:
+                    self._stop_job(job, JobState.SUCCEEDED, end.message)
+                else:
+                    self._set_job_state(job, JobState.SUCCEEDED, end.message)
+                return
+        if job.state == JobState.SCHEDULED and all(
+                t.state in (TaskState.RUNNING, TaskState.SUCCEEDED, TaskState.FAILED)
+                for t in job.tasks):
+            # (a FAILED task here is one the strategy's failure policy carries on without)
             self._set_job_state(job, JobState.RUNNING, "all tasks running")
 
     # --- control loop -------------------------------------------------------------------------
@@ -611,18 +470,13 @@ class Coordinator:
         return out
 
     def _capacities(self) -> list[Capacity]:
-        reserved = self._reserved()
-        return [Capacity(name=w.record.name, budget_bytes=w.record.budget_bytes,
-                         free_bytes=w.record.budget_bytes - reserved.get(w.record.name, 0),
-                         free_ports=len(w.free_ports))
-                for w in self.workers.values() if w.connected and not w.record.draining]
+        return self.agents.capacities(self._reserved())
 
     def tick(self) -> None:
         """One step of the control loop: detect lost agents, then schedule pending jobs."""
         now = self.clock()
-        for w in self.workers.values():
-            if not w.lost and now - w.last_seen > self.heartbeat_timeout_s:
-                self._mark_lost(w)
+        for w in self.agents.expired(now, self.heartbeat_timeout_s):
+            self._mark_lost(w)
         for job in sorted(self.jobs.values(), key=lambda j: (j.created_at, j.id)):
             if job.state == JobState.PENDING:
                 self._try_schedule(job)
@@ -637,16 +491,13 @@ class Coordinator:
                                                          f"{self.start_timeout_s:g} s: {', '.join(slow)}")
 
     def _mark_lost(self, w: LiveWorker) -> None:
-        w.lost = True
-        log.warning("worker %s lost: no heartbeat for %.1f s", w.record.name, self.heartbeat_timeout_s)
-        if w.queue is not None:
-            w.queue.put_nowait(None)
-        w.session = ""
+        log.warning("worker %s lost: no heartbeat for %.1f s", w.name, self.heartbeat_timeout_s)
+        self.agents.mark_lost(w)
         for job in self.jobs.values():
             for t in job.tasks:
-                if t.worker == w.record.name and not t.state.final:
+                if t.worker == w.name and not t.state.final:
                     self._fail_task(job, t, FailureKind.LOST,
-                                    f"worker {w.record.name} lost (no heartbeat for "
+                                    f"worker {w.name} lost (no heartbeat for "
                                     f"{self.heartbeat_timeout_s:g} s)")
 
     def _try_schedule(self, job: Job) -> None:
@@ -662,7 +513,7 @@ class Coordinator:
         for t in sorted(job.tasks, key=lambda t: (t.role, t.index)):
             live = self.workers[placement.assignments[(t.role, t.index)]]
             port = live.free_ports.pop(0)
-            t.worker = live.record.name
+            t.worker = live.name
             t.address = f"{live.record.address}:{port}"
             t.attempt += 1
             cluster.setdefault(t.role, []).append(t.address)
@@ -673,19 +524,23 @@ class Coordinator:
         for t in job.tasks:
             self._send_start(job, t, cluster)
 
+    def task_config(self, job: Job, t: Task) -> TaskConfig:
+        """The task contract for ``t``, from the stored plan (the agent adds its settings)."""
+        assert job.spec is not None
+        return TaskConfig(job_id=job.id, role=t.role, index=t.index, spec=job.spec,
+                          memory_budget_bytes=t.memory_budget_bytes,
+                          report_interval_s=REPORT_INTERVAL_S,
+                          section=strategies.get(job.strategy).task_section(job, t))
+
     def _send_start(self, job: Job, t: Task, cluster: dict[str, list[str]] | None = None) -> None:
         if cluster is None:
             cluster = {}
             for x in sorted(job.tasks, key=lambda x: (x.role, x.index)):
                 cluster.setdefault(x.role, []).append(x.address)
-        config = {"job_id": job.id, "role": t.role, "index": t.index, "spec": job.spec,
-                  "memory_budget_bytes": t.memory_budget_bytes,
-                  "report_interval_s": REPORT_INTERVAL_S}
-        config.update(_strategy_config(job))
-        self._send(t.worker, StartTaskCommand(
+        self.agents.send(t.worker, StartTaskCommand(
             job_id=job.id, role=t.role, index=t.index, attempt=t.attempt,
             tf_config=build_tf_config(cluster, t.role, t.index),
-            memory_budget_bytes=t.memory_budget_bytes, config=config))
+            memory_budget_bytes=t.memory_budget_bytes, config=self.task_config(job, t)))
 
     async def run(self) -> None:
         """The control loop: a tick on every wake-up, and at least every tick_interval_s."""
@@ -703,21 +558,19 @@ class Coordinator:
     def stop(self) -> None:
         self._stopping = True
         self._wake.set()
-        for w in self.workers.values():
-            if w.queue is not None:
-                w.queue.put_nowait(None)
+        self.agents.close()
 
     # --- views --------------------------------------------------------------------------------
 
     def list_workers(self) -> list[WorkerInfo]:
         reserved = self._reserved()
         out = []
-        for w in sorted(self.workers.values(), key=lambda w: w.record.name):
+        for w in sorted(self.agents.values(), key=lambda w: w.name):
             tasks = [WorkerTask(job_id=t.job_id, role=t.role, index=t.index, state=t.state,
                                 memory_budget_bytes=t.memory_budget_bytes,
                                 in_use_bytes=t.in_use_bytes, peak_bytes=t.peak_memory_bytes)
                      for j in self.jobs.values() for t in j.tasks
-                     if t.worker == w.record.name and not t.state.final]
+                     if t.worker == w.name and not t.state.final]
             if w.lost:
                 state = WorkerState.LOST
             elif w.record.draining:
@@ -725,54 +578,10 @@ class Coordinator:
             else:
                 state = WorkerState.BUSY if tasks else WorkerState.READY
             out.append(WorkerInfo(
-                name=w.record.name, address=w.record.address, device=w.record.device, state=state,
+                name=w.name, address=w.record.address, device=w.record.device, state=state,
                 memory=MemoryStatus(budget_bytes=w.record.budget_bytes,
-                                    reserved_bytes=reserved.get(w.record.name, 0),
+                                    reserved_bytes=reserved.get(w.name, 0),
                                     in_use_bytes=w.memory.in_use_bytes,
                                     peak_bytes=w.memory.peak_bytes),
                 tasks=tasks, last_seen=w.last_seen))
         return out
-
-
-def _is_lead(job: Job, task: Task) -> bool:
-    """The task whose progress and result are the job's: worker 0 of a data-parallel job, the
-    chief of the others."""
-    if job.strategy == "multi_worker_mirrored":
-        return task.role == "worker" and task.index == 0
-    return task.role == "chief"
-
-
-def _strategy_config(job: Job) -> dict:
-    """What a task of a parameter_server, pipeline or hybrid job needs beyond the spec: the
-    layer placement on PS tasks, or the stage layout (see worker/ps.py, worker/pipeline.py)."""
-    spec = job.spec
-    if job.strategy == "parameter_server":
-        ps = sorted((t for t in job.tasks if t.role == "ps"), key=lambda t: t.index)
-        return {"parameter_server": {
-            "placement": {name: t.index for t in ps for name in t.layers},
-            "ps_budgets_bytes": [t.memory_budget_bytes for t in ps]}}
-    if job.strategy in ("pipeline", "hybrid"):
-        stages = sorted(job.tasks, key=lambda t: (t.replica, t.stage))
-        num_stages = 1 + max(t.stage for t in stages)
-        replicas = int(spec.get("workers", 1) or 1)
-        microbatches = int(spec.get("microbatches", 1) or 1)
-        batch = int(spec.get("data", {}).get("batch_size", 0) or 0)
-        return {"pipeline": {
-            "stages": num_stages, "replicas": replicas, "microbatches": microbatches,
-            "microbatch": batch // max(1, replicas * microbatches),
-            "layout": [{"replica": t.replica, "stage": t.stage, "task": f"{t.role}:{t.index}",
-                        "first_layer": t.first_layer, "last_layer": t.last_layer,
-                        "layers": list(t.layers), "estimated_memory_bytes": t.estimated_memory_bytes,
-                        "memory_budget_bytes": t.memory_budget_bytes} for t in stages]}}
-    return {}
-
-
-def _describe_failure(t: Task) -> str:
-    if t.failure == FailureKind.OOM:
-        return (f"out of memory: the task exceeded its memory slice of "
-                f"{format_size(t.memory_budget_bytes)} (peak seen {format_size(t.peak_memory_bytes)})"
-                + (f"; {t.message}" if t.message else ""))
-    if t.failure == FailureKind.EXIT_CODE:
-        return f"exited with code {t.exit_code}" + (f": {t.message}" if t.message else "")
-    return t.message or t.failure.value.lower()
-

@@ -4,173 +4,48 @@ A pure decision, like ``coordinator.placement``: standard library only (the coor
 TensorFlow), no side effects, and it reads only the model's ``ModelProfile`` (per-layer
 parameter counts, output sizes and FLOPs); nothing is ever built to plan it.
 
-Problem
--------
-Given the layers ``0..L-1`` of a chain model, free workers with budgets ``w_1 >= ... >= w_N``
-(bytes; they may all differ), a depth ``K`` (``stages: 0`` lets the planner choose) and
-``R`` replicas of the pipeline (``hybrid``; ``pipeline`` is ``R = 1``): cut the chain into
-``K`` non-empty contiguous stages and put every replica of every stage on its own worker
-(``K * R`` distinct workers) so that each stage's memory estimate (``StageCostModel.memory``)
-fits the free budget of its workers, minimising the BOTTLENECK: the cost of the slowest stage.
-Stage-to-worker assignment is free: any worker may host any stage.
+It decides where a ``pipeline`` or ``hybrid`` job's layers are cut and which worker runs each
+stage replica. Inputs: the profile, the free workers (``WorkerSlot``: a name and a free budget
+in bytes, all possibly different), the depth (``stages``; 0 lets the planner choose), the
+replicas, the micro-batching and the training settings that size a stage. Output: a
+``PipelinePlan`` with one ``PlannedStage`` per task (its layers, worker, memory estimate and
+cost), or ``feasible=False`` with a reason that says what does not fit and what to change. It
+minimises the BOTTLENECK, the slowest stage's cost, subject to every task's memory estimate
+(``strata.stagememory.StageCostModel``) fitting its worker's free budget.
 
-How it is solved
-----------------
-1. Matching for a fixed split (Hall's theorem on nested sets). A stage of demand ``d`` fits
-   exactly the workers with budget ``>= d``; the sets of fitting workers are NESTED (a larger
-   demand fits a subset). For nested neighbourhoods Hall's condition needs checking only on the
-   sets "the j largest demands", whose neighbourhood is that of the j-th largest demand. So
-   demands ``d_(1) >= d_(2) >= ...`` can be matched to distinct workers iff
-   ``#{workers with budget >= d_(j)} >= j`` for every j, i.e. iff ``d_(j) <= w_j`` pairwise
-   after sorting both. With R replicas each demand occurs R times; position ``(j-1)R + r`` of
-   the repeated list holds ``d_(j)``, so the condition is ``d_(j) <= w_{jR}``: the split is
-   placeable iff its K demands fit the "virtual slots" ``v_j = w_{jR}``, ``j = 1..floor(N/R)``.
-   Only the K largest slots matter for K stages. Best-fit decreasing (largest task first, to the
-   smallest worker that fits, as ``placement.place``) then finds the actual workers; it is exact
-   for nested sets by the usual exchange argument.
-
-2. Keys. Write ``q(d) = #{virtual slots >= d}`` for the number of slots a stage of demand d
-   may use (ranks 1..q, rank 1 the largest). By (1) a multiset of stages is placeable iff
-   ``c(t) = #{stages with q <= t} <= t`` for every t. Give each stage, in chain order, the
-   LARGEST free rank <= its q (best fit). The set of taken ranks does not depend on the order:
-   it is the tightest form of the counts, ``#taken ranks <= t = t - min_{t' >= t} (t' - c(t'))``
-   (adding a stage to that set is exactly "take the largest free rank <= q", by induction), it
-   exists iff the multiset is placeable, and it decides every completion (a suffix fits iff it
-   fits the free ranks the same way). So the KEY of a prefix split is that set, a bitmask.
-   Key A is at least as good as key B when ``#(A & ranks 1..t) <= #(B & ranks 1..t)`` for every
-   t and A has the same number of stages (no more, for ``stages: 0``): any completion of B then
-   completes A. The prefix counts are packed into one integer per key, so this test is one
-   subtraction (see ``_Packing``).
-
-3. A PROBE decides "is there a placeable split whose stages all cost <= T?". Its exact form is
-   a dynamic programme over layer boundaries b = 1..L whose states are the non-dominated keys
-   of the prefix splits ending at b (Pareto sets: dropping dominated keys is exact by (2)).
-   Extending a state (a, key) by the stage [a, b): its cost must be <= T (a in a window
-   ``[l(b), b)`` that only moves right: costs are sums of non-negative layer costs) and it takes
-   the best-fit rank for ``q(memory(a, b))``. ``memory(a, b)`` is a non-decreasing function of
-   ``X(b) - Y(a)`` (each term is a prefix-sum difference or depends on one end only, see
-   ``StageCostModel``), so among the states with the SAME key in the window the one with the
-   largest ``Y(a)`` gives the smallest demand, the largest q, and a key that dominates what the
-   others would give. One monotone deque per key (a sliding-window maximum) finds it in
-   amortised O(1): pairs (a, b) are never enumerated. Keys that cannot finish are pruned (the
-   stages the rest of the chain needs at cost <= T, by a greedy furthest jump, must fit the
-   depth left). Memory is NOT assumed monotone in the stage's extent, and it is not: cutting
-   right after a wide layer makes a stage keep that layer's output for every micro-batch.
-   Before that programme a probe tries cheaper arguments that settle most cases: the same
-   programme with every slot at the LARGEST budget (a key is then a stage count; no split
-   means none is placeable) and at the smallest used budget (a split found is placeable);
-   the exact programme on a short allowance; two heuristics whose splits are placeable by
-   construction (the programme keeping one key per boundary and stage count; a local search
-   that fixes which slot each stage position gets, largest slots to the stages that need most,
-   and re-cuts optimally for that order); the slots rounded into 2, 4, 8 groups of equal
-   budget, down (a split found is placeable) and up (none found means none is placeable).
-
-4. The SEARCH. The bottleneck is the cost of some stage, so the optimum T* is one of the values
-   ``cost(a, b)``, and feasibility is monotone in T. Bisection over values that snaps to
-   candidates: a feasible probe lowers the upper end to the bottleneck of the split it found,
-   an infeasible one raises the lower end, and it stops when the next candidate above the lower
-   end (two pointers, O(L)) is the upper end. It first optimises the two homogeneous bounds
-   (cheap): every slot at the largest budget gives T_low <= T*, every slot at the smallest
-   used budget a placeable split of bottleneck T_high >= T*; when they meet (memory does not
-   bind, or binds alike everywhere) that is the plan, otherwise full probes bisect between
-   them. For ``stages: 0`` the depth floats, and among the splits with the optimal bottleneck
-   the plan takes the smallest depth that is feasible (fewer stages, less traffic).
-
-5. Hardness and the allowance. The general problem is strongly NP-hard even without costs:
-   3-PARTITION reduces to it (a chain of unit layers in m blocks of B separated by huge layers,
-   budgets a_1..a_3m plus m-1 huge ones, weights only). So no exact method is polynomial in the
-   number of DISTINCT budgets unless P = NP; here a probe costs O(L x live keys), at most
-   C(K + m, m) keys for m distinct budgets among the K slots used, and O(L) when budgets are
-   equal or memory does not bind. To keep the coordinator responsive the heterogeneous
-   programmes share a work allowance (``WORK_LIMIT``, about a second; ``PROBE_WORK`` per probe).
-   A probe that runs out counts as infeasible for the bisection, and the plan (still placeable)
-   says ``optimal=False`` with a proven ``lower_bound``; if no placeable split was found at all
-   the plan is infeasible with a reason that says the search gave up, not that none exists.
-   Brute force agrees on all small cases (tests/test_planner.py); bench/planner_speed.py times
-   1,000 layers on 64 workers, all budgets different.
-
-Memory of one stage task (``StageCostModel``; bytes, GPipe: all forwards, then all backwards)
-----------------------------------------------------------------------------------------------
-The PEAK of the task's allocator while ``worker.pipeline`` runs the stage (what
-``get_memory_info`` reports in the task, and what its BFC limit is checked against). With ``m``
-the micro-batch size (global batch / replicas / microbatches), ``M`` the number of
-micro-batches, ``R`` the replicas and the stage's layers [first, last):
-
-- weights: 4 bytes per parameter, +2 with mixed precision (16-bit compute copies);
-- gradients: 4 bytes per trainable parameter;
-- accumulator: one more gradient-sized buffer wherever the step sums gradients: the sum of
-  the M micro-batches' gradients (M > 1; with M = 1 the one gradient is used as it is), or,
-  with replicas, a gradient received from another replica (see collective);
-- optimizer slots: ``OPTIMIZER_SLOTS[optimizer]`` x 4 bytes per trainable parameter;
-- collective (replicas > 2): the runner averages a stage's gradients on every replica's task
-  of that stage, each receiving the other ``R - 1`` replicas' accumulated gradients and summing
-  them into its own accumulator once the micro-batches' gradients are gone: weights, slots,
-  its own accumulated gradient and ``R - 1`` received ones, of which the first takes the place
-  counted under gradients (M > 1) or accumulator (M = 1): ``R - 2`` more gradient sizes (none
-  for two replicas);
-- activations: ``PIPELINE_ACTIVATION_BYTES`` (``PIPELINE_MIXED_ACTIVATION_BYTES`` with mixed
-  precision) per output element of the stage's layers per example, x m x M: GPipe keeps every
-  micro-batch's activations until its backward pass. With ``recompute`` only ONE micro-batch's
-  (the one being recomputed and back-propagated), x m;
-- boundary input: the stage's input (the previous stage's output, or the model input for the
-  first stage), float32, kept for all M micro-batches (it feeds the first layer's backward,
-  and with recompute it is the checkpoint the forward is re-run from): 4 x elements x m x M;
-- boundary gradients: one micro-batch at a time, the gradient of the stage's output received
-  from the next stage (not on the last stage, which starts from the loss) and the gradient of
-  its input sent back (not on the first stage): 4 x elements x m each;
-- input data (first stage): ``PIPELINE_INPUT_BATCHES`` GLOBAL batches (R x m x M examples: the
-  chief draws the whole global batch and splits it) of float32 model inputs, plus
-  ``data_bytes`` (0 for ``worker.pipeline``, which keeps the training set in host memory
-  outside the allocator; for a runner that holds it as tensors); labels (last stage):
-  ``PIPELINE_INPUT_BATCHES`` per-replica batches (m x M) of ``label_bytes`` per example (8:
-  sparse int64 labels; pass 4 x classes for one-hot);
-- overhead: ``FIXED_OVERHEAD`` + ``FRAGMENTATION`` of all the rest (BFC chunk rounding).
-
-Calibration (TF 2.21 CPU, BFC allocator, Adam, ``worker.pipeline``): 4-stage runs of deep
-uniform MLPs 64-[1024]x13-10 and 64-[512]x13-10 at global batches 512-4096, M = 1, 4, 16, with
-and without recompute, float32 and bfloat16, and hybrid 2 x 2 and 2 x 4. The peak comes at the
-start of the backward pass (weights, slots, the first micro-batch's gradients, every kept
-activation) or, when activations are small, in the optimizer step (weights, slots, the
-gradient and the optimizer's temporaries, about one more gradient size): the sum of the terms
-above with 3.2 bytes per kept output element covers both. Measured / estimate 0.83-1.06 over
-the configurations of ``bench/pipeline_throughput.py --calibrate`` and 0.81-1.04 over its
-throughput runs (``docs/benchmarks.md``, "Pipeline throughput and stage memory"). The
-data-parallel ``strata.memory`` constants (1.8 x 4 and 14 bytes per element) overestimate a
-pipeline stage by up to 45%: there the whole batch's backward temporaries are alive at once,
-here one micro-batch's. With mixed precision the kept activations are 16-bit but the CPU
-kernels add float32 temporaries: measured about as much per element as float32, so the same
-3.2; the 16-bit weight copies are 2 bytes per parameter because the runner casts once per
-step, not once per micro-batch.
-
-Costs: ``3 x`` the stage's forward FLOPs per example (forward + backward = 2 x forward), ``4 x``
-with recompute (one more forward). A measured per-layer cost list (seconds or any unit; a
-training step's forward + backward) replaces the FLOPs; with recompute it is scaled by 4/3 (the
-extra forward at the same 1:2 forward:backward ratio). Costs are per example: the micro-batch
-size scales every stage alike and does not change the split.
+The search is exact, with a bounded work allowance (``WORK_LIMIT``, about a second): with many
+distinct budgets the problem is strongly NP-hard, and a search that runs out returns a plan
+that still fits, marked ``optimal=False`` with a proven ``lower_bound``. The design (matching
+by Hall's theorem, keys, probes, the bisection, hardness and the allowance; the "points"
+cited below) is in ``docs/planner.md``; the memory and cost of a stage in
+``strata/stagememory.py``.
 """
 
 from __future__ import annotations
+
+from strata.errors import SpecError
 
 import bisect
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
-from strata.memory import FIXED_OVERHEAD, FRAGMENTATION, OPTIMIZER_SLOTS, format_size
+from strata.memory import FIXED_OVERHEAD, FRAGMENTATION, format_size
 from strata.modelspec import ModelProfile
+from strata.stagememory import (  # noqa: F401  (re-exported: planner's public names)
+    MIXED_PRECISION_MODES,
+    PIPELINE_ACTIVATION_BYTES,
+    PIPELINE_INPUT_BATCHES,
+    PIPELINE_MIXED_ACTIVATION_BYTES,
+    StageCostModel,
+    stage_memory,
+)
 
 __all__ = [
     "WorkerSlot", "PlannedStage", "PipelinePlan", "StageCostModel", "stage_memory",
     "plan_pipeline", "suggest_stages", "format_plan",
 ]
-
-MIXED_PRECISION_MODES = ("none", "bfloat16", "float16")
-
-# Calibrated against worker/pipeline.py (module docstring, "Memory of one stage task").
-PIPELINE_ACTIVATION_BYTES = 3.2        # per kept layer output element per example, float32
-PIPELINE_MIXED_ACTIVATION_BYTES = 3.2  # the same with bfloat16/float16 compute (CPU)
-PIPELINE_INPUT_BATCHES = 2.0           # input batches alive on the first stage (batch + split)
 
 
 @dataclass(frozen=True)
@@ -204,7 +79,7 @@ class PipelinePlan:
     hybrid plan has ``num_stages * replicas`` entries. ``reason`` says why an infeasible plan is
     infeasible (empty when feasible); ``bottleneck_cost`` is the slowest stage's cost.
     ``optimal`` is False only when the search ran out of its work allowance (``WORK_LIMIT``,
-    module docstring point 5) before it could prove the bottleneck optimal: the plan still fits,
+    ``docs/planner.md`` point 5) before it could prove the bottleneck optimal: the plan still fits,
     and the optimum is known to be at least ``lower_bound`` (which equals ``bottleneck_cost``
     when ``optimal``). For ``stages: 0`` the depth is the smallest with that bottleneck unless
     the allowance ran out."""
@@ -222,205 +97,6 @@ class PipelinePlan:
     @property
     def num_stages(self) -> int:
         return len({s.index for s in self.stages})
-
-
-# --------------------------------------------------------------------------------------------
-# memory and cost of one stage
-
-
-def _check_optimizer(optimizer: str) -> str:
-    name = str(optimizer).lower()
-    if name not in OPTIMIZER_SLOTS:
-        raise ValueError(f"training.optimizer.name: unknown optimizer {optimizer!r} "
-                         f"(known: {', '.join(OPTIMIZER_SLOTS)})")
-    return name
-
-
-class StageCostModel:
-    """Memory and cost of any contiguous stage in O(1), after an O(L) prefix-sum pass.
-
-    ``memory(first, last)`` and ``cost(first, last)`` take half-open layer ranges. The memory
-    terms are listed in the module docstring; ``breakdown`` returns them one by one. Internally
-    ``memory(a, b) = total(X[b] - Y[a])`` with ``total`` non-decreasing: the planner relies on
-    that separable form (see the module docstring, point 2)."""
-
-    def __init__(self, profile: ModelProfile, *, microbatch: int, microbatches: int,
-                 optimizer: str = "adam", mixed_precision: str = "none",
-                 recompute: bool = False, replicas: int = 1,
-                 layer_costs: Sequence[float] | None = None, label_bytes: int = 8,
-                 data_bytes: int = 0):
-        layers = profile.layers
-        if not layers:
-            raise ValueError("model: has no layers to split into stages")
-        if not isinstance(microbatch, int) or microbatch < 1:
-            raise ValueError(f"microbatches: the micro-batch size must be a positive integer, "
-                             f"got {microbatch!r}")
-        if not isinstance(microbatches, int) or microbatches < 1:
-            raise ValueError(f"microbatches: must be a positive integer, got {microbatches!r}")
-        if not isinstance(replicas, int) or replicas < 1:
-            raise ValueError(f"replicas: must be a positive integer, got {replicas!r}")
-        if mixed_precision not in MIXED_PRECISION_MODES:
-            raise ValueError(f"memory.mixed_precision: unknown mode {mixed_precision!r} "
-                             f"(known: {', '.join(MIXED_PRECISION_MODES)})")
-        self.profile = profile
-        self.layers = layers
-        self.L = L = len(layers)
-        self.microbatch = m = microbatch
-        self.microbatches = M = microbatches
-        self.optimizer = _check_optimizer(optimizer)
-        self.mixed = mixed = mixed_precision != "none"
-        self.recompute = bool(recompute)
-        self.replicas = replicas
-        self.label_bytes = int(label_bytes)
-        self.data_bytes = int(data_bytes)
-
-        # per-unit coefficients (bytes)
-        self.c_weight = 4 + (2 if mixed else 0)
-        slots = OPTIMIZER_SLOTS[self.optimizer]
-        self.accumulates = M > 1 or replicas > 1
-        self.c_train = 4 * (1 + (1 if self.accumulates else 0) + slots + max(0, replicas - 2))
-        per_elem = PIPELINE_MIXED_ACTIVATION_BYTES if mixed else PIPELINE_ACTIVATION_BYTES
-        self.c_act = per_elem * m * (1 if self.recompute else M)
-        self.in_flight_examples = PIPELINE_INPUT_BATCHES * m * M * replicas  # global batches
-        self.label_examples = PIPELINE_INPUT_BATCHES * m * M  # one replica's batches
-
-        pp = [0] * (L + 1)
-        pt = [0] * (L + 1)
-        pa = [0] * (L + 1)
-        for i, layer in enumerate(layers):
-            pp[i + 1] = pp[i] + layer.params
-            pt[i + 1] = pt[i] + layer.trainable_params
-            pa[i + 1] = pa[i] + layer.output_elems
-        self._pp, self._pt, self._pa = pp, pt, pa
-
-        # X[b]: terms that grow with the end b; Y[a]: with the start a (subtracted)
-        cw, ct, ca = self.c_weight, self.c_train, self.c_act
-        x = [0.0] * (L + 1)
-        y = [0.0] * (L + 1)
-        for i in range(L + 1):
-            base = cw * pp[i] + ct * pt[i] + ca * pa[i]
-            x[i] = base + (self._grad_out(i) if i < L else self._labels())
-            y[i] = base - self._boundary_in(i) - self._grad_in(i) - (self._input_data() if i == 0
-                                                                      else 0)
-        self._x, self._y = x, y
-
-        # costs
-        if layer_costs is None:
-            per_layer: list[float] = [l.flops for l in layers]
-            self.cost_factor: float = 4 if self.recompute else 3
-            self.cost_unit = "FLOPs"
-        else:
-            per_layer = list(layer_costs)
-            if len(per_layer) != L:
-                raise ValueError(f"layer_costs: {len(per_layer)} values for {L} layers")
-            for c in per_layer:
-                if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) \
-                        or c < 0:
-                    raise ValueError(f"layer_costs: every cost must be a finite number >= 0, "
-                                     f"got {c!r}")
-            self.cost_factor = 4 / 3 if self.recompute else 1
-            self.cost_unit = "measured"
-        f = [0] * (L + 1)
-        for i, c in enumerate(per_layer):
-            f[i + 1] = f[i] + c
-        self._f = f
-
-    # -- boundary terms (functions of one end only)
-
-    def _in_elems(self, a: int) -> int:
-        return self.profile.input_elems if a == 0 else self.layers[a - 1].output_elems
-
-    def _boundary_in(self, a: int) -> float:
-        return 4 * self._in_elems(a) * self.microbatch * self.microbatches if a < self.L else 0
-
-    def _grad_in(self, a: int) -> float:
-        return 4 * self._in_elems(a) * self.microbatch if 0 < a < self.L else 0
-
-    def _grad_out(self, b: int) -> float:
-        return 4 * self.layers[b - 1].output_elems * self.microbatch if 0 < b < self.L else 0
-
-    def _input_data(self) -> float:
-        return self.in_flight_examples * 4 * self.profile.input_elems + self.data_bytes
-
-    def _labels(self) -> float:
-        return self.label_examples * self.label_bytes
-
-    # -- queries
-
-    def _check(self, first: int, last: int) -> None:
-        if not (0 <= first < last <= self.L):
-            raise ValueError(f"stage layers [{first}, {last}) must be a non-empty range of "
-                             f"0..{self.L}")
-
-    def memory(self, first: int, last: int) -> int:
-        """Estimated peak bytes of a task holding layers ``[first, last)``."""
-        self._check(first, last)
-        c = math.ceil(self._x[last] - self._y[first])
-        return c + FIXED_OVERHEAD + math.ceil(FRAGMENTATION * c)
-
-    def cost(self, first: int, last: int) -> float:
-        """Per-example training cost of layers ``[first, last)`` (see the module docstring)."""
-        self._check(first, last)
-        return (self._f[last] - self._f[first]) * self.cost_factor
-
-    def total_lower_bound(self, stages: int) -> float:
-        """A lower bound on the summed memory of any split into ``stages`` stages: the whole
-        model's terms, the cheapest cut's boundary terms for each cut, and each stage's fixed
-        overhead (every stage costs at least total(X[b] - Y[a]) >= (1 + FRAGMENTATION) x
-        (X[b] - Y[a]) + FIXED_OVERHEAD, and the X - Y differences telescope)."""
-        L = self.L
-        cut = min((self._x[c] - self._y[c] for c in range(1, L)), default=0.0)
-        raw = self._x[L] - self._y[0] + (stages - 1) * max(cut, 0.0)
-        return (1 + FRAGMENTATION) * raw + stages * FIXED_OVERHEAD
-
-    def breakdown(self, first: int, last: int) -> dict[str, int]:
-        """The memory terms of a stage (bytes, each rounded up; ``overhead`` takes the rounding
-        so that the terms add up to ``total``, which equals ``memory(first, last)``)."""
-        self._check(first, last)
-        params = self._pp[last] - self._pp[first]
-        train = self._pt[last] - self._pt[first]
-        acts = self._pa[last] - self._pa[first]
-        slots = OPTIMIZER_SLOTS[self.optimizer]
-        terms = {
-            "weights": self.c_weight * params,
-            "gradients": 4 * train,
-            "accumulator": 4 * train if self.accumulates else 0,
-            "optimizer_slots": 4 * slots * train,
-            "collective": 4 * train * max(0, self.replicas - 2),
-            "activations": math.ceil(self.c_act * acts),
-            "boundary_input": math.ceil(self._boundary_in(first)),
-            "boundary_gradients": math.ceil(self._grad_in(first) + self._grad_out(last)),
-            "input_data": math.ceil(self._input_data()) if first == 0 else 0,
-            "labels": math.ceil(self._labels()) if last == self.L else 0,
-        }
-        total = self.memory(first, last)
-        terms["overhead"] = total - sum(terms.values())
-        terms["total"] = total
-        return terms
-
-
-def stage_memory(profile: ModelProfile, first: int, last: int, *, microbatch: int,
-                 microbatches: int, optimizer: str = "adam", mixed_precision: str = "none",
-                 recompute: bool = False, stage_index: int | None = None,
-                 num_stages: int | None = None, replicas: int = 1, label_bytes: int = 8,
-                 data_bytes: int = 0) -> int:
-    """Bytes of a GPipe stage task holding ``profile.layers[first:last]`` (terms: module
-    docstring). Whether it is the first or last stage follows from the range (first == 0, last
-    == number of layers); ``stage_index`` and ``num_stages``, when given, are checked against
-    it. For many queries build a ``StageCostModel`` once."""
-    model = StageCostModel(profile, microbatch=microbatch, microbatches=microbatches,
-                           optimizer=optimizer, mixed_precision=mixed_precision,
-                           recompute=recompute, replicas=replicas, label_bytes=label_bytes,
-                           data_bytes=data_bytes)
-    model._check(first, last)
-    if stage_index is not None and (stage_index == 0) != (first == 0):
-        raise ValueError(f"stage_index {stage_index} does not match first layer {first}: "
-                         "stage 0 is the one that starts at layer 0")
-    if num_stages is not None and stage_index is not None \
-            and (stage_index == num_stages - 1) != (last == model.L):
-        raise ValueError(f"stage {stage_index} of {num_stages} does not match last layer {last}: "
-                         "the last stage is the one that ends at the last layer")
-    return model.memory(first, last)
 
 
 # --------------------------------------------------------------------------------------------
@@ -503,7 +179,7 @@ class _Undecided(Exception):
 
 # Work allowances, in units of about a microsecond (state extensions and dominance tests of the
 # programmes with heterogeneous slots; homogeneous ones are cheap and not counted). Only
-# pathological budget mixes get near them (module docstring, point 5).
+# pathological budget mixes get near them (docs/planner.md, point 5).
 WORK_LIMIT = 1_000_000       # one plan
 PROBE_WORK = 300_000         # one probe
 EXACT_FIRST_WORK = 60_000    # the first, short try of the exact programme in a probe
@@ -513,8 +189,8 @@ BEAM_ALIVE = 6               # keys per stage count the heuristic programme keep
 
 
 class _Search:
-    """Bottleneck minimisation over the splits for one list of virtual slots (module
-    docstring, points 3-5)."""
+    """Bottleneck minimisation over the splits for one list of virtual slots
+    (``docs/planner.md``, points 3-5)."""
 
     def __init__(self, model: StageCostModel, work_limit: int | None = None):
         self.m = model
@@ -578,7 +254,7 @@ class _Search:
 
     def dp(self, win: tuple[list[int], list[int]], slots_desc: Sequence[int], kfix: int,
            limited: bool = False, beam: bool = False) -> list[tuple[int, int]] | None:
-        """The dynamic programme of the module docstring (point 2) for the windows of one cost
+        """The dynamic programme of ``docs/planner.md`` (points 2-3) for the windows of one cost
         limit: a placeable split on ``slots_desc`` with exactly ``kfix`` stages, or (kfix == 0)
         with the fewest stages; None if there is none. ``limited`` charges the work to the
         allowance and raises ``_Undecided`` when it runs out. ``beam`` makes it a heuristic
@@ -605,7 +281,7 @@ class _Search:
         allowance = self.work_left if limited else -1
 
         # states: (boundary b, key); one sliding-window-maximum deque of boundaries per key
-        queues: dict[int, deque] = {0: deque([0])}
+        queues: dict[int, deque[int]] = {0: deque([0])}
         packing = _Packing(1 if homogeneous else S)  # homogeneous keys are never compared
         ones = packing.ones if not homogeneous else [0] * (S + 2)
         packs: dict[int, int] = {0: 0}
@@ -723,7 +399,7 @@ class _Search:
         if g[0] > S:
             return None
         fixed, frag, ceil = FIXED_OVERHEAD, FRAGMENTATION, math.ceil
-        queues: list[deque] = [deque() for _ in range(S + 1)]
+        queues: list[deque[int]] = [deque() for _ in range(S + 1)]
         queues[0].append(0)
         parent = [-1] * (L + 1)
         kmin, kmax = 0, 0  # stage counts with possibly live queues
@@ -784,7 +460,7 @@ class _Search:
         if K > L or g[0] > K:
             return None
         fixed, frag, ceil = FIXED_OVERHEAD, FRAGMENTATION, math.ceil
-        queues: list[deque] = [deque() for _ in range(K + 1)]
+        queues: list[deque[int]] = [deque() for _ in range(K + 1)]
         queues[0].append(0)
         parent: dict[tuple[int, int], int] = {}
         work = 0
@@ -873,7 +549,7 @@ class _Search:
         number when kfix == 0), or None if there is none. Raises ``_Undecided`` when the probe
         runs out of its allowance (``PROBE_WORK``, and what is left of ``WORK_LIMIT``).
 
-        The order (module docstring, point 3): homogeneous bounds, the exact programme on a
+        The order (``docs/planner.md``, point 3): homogeneous bounds, the exact programme on a
         short allowance, heuristic witnesses, rounded bounds, the exact programme on the rest."""
         self.probes += 1
         left = self.work_left
@@ -984,7 +660,7 @@ class _Search:
         win = self.windows(T)
         return None if win is None else self.dp(win, [budget] * n, kfix)
 
-    def _smallest(self, probe, lo: float, lo_strict: bool,
+    def _smallest(self, probe: Callable[[float], Any], lo: float, lo_strict: bool,
                   best: list[tuple[int, int]] | None) -> list[tuple[int, int]] | None:
         """Bisection over the candidate bottlenecks cost(a, b) with a monotone ``probe``
         (T -> split or None). On entry every candidate below ``lo`` (at or below it when
@@ -1124,13 +800,13 @@ def _microbatch(global_batch: int, replicas: int, microbatches: int) -> int:
     for name, value in (("data.batch_size", global_batch), ("microbatches", microbatches),
                         ("replicas", replicas)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+            raise SpecError(name, f"must be a positive integer, got {value!r}")
     if global_batch % replicas:
-        raise ValueError(f"data.batch_size: the global batch {global_batch} must divide evenly "
+        raise SpecError("data.batch_size", f"the global batch {global_batch} must divide evenly "
                          f"among {replicas} replicas")
     per_replica = global_batch // replicas
     if per_replica % microbatches:
-        raise ValueError(f"microbatches: the per-replica batch {per_replica} (data.batch_size "
+        raise SpecError("microbatches", f"the per-replica batch {per_replica} (data.batch_size "
                          f"{global_batch} / {replicas} replicas) does not divide into "
                          f"{microbatches} micro-batches of equal size")
     return per_replica // microbatches
@@ -1144,17 +820,17 @@ def plan_pipeline(profile: ModelProfile, workers: Sequence[WorkerSlot], *, stage
     """Splits ``profile``'s layers into ``stages`` contiguous stages (0: the planner picks the
     depth, fewest stages among equal bottlenecks) and places ``replicas`` copies of each on
     distinct ``workers``, minimising the slowest stage's cost subject to every task's memory
-    fitting its worker's free budget. Exact; see the module docstring.
+    fitting its worker's free budget. Exact; see ``docs/planner.md``.
 
-    Raises ValueError (message starts with the spec field) for inconsistent arguments; returns
+    Raises SpecError (a ValueError naming the spec field) for inconsistent arguments; returns
     a plan with ``feasible=False`` and a ``reason`` when nothing fits."""
     if isinstance(stages, bool) or not isinstance(stages, int) or stages < 0:
-        raise ValueError(f"stages: must be 0 (let the planner choose) or a positive integer, "
+        raise SpecError("stages", f"must be 0 (let the planner choose) or a positive integer, "
                          f"got {stages!r}")
     microbatch = _microbatch(global_batch, replicas, microbatches)
     names = [w.name for w in workers]
     if len(set(names)) != len(names):
-        raise ValueError("workers: worker names must be distinct")
+        raise SpecError("workers", "worker names must be distinct")
     model = StageCostModel(profile, microbatch=microbatch, microbatches=microbatches,
                            optimizer=optimizer, mixed_precision=mixed_precision,
                            recompute=recompute, replicas=replicas, layer_costs=layer_costs,

@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import inspect
 import logging
 import os
 import signal
-from typing import Any
+from typing import IO, Any, AsyncIterator, Callable, Iterable, NoReturn, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from strata.coordinator.core import Coordinator, StartTaskCommand, StopTaskCommand
+from strata.coordinator.core import Coordinator, prepare
 from strata.coordinator.store import SqliteStore
 from strata.protos import strata_pb2 as pb
 from strata.protos import strata_pb2_grpc as pb_grpc
@@ -26,187 +28,194 @@ from strata.errors import (
     DuplicateAgent, InfeasibleError, InvalidTransition, NotFoundError, SpecError, StrataError,
     UnknownAgentSession,
 )
+from strata.types import TaskReport
 
 log = logging.getLogger("strata.coordinator")
 
 # Requests larger than this are refused by gRPC before they reach a handler (a keras_json of a
 # large model is a few hundred KiB; logs arrive in chunks of at most 1 MiB).
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
-
-
-def status_for(err: Exception) -> tuple[grpc.StatusCode, str]:
-    """The one mapping from domain errors to gRPC status codes."""
-    if isinstance(err, SpecError):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(err)
-    if isinstance(err, NotFoundError):
-        return grpc.StatusCode.NOT_FOUND, str(err)
-    if isinstance(err, InfeasibleError):
-        return grpc.StatusCode.FAILED_PRECONDITION, str(err)
-    if isinstance(err, InvalidTransition):
-        return grpc.StatusCode.FAILED_PRECONDITION, str(err)
-    if isinstance(err, UnknownAgentSession):
-        return grpc.StatusCode.FAILED_PRECONDITION, str(err)
-    if isinstance(err, DuplicateAgent):
-        return grpc.StatusCode.ALREADY_EXISTS, str(err)
-    if isinstance(err, MalformedRequest):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(err)
-    if isinstance(err, StrataError):
-        return grpc.StatusCode.INTERNAL, str(err)
-    return grpc.StatusCode.INTERNAL, f"internal error: {type(err).__name__}"
+#: Trailing metadata key that carries a SpecError's field, so clients get it as data.
+FIELD_METADATA_KEY = "strata-field"
 
 
 class MalformedRequest(StrataError):
     """A message that parses but carries values no Strata client sends (e.g. unknown enums)."""
 
 
-def _reports(statuses) -> list:
+# The one table from domain errors to gRPC status codes (most specific first).
+STATUS_CODES: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
+    (SpecError, grpc.StatusCode.INVALID_ARGUMENT),
+    (MalformedRequest, grpc.StatusCode.INVALID_ARGUMENT),
+    (NotFoundError, grpc.StatusCode.NOT_FOUND),
+    (InfeasibleError, grpc.StatusCode.FAILED_PRECONDITION),
+    (InvalidTransition, grpc.StatusCode.FAILED_PRECONDITION),
+    (UnknownAgentSession, grpc.StatusCode.FAILED_PRECONDITION),
+    (DuplicateAgent, grpc.StatusCode.ALREADY_EXISTS),
+    (StrataError, grpc.StatusCode.INTERNAL),
+)
+
+
+def status_for(err: Exception) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status for an error raised by a handler."""
+    for cls, code in STATUS_CODES:
+        if isinstance(err, cls):
+            return code, str(err)
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(err).__name__}"
+
+
+async def _abort(context: grpc.aio.ServicerContext, err: Exception) -> NoReturn:
+    code, message = status_for(err)
+    if code == grpc.StatusCode.INTERNAL:
+        log.error("internal error", exc_info=err)
+    if isinstance(err, SpecError):
+        context.set_trailing_metadata(((FIELD_METADATA_KEY, err.field),))
+    await context.abort(code, message)
+    raise AssertionError("unreachable")  # context.abort raises
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def rpc(method: F) -> F:
+    """Applies the error table to a handler: unary (a coroutine) or server streaming (an async
+    generator). ``context.abort``'s own exception passes through untouched."""
+    if inspect.isasyncgenfunction(method):
+        @functools.wraps(method)
+        async def stream(self: Any, request: Any, context: Any) -> AsyncIterator[Any]:
+            try:
+                async for item in method(self, request, context):
+                    yield item
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - mapped to a status code
+                if isinstance(e, grpc.aio.AbortError):
+                    raise
+                await _abort(context, e)
+        return stream  # type: ignore[return-value]
+
+    @functools.wraps(method)
+    async def unary(self: Any, request: Any, context: Any) -> Any:
+        try:
+            return await method(self, request, context)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - mapped to a status code
+            if isinstance(e, grpc.aio.AbortError):
+                raise
+            await _abort(context, e)
+    return unary  # type: ignore[return-value]
+
+
+def _reports(statuses: Iterable[pb.TaskStatus]) -> list[TaskReport]:
     try:
         return [convert.report_from_proto(t) for t in statuses]
     except ValueError as e:
         raise MalformedRequest(f"malformed task status: {e}") from None
 
 
-async def _abort(context: grpc.aio.ServicerContext, err: Exception) -> None:
-    code, message = status_for(err)
-    if code == grpc.StatusCode.INTERNAL:
-        log.exception("internal error", exc_info=err)
-    await context.abort(code, message)
-
-
 class JobServicer(pb_grpc.JobServiceServicer):
     def __init__(self, coord: Coordinator):
         self.coord = coord
 
+    @rpc
     async def SubmitJob(self, request: pb.SubmitJobRequest, context: Any) -> pb.Job:
-        try:
-            # Validation profiles the model: pure work, kept off the event loop.
-            prepared = await asyncio.to_thread(self.coord.prepare, convert.spec_from_proto(request.spec),
-                                               False, self.coord.worker_offers(free=False))
-            return convert.job_to_proto(self.coord.submit(prepared), with_spec=False)
-        except Exception as e:  # noqa: BLE001 - mapped to a status code
-            await _abort(context, e)
+        spec = convert.spec_from_proto(request.spec)
+        # Planning profiles the model and may run the stage planner: kept off the event loop.
+        prepared = await asyncio.to_thread(prepare, spec, self.coord.worker_offers(free=False))
+        return convert.job_to_proto(self.coord.submit(prepared), with_spec=False)
 
+    @rpc
     async def GetJob(self, request: pb.GetJobRequest, context: Any) -> pb.Job:
-        try:
-            return convert.job_to_proto(self.coord.get(request.id))
-        except Exception as e:  # noqa: BLE001
-            await _abort(context, e)
+        return convert.job_to_proto(self.coord.get(request.id))
 
+    @rpc
     async def ListJobs(self, request: pb.ListJobsRequest, context: Any) -> pb.ListJobsResponse:
         # Without specs: a list of jobs with large keras_json models would outgrow any message.
         return pb.ListJobsResponse(jobs=[convert.job_to_proto(j, with_spec=False)
                                          for j in self.coord.list_jobs()])
 
+    @rpc
     async def CancelJob(self, request: pb.CancelJobRequest, context: Any) -> pb.Job:
-        try:
-            return convert.job_to_proto(self.coord.cancel(request.id), with_spec=False)
-        except Exception as e:  # noqa: BLE001
-            await _abort(context, e)
+        return convert.job_to_proto(self.coord.cancel(request.id), with_spec=False)
 
-    async def WatchJob(self, request: pb.WatchJobRequest, context: Any):
-        try:
-            async for event in self.coord.watch(request.id, request.after_seq):
-                yield convert.event_to_proto(event)
-        except Exception as e:  # noqa: BLE001
-            await _abort(context, e)
+    @rpc
+    async def WatchJob(self, request: pb.WatchJobRequest, context: Any) -> AsyncIterator[pb.JobEvent]:
+        async for event in self.coord.watch(request.id, request.after_seq):
+            yield convert.event_to_proto(event)
 
-    async def GetLogs(self, request: pb.GetLogsRequest, context: Any):
-        try:
-            job = self.coord.get(request.job_id)
-            if request.all_tasks or not request.role:
-                tasks = [(t.role, t.index) for t in job.tasks]
-            else:
-                tasks = [(t.role, t.index) for t in job.tasks
-                         if t.role == request.role and t.index == request.index]
-                if not tasks:
-                    raise NotFoundError("task", f"{request.role}:{request.index} of {job.id}")
-            async for role, index, data in self.coord.read_logs(job.id, tasks, request.follow):
-                yield pb.LogChunk(role=role, index=index, data=data)
-        except Exception as e:  # noqa: BLE001
-            await _abort(context, e)
+    @rpc
+    async def GetLogs(self, request: pb.GetLogsRequest, context: Any) -> AsyncIterator[pb.LogChunk]:
+        job = self.coord.get(request.job_id)
+        if request.all_tasks or not request.role:
+            tasks = [(t.role, t.index) for t in job.tasks]
+        else:
+            tasks = [(t.role, t.index) for t in job.tasks
+                     if t.role == request.role and t.index == request.index]
+            if not tasks:
+                raise NotFoundError("task", f"{request.role}:{request.index} of {job.id}")
+        async for role, index, data in self.coord.read_logs(job.id, tasks, request.follow):
+            yield pb.LogChunk(role=role, index=index, data=data)
 
+    @rpc
     async def PlanJob(self, request: pb.PlanJobRequest, context: Any) -> pb.Plan:
-        try:
-            prepared = await asyncio.to_thread(self.coord.prepare,
-                                               convert.spec_from_proto(request.spec), True,
-                                               self.coord.worker_offers(free=True))
-            return convert.plan_to_proto(self.coord.plan(prepared))
-        except Exception as e:  # noqa: BLE001
-            await _abort(context, e)
+        spec = convert.spec_from_proto(request.spec)
+        prepared = await asyncio.to_thread(prepare, spec, self.coord.worker_offers(free=True))
+        return convert.plan_to_proto(self.coord.plan(prepared))
 
+    @rpc
     async def ListWorkers(self, request: pb.ListWorkersRequest, context: Any) -> pb.ListWorkersResponse:
         return pb.ListWorkersResponse(
             workers=[convert.worker_to_proto(w) for w in self.coord.list_workers()])
-
-
-def _command_to_proto(cmd: StartTaskCommand | StopTaskCommand) -> pb.AgentCommand:
-    import json
-
-    if isinstance(cmd, StartTaskCommand):
-        return pb.AgentCommand(start=pb.StartTask(
-            job_id=cmd.job_id, role=cmd.role, index=cmd.index, tf_config=cmd.tf_config,
-            memory_budget_bytes=cmd.memory_budget_bytes, config_json=json.dumps(cmd.config),
-            attempt=cmd.attempt))
-    return pb.AgentCommand(stop=pb.StopTask(job_id=cmd.job_id, role=cmd.role, index=cmd.index,
-                                            reason=cmd.reason))
 
 
 class ClusterServicer(pb_grpc.ClusterServiceServicer):
     def __init__(self, coord: Coordinator):
         self.coord = coord
 
-    async def RegisterAgent(self, request: pb.RegisterAgentRequest, context: Any):
+    @rpc
+    async def RegisterAgent(self, request: pb.RegisterAgentRequest,
+                            context: Any) -> pb.RegisterAgentResponse:
         if not request.name or request.budget_bytes <= 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "name and a positive budget_bytes are required")
-        try:
-            session = self.coord.register(
-                request.name, request.host, request.device or "CPU", request.budget_bytes,
-                list(request.free_ports), _reports(request.tasks), work_dir=request.work_dir,
-                pid=request.pid)
-        except Exception as e:  # noqa: BLE001
-            await _abort(context, e)
+            raise MalformedRequest("name and a positive budget_bytes are required")
+        session = self.coord.register(
+            request.name, request.host, request.device or "CPU", request.budget_bytes,
+            list(request.free_ports), _reports(request.tasks), work_dir=request.work_dir,
+            pid=request.pid)
         return pb.RegisterAgentResponse(session=session,
                                         heartbeat_interval_s=self.coord.heartbeat_interval_s)
 
-    async def Heartbeat(self, request: pb.HeartbeatRequest, context: Any):
+    @rpc
+    async def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatResponse:
         try:
             self.coord.heartbeat(request.name, request.session,
                                  convert.memory_from_proto(request.memory), _reports(request.tasks),
                                  list(request.free_ports))
         except UnknownAgentSession:
             return pb.HeartbeatResponse(reregister=True)
-        except Exception as e:  # noqa: BLE001
-            await _abort(context, e)
         return pb.HeartbeatResponse()
 
-    async def Connect(self, request: pb.ConnectRequest, context: Any):
-        try:
-            async for cmd in self.coord.commands(request.name, request.session):
-                yield _command_to_proto(cmd)
-        except Exception as e:  # noqa: BLE001
-            await _abort(context, e)
+    @rpc
+    async def Connect(self, request: pb.ConnectRequest, context: Any) -> AsyncIterator[pb.AgentCommand]:
+        async for cmd in self.coord.commands(request.name, request.session):
+            yield convert.command_to_proto(cmd)
 
-    async def ReportTask(self, request: pb.ReportTaskRequest, context: Any):
-        try:
-            (report,) = _reports([request.status])
-            self.coord.report(request.name, request.session, report)
-        except Exception as e:  # noqa: BLE001
-            await _abort(context, e)
+    @rpc
+    async def ReportTask(self, request: pb.ReportTaskRequest, context: Any) -> pb.ReportTaskResponse:
+        (report,) = _reports([request.status])
+        self.coord.report(request.name, request.session, report)
         return pb.ReportTaskResponse()
 
-    async def AppendLogs(self, request: pb.AppendLogsRequest, context: Any):
-        try:
-            self.coord.append_logs(request.name, request.session, request.job_id, request.role,
-                                   request.index, request.data)
-        except Exception as e:  # noqa: BLE001
-            await _abort(context, e)
+    @rpc
+    async def AppendLogs(self, request: pb.AppendLogsRequest, context: Any) -> pb.AppendLogsResponse:
+        self.coord.append_logs(request.name, request.session, request.job_id, request.role,
+                               request.index, request.data)
         return pb.AppendLogsResponse()
 
 
 async def serve(listen: str, state_dir: str, *, heartbeat_timeout_s: float = 10.0,
                 heartbeat_interval_s: float = 1.0, start_timeout_s: float = 300.0,
-                ready: asyncio.Future | None = None, port_file: str | None = None) -> None:
+                ready: asyncio.Future[str] | None = None, port_file: str | None = None) -> None:
     """Runs the coordinator until SIGINT/SIGTERM. Prints (and optionally writes) the bound address."""
     os.makedirs(state_dir, exist_ok=True)
     lock = _lock_state_dir(state_dir)
@@ -218,8 +227,8 @@ async def serve(listen: str, state_dir: str, *, heartbeat_timeout_s: float = 10.
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.so_reuseport", 0),
     ])
-    pb_grpc.add_JobServiceServicer_to_server(JobServicer(coord), server)
-    pb_grpc.add_ClusterServiceServicer_to_server(ClusterServicer(coord), server)
+    pb_grpc.add_JobServiceServicer_to_server(JobServicer(coord), server)  # type: ignore[no-untyped-call]
+    pb_grpc.add_ClusterServiceServicer_to_server(ClusterServicer(coord), server)  # type: ignore[no-untyped-call]
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     services = (
@@ -267,7 +276,7 @@ async def serve(listen: str, state_dir: str, *, heartbeat_timeout_s: float = 10.
     lock.close()
 
 
-def _lock_state_dir(state_dir: str):
+def _lock_state_dir(state_dir: str) -> IO[str]:
     """One coordinator per state directory: a second one would corrupt the job history."""
     import fcntl
 

@@ -15,6 +15,7 @@ import sqlite3
 import threading
 from typing import Any, Iterable
 
+from strata.spec import JobSpec
 from strata.types import FailureKind, Job, JobMetrics, JobState, Task, TaskState
 
 
@@ -46,9 +47,6 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def put_tasks(self, tasks: Iterable[Task]) -> None:
         """Inserts or replaces task rows."""
-
-    @abc.abstractmethod
-    def delete_tasks(self, job_id: str) -> None: ...
 
     @abc.abstractmethod
     def load_jobs(self) -> list[Job]:
@@ -119,7 +117,7 @@ class SqliteStore(Store):
         with self._lock:
             self._db.execute(
                 "INSERT OR REPLACE INTO jobs VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
-                (job.id, job.name, job.state.value, job.strategy, json.dumps(job.spec), job.message,
+                (job.id, job.name, job.state.value, job.strategy, json.dumps(job.spec.to_dict() if job.spec is not None else None), job.message,
                  job.restarts, job.created_at, job.finished_at, job.started_at,
                  job.estimated_memory_bytes, json.dumps(m)))
 
@@ -139,10 +137,6 @@ class SqliteStore(Store):
                 self._db.execute("ROLLBACK")  # never leave the connection inside a transaction
                 raise
 
-    def delete_tasks(self, job_id: str) -> None:
-        with self._lock:
-            self._db.execute("DELETE FROM tasks WHERE job_id=?", (job_id,))
-
     def load_jobs(self) -> list[Job]:
         with self._lock:
             jobs = self._db.execute("SELECT * FROM jobs ORDER BY created_at, id").fetchall()
@@ -157,7 +151,7 @@ class SqliteStore(Store):
         for (jid, name, state, strategy, spec, message, restarts, created, finished, started,
              estimate, metrics) in jobs:
             out.append(Job(
-                id=jid, name=name, state=JobState(state), strategy=strategy, spec=json.loads(spec),
+                id=jid, name=name, state=JobState(state), strategy=strategy, spec=_spec(spec),
                 message=message, restarts=restarts, created_at=created, finished_at=finished,
                 started_at=started, estimated_memory_bytes=estimate,
                 metrics=JobMetrics(**json.loads(metrics)), tasks=by_job.get(jid, [])))
@@ -193,3 +187,8 @@ class SqliteStore(Store):
     def close(self) -> None:
         with self._lock:
             self._db.close()
+
+
+def _spec(text: str) -> JobSpec | None:
+    d = json.loads(text)
+    return JobSpec.from_dict(d) if d is not None else None

@@ -525,23 +525,108 @@ class HeartbeatResponse(_message.Message):
     reregister: bool
     def __init__(self, reregister: _Optional[bool] = ...) -> None: ...
 
+class ParameterServerConfig(_message.Message):
+    __slots__ = ("placement", "ps_budgets_bytes")
+    class PlacementEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    PS_BUDGETS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    placement: _containers.ScalarMap[str, int]
+    ps_budgets_bytes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, placement: _Optional[_Mapping[str, int]] = ..., ps_budgets_bytes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StageAssignment(_message.Message):
+    __slots__ = ("replica", "stage", "role", "index", "first_layer", "last_layer", "layers", "estimated_memory_bytes", "memory_budget_bytes")
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LAYER_FIELD_NUMBER: _ClassVar[int]
+    LAST_LAYER_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    ESTIMATED_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    replica: int
+    stage: int
+    role: str
+    index: int
+    first_layer: int
+    last_layer: int
+    layers: _containers.RepeatedScalarFieldContainer[str]
+    estimated_memory_bytes: int
+    memory_budget_bytes: int
+    def __init__(self, replica: _Optional[int] = ..., stage: _Optional[int] = ..., role: _Optional[str] = ..., index: _Optional[int] = ..., first_layer: _Optional[int] = ..., last_layer: _Optional[int] = ..., layers: _Optional[_Iterable[str]] = ..., estimated_memory_bytes: _Optional[int] = ..., memory_budget_bytes: _Optional[int] = ...) -> None: ...
+
+class PipelineConfig(_message.Message):
+    __slots__ = ("stages", "replicas", "microbatches", "microbatch", "layout")
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    stages: int
+    replicas: int
+    microbatches: int
+    microbatch: int
+    layout: _containers.RepeatedCompositeFieldContainer[StageAssignment]
+    def __init__(self, stages: _Optional[int] = ..., replicas: _Optional[int] = ..., microbatches: _Optional[int] = ..., microbatch: _Optional[int] = ..., layout: _Optional[_Iterable[_Union[StageAssignment, _Mapping]]] = ...) -> None: ...
+
+class AgentSettings(_message.Message):
+    __slots__ = ("output_dir", "threads", "device")
+    OUTPUT_DIR_FIELD_NUMBER: _ClassVar[int]
+    THREADS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    output_dir: str
+    threads: int
+    device: str
+    def __init__(self, output_dir: _Optional[str] = ..., threads: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
+
+class TaskConfig(_message.Message):
+    __slots__ = ("version", "job_id", "role", "index", "spec", "memory_budget_bytes", "report_interval_s", "ps_placement", "stage_layout", "agent")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REPORT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    PS_PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    STAGE_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    AGENT_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    job_id: str
+    role: str
+    index: int
+    spec: JobSpec
+    memory_budget_bytes: int
+    report_interval_s: float
+    ps_placement: ParameterServerConfig
+    stage_layout: PipelineConfig
+    agent: AgentSettings
+    def __init__(self, version: _Optional[int] = ..., job_id: _Optional[str] = ..., role: _Optional[str] = ..., index: _Optional[int] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., memory_budget_bytes: _Optional[int] = ..., report_interval_s: _Optional[float] = ..., ps_placement: _Optional[_Union[ParameterServerConfig, _Mapping]] = ..., stage_layout: _Optional[_Union[PipelineConfig, _Mapping]] = ..., agent: _Optional[_Union[AgentSettings, _Mapping]] = ...) -> None: ...
+
 class StartTask(_message.Message):
-    __slots__ = ("job_id", "role", "index", "tf_config", "memory_budget_bytes", "config_json", "attempt")
+    __slots__ = ("job_id", "role", "index", "tf_config", "memory_budget_bytes", "attempt", "config")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TF_CONFIG_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
-    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     role: str
     index: int
     tf_config: str
     memory_budget_bytes: int
-    config_json: str
     attempt: int
-    def __init__(self, job_id: _Optional[str] = ..., role: _Optional[str] = ..., index: _Optional[int] = ..., tf_config: _Optional[str] = ..., memory_budget_bytes: _Optional[int] = ..., config_json: _Optional[str] = ..., attempt: _Optional[int] = ...) -> None: ...
+    config: TaskConfig
+    def __init__(self, job_id: _Optional[str] = ..., role: _Optional[str] = ..., index: _Optional[int] = ..., tf_config: _Optional[str] = ..., memory_budget_bytes: _Optional[int] = ..., attempt: _Optional[int] = ..., config: _Optional[_Union[TaskConfig, _Mapping]] = ...) -> None: ...
 
 class StopTask(_message.Message):
     __slots__ = ("job_id", "role", "index", "reason")

@@ -22,7 +22,6 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNAVAILABLE, EXIT_NOT_FOUND = 0, 1, 2, 3,
 
 DEMO_SPEC: dict[str, Any] = {
     "name": "digits-mlp",
-    "strategy": "multi_worker_mirrored",
     "workers": 2,
     "model": {"builtin": {"kind": "mlp", "input_shape": [64], "hidden": [1024, 512, 256], "classes": 10}},
     "data": {"source": "digits", "batch_size": 256},

@@ -47,7 +47,7 @@ class JobRejected(CoordinatorError):
 
     def __init__(self, code: grpc.StatusCode, message: str, field: str = ""):
         super().__init__(code, message)
-        self.field = field or message.split(":", 1)[0]
+        self.field = field
 
 
 class Infeasible(CoordinatorError):
@@ -71,32 +71,44 @@ _ERRORS = {
 }
 
 
+#: trailing metadata in which the coordinator names a rejected spec field (as coordinator.service)
+FIELD_METADATA_KEY = "strata-field"
+
+
 def _wrap(e: grpc.RpcError, address: str) -> CoordinatorError:
     code = e.code()
     message = e.details() or str(code)
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         message = f"cannot reach the coordinator at {address} ({message})"
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        trailing = getattr(e, "trailing_metadata", lambda: None)() or ()
+        field = next((v for k, v in trailing if k == FIELD_METADATA_KEY), "")
+        return JobRejected(code, message, field if isinstance(field, str) else "")
     return _ERRORS.get(code, CoordinatorError)(code, message)
 
 
 SpecInput = str | Mapping[str, Any] | JobSpec
 
 
-def _spec_proto(spec: SpecInput, overrides: list[str] | None = None,
-                plan_only: bool = False) -> pb.JobSpec:
-    """Validates locally (the same rules the coordinator applies) and converts to the message."""
+def _spec_proto(spec: SpecInput, overrides: list[str] | None = None) -> pb.JobSpec:
+    """Parses and validates locally (the same rules the coordinator applies: one parse on this
+    side) and converts the parsed spec to the message."""
     from strata.spec import apply_overrides
 
     try:
-        if isinstance(spec, JobSpec):
-            raw: Any = spec.to_dict()
-        elif isinstance(spec, str):
-            raw = load_spec_file(spec)
+        if isinstance(spec, JobSpec) and not overrides:
+            parsed = spec
         else:
-            raw = dict(spec)
-        if overrides:
-            raw = apply_overrides(raw, overrides)
-        return convert.spec_to_proto(parse_job_spec(raw, plan_only=plan_only).to_dict())
+            if isinstance(spec, JobSpec):
+                raw: Any = spec.to_dict()
+            elif isinstance(spec, str):
+                raw = load_spec_file(spec)
+            else:
+                raw = dict(spec)
+            if overrides:
+                raw = apply_overrides(raw, overrides)
+            parsed = parse_job_spec(raw)
+        return convert.spec_to_proto(parsed)
     except SpecError as e:
         raise JobRejected(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.field) from None
 
@@ -133,7 +145,7 @@ class Client:
 
     def plan(self, spec: SpecInput, overrides: list[str] | None = None) -> Plan:
         return convert.plan_from_proto(self._call("PlanJob", pb.PlanJobRequest(
-            spec=_spec_proto(spec, overrides, plan_only=True))))
+            spec=_spec_proto(spec, overrides))))
 
     def get(self, job_id: str) -> Job:
         return convert.job_from_proto(self._call("GetJob", pb.GetJobRequest(id=job_id)))

@@ -3,14 +3,18 @@ types and protobuf messages. Scheduler, store and planner never import ``*_pb2``
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
 from strata.protos import strata_pb2 as pb
+from strata.spec import JobSpec, parse_job_spec
+from strata.taskconfig import (
+    AgentSettings, ParameterServerSection, PipelineSection, StageAssignment, TaskConfig,
+)
 from strata.types import (
-    FailureKind, Job, JobEvent, JobMetrics, JobState, MemoryStatus, Plan, PlannedTask, Task,
+    FailureKind, Job, JobEvent, JobMetrics, JobState, MemoryStatus, Plan, Task, TaskPlan,
     TaskReport, TaskState, WorkerInfo, WorkerState, WorkerTask,
 )
 
@@ -40,18 +44,30 @@ def _is_repeated(field: Any) -> bool:
     return bool(rep) if rep is not None else field.label == field.LABEL_REPEATED
 
 
-def spec_to_proto(spec: dict[str, Any]) -> pb.JobSpec:
-    """A spec mapping (raw or normalized) to a JobSpec message; unknown fields raise ParseError."""
-    return json_format.ParseDict(spec, pb.JobSpec())
+def spec_to_proto(spec: JobSpec) -> pb.JobSpec:
+    """A parsed spec to its message (every field set: the normalized spec)."""
+    msg = pb.JobSpec()
+    json_format.ParseDict(spec.to_dict(), msg)
+    return msg
 
 
-def spec_from_proto(msg: pb.JobSpec) -> dict[str, Any]:
-    return message_to_dict(msg)
+def raw_spec_to_proto(raw: Mapping[str, Any]) -> pb.JobSpec:
+    """A spec mapping as a user wrote it, unvalidated (for tools and tests that must send what
+    a client would refuse); unknown fields raise ``json_format.ParseError``."""
+    msg = pb.JobSpec()
+    json_format.ParseDict(dict(raw), msg)
+    return msg
+
+
+def spec_from_proto(msg: pb.JobSpec) -> JobSpec:
+    """Parses a JobSpec message: the one validation path (``parse_job_spec``) over the fields
+    that are set. Raises ``SpecError`` naming the field."""
+    return parse_job_spec(message_to_dict(msg))
 
 
 # --- jobs -------------------------------------------------------------------------------------
 
-def _task_state_to_proto(s: TaskState) -> int:
+def _task_state_to_proto(s: TaskState) -> Any:
     return pb.TaskState.Value("TASK_" + s.value)
 
 
@@ -60,7 +76,7 @@ def _task_state_from_proto(v: int) -> TaskState:
     return TaskState(name[len("TASK_"):]) if name != "TASK_STATE_UNSPECIFIED" else TaskState.PENDING
 
 
-def _failure_to_proto(f: FailureKind) -> int:
+def _failure_to_proto(f: FailureKind) -> Any:
     return pb.FailureKind.Value("FAILURE_" + f.value)
 
 
@@ -106,7 +122,7 @@ def job_to_proto(j: Job, with_spec: bool = True) -> pb.Job:
             has_test_accuracy=m.test_accuracy is not None, examples_per_sec=m.examples_per_sec,
         ),
         tasks=[task_to_proto(t) for t in j.tasks],
-        spec=spec_to_proto(j.spec) if j.spec and with_spec else None,
+        spec=spec_to_proto(j.spec) if j.spec is not None and with_spec else None,
     )
 
 
@@ -114,7 +130,8 @@ def job_from_proto(m: pb.Job) -> Job:
     mm = m.metrics
     return Job(
         id=m.id, name=m.name, state=JobState(pb.JobState.Name(m.state)), strategy=m.strategy,
-        spec=spec_from_proto(m.spec), message=m.message, restarts=m.restarts,
+        spec=spec_from_proto(m.spec) if m.HasField("spec") else None, message=m.message,
+        restarts=m.restarts,
         created_at=m.created_at, finished_at=m.finished_at, started_at=m.started_at,
         estimated_memory_bytes=m.estimated_memory_bytes,
         metrics=JobMetrics(
@@ -184,9 +201,73 @@ def plan_to_proto(p: Plan) -> pb.Plan:
 
 def plan_from_proto(m: pb.Plan) -> Plan:
     return Plan(strategy=m.strategy, feasible=m.feasible, reason=m.reason, tasks=[
-        PlannedTask(role=t.role, index=t.index, worker=t.worker, stage=t.stage, layers=list(t.layers),
-                    estimated_memory_bytes=t.estimated_memory_bytes,
-                    memory_budget_bytes=t.memory_budget_bytes) for t in m.tasks])
+        TaskPlan(role=t.role, index=t.index, worker=t.worker, stage=t.stage,
+                 layers=tuple(t.layers), estimated_memory_bytes=t.estimated_memory_bytes,
+                 memory_budget_bytes=t.memory_budget_bytes) for t in m.tasks])
+
+
+# --- the task contract ------------------------------------------------------------------------
+
+def task_config_to_proto(c: TaskConfig) -> pb.TaskConfig:
+    msg = pb.TaskConfig(
+        version=c.version, job_id=c.job_id, role=c.role, index=c.index,
+        spec=spec_to_proto(c.spec), memory_budget_bytes=c.memory_budget_bytes,
+        report_interval_s=c.report_interval_s,
+        agent=pb.AgentSettings(output_dir=c.agent.output_dir, threads=c.agent.threads,
+                               device=c.agent.device))
+    s = c.section
+    if isinstance(s, ParameterServerSection):
+        msg.ps_placement.CopyFrom(pb.ParameterServerConfig(
+            placement=s.placement, ps_budgets_bytes=s.ps_budgets_bytes))
+    elif isinstance(s, PipelineSection):
+        msg.stage_layout.CopyFrom(pb.PipelineConfig(
+            stages=s.stages, replicas=s.replicas, microbatches=s.microbatches,
+            microbatch=s.microbatch, layout=[pb.StageAssignment(
+                replica=a.replica, stage=a.stage, role=a.role, index=a.index,
+                first_layer=a.first_layer, last_layer=a.last_layer, layers=a.layers,
+                estimated_memory_bytes=a.estimated_memory_bytes,
+                memory_budget_bytes=a.memory_budget_bytes) for a in s.layout]))
+    return msg
+
+
+def task_config_from_proto(m: pb.TaskConfig) -> TaskConfig:
+    """Raises ``SpecError`` when the spec inside does not parse."""
+    which = m.WhichOneof("strategy_config")
+    section: ParameterServerSection | PipelineSection | None = None
+    if which == "ps_placement":
+        ps = m.ps_placement
+        section = ParameterServerSection(placement=dict(ps.placement),
+                                         ps_budgets_bytes=tuple(ps.ps_budgets_bytes))
+    elif which == "stage_layout":
+        p = m.stage_layout
+        section = PipelineSection(
+            stages=p.stages, replicas=p.replicas, microbatches=p.microbatches,
+            microbatch=p.microbatch, layout=tuple(StageAssignment(
+                replica=a.replica, stage=a.stage, role=a.role, index=a.index,
+                first_layer=a.first_layer, last_layer=a.last_layer, layers=tuple(a.layers),
+                estimated_memory_bytes=a.estimated_memory_bytes,
+                memory_budget_bytes=a.memory_budget_bytes) for a in p.layout))
+    return TaskConfig(
+        version=m.version, job_id=m.job_id, role=m.role, index=m.index,
+        spec=spec_from_proto(m.spec), memory_budget_bytes=m.memory_budget_bytes,
+        report_interval_s=m.report_interval_s or TaskConfig.report_interval_s,
+        section=section,
+        agent=AgentSettings(output_dir=m.agent.output_dir, threads=m.agent.threads,
+                            device=m.agent.device or AgentSettings.device))
+
+
+# --- agent commands ---------------------------------------------------------------------------
+
+def command_to_proto(cmd: Any) -> pb.AgentCommand:
+    """A coordinator command (``StartTaskCommand`` or ``StopTaskCommand``) to its message."""
+    config = getattr(cmd, "config", None)
+    if config is not None:
+        return pb.AgentCommand(start=pb.StartTask(
+            job_id=cmd.job_id, role=cmd.role, index=cmd.index, tf_config=cmd.tf_config,
+            memory_budget_bytes=cmd.memory_budget_bytes, attempt=cmd.attempt,
+            config=task_config_to_proto(config)))
+    return pb.AgentCommand(stop=pb.StopTask(job_id=cmd.job_id, role=cmd.role, index=cmd.index,
+                                            reason=cmd.reason))
 
 
 # --- agent reports ----------------------------------------------------------------------------

@@ -8,8 +8,10 @@ class StrataError(Exception):
     """Root of every error Strata raises on purpose."""
 
 
-class SpecError(StrataError):
-    """A job spec field is invalid. ``field`` is the dotted path a user edits (``data.batch_size``)."""
+class SpecError(StrataError, ValueError):
+    """A job spec field is invalid. ``field`` is the dotted path a user edits (``data.batch_size``):
+    data, never parsed back out of the message. A ValueError too, for the pure planners and
+    estimators whose callers treat bad arguments as such."""
 
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")

@@ -31,18 +31,3 @@ EXIT_KIND = {
     TASK_EXIT_BAD_CONFIG: "bad_config",
 }
 
-
-def describe_exit(code: int) -> str:
-    """A short human-readable description of a task process exit status.
-
-    Negative values are deaths by signal, as ``subprocess`` reports them.
-    """
-    if code == TASK_EXIT_OK:
-        return "succeeded"
-    if code == TASK_EXIT_OOM:
-        return "out of memory (exceeded its memory budget)"
-    if code == TASK_EXIT_BAD_CONFIG:
-        return "bad configuration"
-    if code < 0:
-        return f"killed by signal {-code}"
-    return f"failed (exit status {code})"

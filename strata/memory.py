@@ -128,16 +128,17 @@ def _get(d: Any, *keys: str, default: Any = None) -> Any:
 
 
 def estimate_task_memory(spec: dict, per_replica_batch: int, profile: ModelProfile | None = None,
-                         *, train_examples: int | None = None) -> MemoryEstimate:
+                         *, train_examples: int | None = None,
+                         collective: bool = True) -> MemoryEstimate:
     """Estimates the peak memory of one data-parallel training task of ``spec`` (a normalized
     job spec) at ``per_replica_batch`` examples per step. ``profile`` saves re-profiling
-    ``spec["model"]``; ``train_examples`` gives the size of an npz training set when known."""
+    ``spec["model"]``; ``train_examples`` gives the size of an npz training set when known;
+    ``collective``: the task all-reduces its gradients (a packed buffer of their size)."""
     if profile is None:
         profile = profile_model(spec["model"])
     b = max(1, int(per_replica_batch))
     mixed = _get(spec, "memory", "mixed_precision", default="none") not in ("none", "", None)
     optimizer = str(_get(spec, "training", "optimizer", "name", default="adam")).lower()
-    strategy = _get(spec, "strategy", default="multi_worker_mirrored")
     workers = max(1, int(_get(spec, "workers", default=1) or 1))
 
     params = profile.total_params
@@ -145,7 +146,7 @@ def estimate_task_memory(spec: dict, per_replica_batch: int, profile: ModelProfi
     weights = 4 * params + (2 * params if mixed else 0)
     gradients = 4 * trainable
     slots = 4 * trainable * OPTIMIZER_SLOTS.get(optimizer, 2)
-    collective = 4 * trainable if strategy in ("multi_worker_mirrored", "hybrid") else 0
+    collective_bytes = 4 * trainable if collective else 0
 
     per_elem = MIXED_ACTIVATION_BYTES if mixed else ACTIVATION_FACTOR * 4
     activations = int(math.ceil(per_elem * b * profile.activation_elems))
@@ -156,7 +157,7 @@ def estimate_task_memory(spec: dict, per_replica_batch: int, profile: ModelProfi
     inflight = int(math.ceil(INPUT_BATCHES_IN_FLIGHT * b * (feat_bytes + label_bytes)))
     data = shard + inflight
 
-    train_peak = weights + gradients + slots + collective + activations + data
+    train_peak = weights + gradients + slots + collective_bytes + activations + data
     startup_peak = 4 * params + 2 * shard
     if startup_peak > train_peak:
         data += startup_peak - train_peak
@@ -164,7 +165,7 @@ def estimate_task_memory(spec: dict, per_replica_batch: int, profile: ModelProfi
     overhead = FIXED_OVERHEAD + int(math.ceil(FRAGMENTATION * train_peak))
     return MemoryEstimate(weights=weights, gradients=gradients, optimizer_slots=slots,
                           activations=activations, data=data, overhead=overhead,
-                          collective=collective)
+                          collective=collective_bytes)
 
 
 def _data_shape(spec: dict, profile: ModelProfile, train_examples: int | None

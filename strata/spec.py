@@ -14,11 +14,6 @@ from typing import Any, Mapping
 
 from strata.errors import SpecError
 
-STRATEGIES = ("multi_worker_mirrored", "parameter_server", "pipeline", "hybrid")
-# Strategies this release can run, and those `strata plan` can plan (a strategy can be planned
-# before its task runner exists; today the two lists are the same).
-RUNNABLE_STRATEGIES = STRATEGIES
-PLANNABLE_STRATEGIES = STRATEGIES
 DATA_SOURCES = ("digits", "synthetic", "npz")
 OPTIMIZERS = ("adam", "adamw", "sgd", "rmsprop", "adagrad")
 LOSSES = ("sparse_categorical_crossentropy", "categorical_crossentropy", "mean_squared_error")
@@ -101,6 +96,23 @@ class JobSpec:
             "checkpoint": {"every_steps": self.checkpoint_every_steps},
             "restart": {"max_restarts": self.max_restarts},
         }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "JobSpec":
+        """The inverse of ``to_dict`` for a mapping it produced (the store's copy of an accepted
+        spec): rebuilds the object without validating again, so a rule added later never makes
+        an accepted job unreadable."""
+        t = d["training"]
+        return cls(
+            name=d["name"], strategy=d["strategy"], workers=d["workers"],
+            parameter_servers=d["parameter_servers"], stages=d["stages"],
+            microbatches=d["microbatches"], model=d["model"], data=DataSpec(**d["data"]),
+            training=TrainingSpec(epochs=t["epochs"], steps=t["steps"],
+                                  optimizer=OptimizerSpec(**t["optimizer"]), loss=t["loss"],
+                                  seed=t["seed"]),
+            memory=MemorySpec(**d["memory"]),
+            checkpoint_every_steps=d["checkpoint"]["every_steps"],
+            max_restarts=d["restart"]["max_restarts"])
 
     @property
     def per_replica_batch(self) -> int:
@@ -188,9 +200,9 @@ def _str(d: Mapping[str, Any], key: str, field: str, default: str = "") -> str:
     return value
 
 
-def parse_job_spec(raw: Any, *, plan_only: bool = False) -> JobSpec:
-    """Validates a job spec mapping and fills in defaults. ``plan_only`` also accepts the
-    strategies that can be planned but not yet run (for ``strata plan``).
+def parse_job_spec(raw: Any) -> JobSpec:
+    """Validates a job spec mapping and fills in defaults. The strategy (found in the registry,
+    ``strata.strategies``) checks its own fields.
 
     Raises:
         SpecError: naming the first invalid field, e.g. ``data.batch_size``.
@@ -207,25 +219,16 @@ def parse_job_spec(raw: Any, *, plan_only: bool = False) -> JobSpec:
     if not NAME_RE.match(name):
         raise SpecError("name", f"{name!r} must be 1-40 characters of a-z, 0-9 and '-', "
                                 "starting and ending with a letter or digit")
-    strategy = _choice(raw, "strategy", "strategy", "multi_worker_mirrored", STRATEGIES)
-    allowed = PLANNABLE_STRATEGIES if plan_only else RUNNABLE_STRATEGIES
-    if strategy not in allowed:
-        hint = " (`strata plan` shows its stage plan)" if strategy in PLANNABLE_STRATEGIES else ""
-        raise SpecError("strategy", f"{strategy!r} is not available in this release yet "
-                                    f"(available: {', '.join(allowed)}){hint}")
+    from strata import strategies
+
+    strategy_name = raw.get("strategy")
+    strategy = strategies.get(strategies.DEFAULT if strategy_name in (None, "") else strategy_name)
+    _check_fields_used(raw, strategy)
     workers = _int(raw, "workers", "workers", 1, lo=1, hi=MAX_TASKS)
-    if strategy == "pipeline" and workers != 1:
-        raise SpecError("workers", "a pipeline job has one replica; for data-parallel replicas of "
-                                   "a pipeline use strategy hybrid")
+    defaults = strategy.defaults()
     parameter_servers = _int(raw, "parameter_servers", "parameter_servers",
-                             1 if strategy == "parameter_server" else 0, hi=MAX_TASKS)
-    if strategy != "parameter_server" and parameter_servers:
-        raise SpecError("parameter_servers", "applies to strategy parameter_server only")
-    if strategy == "parameter_server" and parameter_servers < 1:
-        raise SpecError("parameter_servers", "a parameter_server job needs at least one")
-    stages = _int(raw, "stages", "stages", 0, hi=MAX_TASKS)
-    if strategy not in ("pipeline", "hybrid") and stages:
-        raise SpecError("stages", "applies to strategies pipeline and hybrid only")
+                             defaults.get("parameter_servers", 0), hi=MAX_TASKS)
+    stages = _int(raw, "stages", "stages", defaults.get("stages", 0), hi=MAX_TASKS)
     microbatches = _int(raw, "microbatches", "microbatches", 1, lo=1, hi=4096)
 
     model = _section(raw, "model", {"keras_json", "builtin"})
@@ -306,15 +309,12 @@ def parse_job_spec(raw: Any, *, plan_only: bool = False) -> JobSpec:
         mixed_precision=_choice(m, "mixed_precision", "memory.mixed_precision", "none", MIXED_PRECISION),
         recompute=_bool(m, "recompute", "memory.recompute", False),
     )
-    if memory.recompute and strategy not in ("pipeline", "hybrid"):
-        raise SpecError("memory.recompute", "activation recomputation applies to pipeline and "
-                                            "hybrid jobs only")
 
     c = _section(raw, "checkpoint", {"every_steps"})
     r = _section(raw, "restart", {"max_restarts"})
     spec = JobSpec(
         name=name,
-        strategy=strategy,
+        strategy=strategy.name,
         workers=workers,
         parameter_servers=parameter_servers,
         stages=stages,
@@ -326,8 +326,28 @@ def parse_job_spec(raw: Any, *, plan_only: bool = False) -> JobSpec:
         checkpoint_every_steps=_int(c, "every_steps", "checkpoint.every_steps", 0, hi=1 << 40),
         max_restarts=_int(r, "max_restarts", "restart.max_restarts", 0, hi=1000),
     )
+    strategy.validate(spec)
     _check_model(spec)
     return spec
+
+
+# Optional fields that only some strategies take (each strategy lists its own in ``fields``):
+# set to anything but their zero value for another strategy, they are refused, never ignored.
+_STRATEGY_FIELDS = ("parameter_servers", "stages", "memory.recompute")
+
+
+def _check_fields_used(raw: Mapping[str, Any], strategy: Any) -> None:
+    from strata import strategies
+
+    for field in _STRATEGY_FIELDS:
+        node: Any = raw
+        for part in field.split("."):
+            node = node.get(part) if isinstance(node, Mapping) else None
+        if node in (None, 0, False, "", "0", "false", "no") or field in strategy.fields:
+            continue
+        users = strategies.users_of(field)
+        raise SpecError(field, f"applies to strategies {' and '.join(users)} only"
+                        if len(users) > 1 else f"applies to strategy {users[0]} only")
 
 
 def _int_list(d: Mapping[str, Any], key: str, field: str, default: list[int],

@@ -9,7 +9,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from strata.spec import JobSpec
 
 
 class JobState(str, enum.Enum):
@@ -134,7 +137,7 @@ class Job:
     name: str
     state: JobState
     strategy: str
-    spec: dict[str, Any]
+    spec: JobSpec | None          # None only in views that leave it out (lists, events)
     message: str = ""
     restarts: int = 0
     created_at: float = 0.0
@@ -175,23 +178,55 @@ class WorkerInfo:
     last_seen: float = 0.0
 
 
-@dataclasses.dataclass
-class PlannedTask:
+@dataclasses.dataclass(frozen=True)
+class WorkerOffer:
+    """A worker as the job planner sees it: its name and the bytes it can give (its whole
+    budget when admitting, its free budget when planning for now)."""
+
+    name: str
+    bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskPlan:
+    """The blueprint of one task: what a strategy's plan says it runs and needs. ``Task`` is the
+    live instance the coordinator tracks; the task process sees its share as a ``TaskConfig``."""
+
     role: str
     index: int
-    worker: str
-    stage: int
-    layers: list[str]
     estimated_memory_bytes: int
     memory_budget_bytes: int
+    stage: int = 0
+    replica: int = 0
+    first_layer: int = 0          # layers [first_layer, last_layer) of the model's profile
+    last_layer: int = 0
+    layers: tuple[str, ...] = ()
+    worker: str = ""              # the planner's choice (pipeline); placement decides at run time
+
+
+@dataclasses.dataclass(frozen=True)
+class JobPlan:
+    """A strategy's plan of a job: its tasks, and whether the workers offered could hold them."""
+
+    strategy: str
+    feasible: bool
+    reason: str
+    tasks: tuple[TaskPlan, ...]
+    summary: str = ""
+
+    @property
+    def largest_estimate(self) -> int:
+        return max((t.estimated_memory_bytes for t in self.tasks), default=0)
 
 
 @dataclasses.dataclass
 class Plan:
+    """What ``strata plan`` shows: a job plan placed on the workers as they are now."""
+
     strategy: str
     feasible: bool
     reason: str
-    tasks: list[PlannedTask] = dataclasses.field(default_factory=list)
+    tasks: list[TaskPlan] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -250,7 +285,9 @@ def worker_to_json(w: WorkerInfo) -> dict[str, Any]:
 def plan_to_json(p: Plan) -> dict[str, Any]:
     return {
         "strategy": p.strategy, "feasible": p.feasible, "reason": p.reason,
-        "tasks": [dataclasses.asdict(t) for t in p.tasks],
+        "tasks": [{"role": t.role, "index": t.index, "worker": t.worker, "stage": t.stage,
+                   "layers": list(t.layers), "estimated_memory_bytes": t.estimated_memory_bytes,
+                   "memory_budget_bytes": t.memory_budget_bytes} for t in p.tasks],
     }
 
 

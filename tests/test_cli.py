@@ -13,6 +13,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from strata.local import LocalCluster
 
+pytestmark = pytest.mark.integration  # starts coordinator, agent or TensorFlow processes
+
 
 @pytest.fixture(scope="module")
 def coord(tmp_path_factory):

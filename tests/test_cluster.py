@@ -88,11 +88,14 @@ def test_invalid_spec_names_the_field(cluster, client):
     # Bypass the client's local validation: the coordinator itself must refuse.
     stub = client._stub
     with pytest.raises(grpc.RpcError) as e:
-        stub.SubmitJob(pb.SubmitJobRequest(spec=convert.spec_to_proto(bad)), timeout=10)
+        stub.SubmitJob(pb.SubmitJobRequest(spec=convert.raw_spec_to_proto(bad)), timeout=10)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert e.value.details().startswith("data.batch_size")
-    with pytest.raises(JobRejected):
+    # the field travels as data, not only in the message
+    assert ("strata-field", "data.batch_size") in tuple(e.value.trailing_metadata())
+    with pytest.raises(JobRejected) as rejected:
         client.submit(bad)
+    assert rejected.value.field == "data.batch_size"
 
 
 def test_task_over_its_slice_fails_as_oom_and_agent_survives(cluster, client, tmp_path):

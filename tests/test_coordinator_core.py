@@ -198,7 +198,7 @@ def test_duplicate_agent_name_is_refused_while_the_first_lives(env):
 
 def test_ports_of_live_tasks_are_not_offered_again(env):
     coord, *_ = env
-    sa, sb = register(coord, "a"), register(coord, "b")
+    sa, _sb = register(coord, "a"), register(coord, "b")
     job = coord.submit(SPEC)
     coord.tick()
     ta = next(t for t in job.tasks if t.worker == "a")
@@ -276,12 +276,16 @@ def test_pipeline_job_gets_its_stage_layout_and_ends_with_its_chief(env):
     tf_config = json.loads(chief.tf_config)
     assert tf_config["task"] == {"type": "chief", "index": 0}
     assert len(tf_config["cluster"]["chief"]) == 1 and len(tf_config["cluster"]["worker"]) == 1
-    layout = chief.config["pipeline"]["layout"]
-    assert [(s["stage"], s["task"]) for s in layout] == [(0, "chief:0"), (1, "worker:0")]
-    assert layout[0]["first_layer"] == 0 and layout[0]["last_layer"] == layout[1]["first_layer"]
-    assert layout[1]["last_layer"] == 4  # hidden_0..2 and logits
-    assert chief.config["pipeline"]["microbatch"] == 16
-    assert sum(len(s["layers"]) for s in layout) == 4
+    assert chief.config.role == "chief" and chief.config.spec.name == "p"
+    layout = chief.config.section.layout
+    assert [(s.stage, s.task_name) for s in layout] == [(0, "chief:0"), (1, "worker:0")]
+    assert layout[0].first_layer == 0 and layout[0].last_layer == layout[1].first_layer
+    assert layout[1].last_layer == 4  # hidden_0..2 and logits
+    assert chief.config.section.microbatch == 16
+    assert sum(len(s.layers) for s in layout) == 4
+    # the contract survives the wire as it is
+    from strata import convert
+    assert convert.task_config_from_proto(convert.task_config_to_proto(chief.config)) == chief.config
     # each stage's budget comes from its own estimate
     for t in job.tasks:
         assert t.memory_budget_bytes > t.estimated_memory_bytes > 0

@@ -18,6 +18,8 @@ import threading
 
 import pytest
 
+from strata.taskconfig import TASK_CONFIG_VERSION
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
@@ -170,9 +172,9 @@ def _launch_job(spec: dict, tmp_path, bfc_mb: int = 1024) -> list[tuple[subproce
     cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
     out = []
     for i in range(n):
-        cfg = {"job_id": "mem", "role": "worker", "index": i, "spec": spec,
-               "output_dir": str(tmp_path / "out"), "threads": 1,
-               "memory_budget_bytes": bfc_mb << 20, "device": "CPU", "report_interval_s": 5.0}
+        cfg = {"version": TASK_CONFIG_VERSION, "job_id": "mem", "role": "worker", "index": i,
+               "spec": spec, "memory_budget_bytes": bfc_mb << 20, "report_interval_s": 5.0,
+               "agent": {"output_dir": str(tmp_path / "out"), "threads": 1, "device": "CPU"}}
         path = tmp_path / f"task{i}.json"
         path.write_text(json.dumps(cfg))
         env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2",
@@ -215,6 +217,7 @@ def _peaks(job, tmp_path, timeout=150) -> list[int]:
     return peaks
 
 
+@pytest.mark.integration
 def test_estimate_matches_measured_peaks(tmp_path):
     cases = {256: make_spec(data={"batch_size": 256}), 2048: make_spec(data={"batch_size": 2048})}
     jobs = {}

@@ -10,6 +10,8 @@ import pytest
 
 from strata.local import LocalCluster
 
+pytestmark = pytest.mark.integration  # starts coordinator, agent or TensorFlow processes
+
 MiB = 1 << 20
 DEEP = {
     "name": "deep", "strategy": "pipeline", "stages": 0, "microbatches": 8,

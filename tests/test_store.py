@@ -3,7 +3,12 @@
 import pytest
 
 from strata.coordinator.store import SqliteStore, Store, WorkerRecord
+from strata.spec import parse_job_spec
 from strata.types import FailureKind, Job, JobMetrics, JobState, Task, TaskState
+
+
+SPEC = parse_job_spec({"name": "a", "workers": 2, "model": {"builtin": {"hidden": [32]}},
+                       "training": {"steps": 3}})
 
 
 class StoreContract:
@@ -18,7 +23,7 @@ class StoreContract:
     def test_jobs_tasks_events_workers_round_trip(self, tmp_path):
         s = self.make(tmp_path)
         job = Job(id="a-1", name="a", state=JobState.RUNNING, strategy="multi_worker_mirrored",
-                  spec={"name": "a"}, created_at=1.0, metrics=JobMetrics(step=3, loss=0.5))
+                  spec=SPEC, created_at=1.0, metrics=JobMetrics(step=3, loss=0.5))
         s.put_job(job)
         s.put_tasks([Task(job_id="a-1", role="worker", index=i, worker=f"w{i}",
                           state=TaskState.FAILED if i else TaskState.RUNNING,
@@ -30,6 +35,7 @@ class StoreContract:
         s = self.reopen(s, tmp_path)
         (loaded,) = s.load_jobs()
         assert loaded.state == JobState.RUNNING and loaded.metrics.step == 3
+        assert loaded.spec == SPEC
         assert [t.failure for t in loaded.tasks] == [FailureKind.NONE, FailureKind.OOM]
         assert [e.message for e in s.events("a-1")] == ["one", "two"]
         assert [e.seq for e in s.events("a-1", after_seq=1)] == [2]

@@ -15,6 +15,8 @@ from strata.types import JobState, TaskState
 
 from tests.conftest import spec, task_processes, wait_until
 
+pytestmark = pytest.mark.integration  # starts coordinator, agent or TensorFlow processes
+
 MiB = 1 << 20
 AGENTS = 4
 # Sized so that the deep model's data-parallel estimate is more than 3x one agent's budget

@@ -20,10 +20,14 @@ import zipfile
 
 import pytest
 
+from strata.taskconfig import TASK_CONFIG_VERSION
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from strata.exitcodes import TASK_EXIT_BAD_CONFIG, TASK_EXIT_OK, TASK_EXIT_OOM  # noqa: E402
+
+pytestmark = pytest.mark.integration  # starts coordinator, agent or TensorFlow processes
 
 portpicker = pytest.importorskip("portpicker")
 
@@ -106,10 +110,11 @@ def launch(spec: dict, tmp_path, workers: int = 2, bfc_mb: int | None = 1024,
     for i in range(workers):
         if only is not None and i not in only:
             continue
-        cfg = {"job_id": "test-job", "role": "worker", "index": i, "spec": spec,
-               "output_dir": str(tmp_path / "out"), "threads": 1,
-               "memory_budget_bytes": (bfc_mb or 1024) << 20, "device": "CPU",
-               "report_interval_s": 0.5}
+        # the TaskConfig message in its JSON form (the agent writes it binary)
+        cfg = {"version": TASK_CONFIG_VERSION, "job_id": "test-job", "role": "worker",
+               "index": i, "spec": spec, "memory_budget_bytes": (bfc_mb or 1024) << 20,
+               "report_interval_s": 0.5,
+               "agent": {"output_dir": str(tmp_path / "out"), "threads": 1, "device": "CPU"}}
         cfg_path = tmp_path / f"task{i}.json"
         cfg_path.write_text(json.dumps(cfg))
         env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2",

@@ -20,6 +20,7 @@ def test_rejects_unknown_role_and_index():
         build_tf_config({"worker": ["h:1"]}, "worker", 1)
 
 
+@pytest.mark.integration
 def test_accepted_by_tf_cluster_resolver(monkeypatch):
     tf = pytest.importorskip("tensorflow")
     cluster = {"chief": ["127.0.0.1:2000"], "worker": ["127.0.0.1:2001", "127.0.0.1:2002"],

@@ -10,6 +10,7 @@ kills the whole tree. The memory slice is enforced by TensorFlow's allocator: on
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -20,7 +21,6 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any
 
 import grpc
 
@@ -103,14 +103,16 @@ class TaskProcess:
     def _start(self) -> None:
         cmd = self._cmd
         os.makedirs(self.dir, exist_ok=True)
-        config: dict[str, Any] = json.loads(cmd.config_json)
-        config["output_dir"] = os.path.abspath(self.output_dir)
-        config["threads"] = self.agent.cfg.threads
-        config["device"] = "GPU:0" if self.agent.cfg.device.startswith("GPU") else "CPU"
-        config["memory_budget_bytes"] = self.budget
-        config_path = os.path.join(self.dir, "config.json")
-        with open(config_path, "w") as f:
-            json.dump(config, f)
+        # The contract passes through as the coordinator built it; the agent fills only its
+        # own settings (the task sees the agent's one GPU as GPU:0: CUDA_VISIBLE_DEVICES below).
+        config = pb.TaskConfig()
+        config.CopyFrom(cmd.config)
+        config.agent.CopyFrom(pb.AgentSettings(
+            output_dir=os.path.abspath(self.output_dir), threads=self.agent.cfg.threads,
+            device="GPU:0" if self.agent.cfg.device.startswith("GPU") else "CPU"))
+        config_path = os.path.join(self.dir, "config.pb")
+        with open(config_path, "wb") as f:
+            f.write(config.SerializeToString())
         env = dict(os.environ)
         env["TF_CONFIG"] = cmd.tf_config
         env["TF_CPP_MIN_LOG_LEVEL"] = env.get("TF_CPP_MIN_LOG_LEVEL", "1")
@@ -273,33 +275,22 @@ class TaskProcess:
         proc = self.proc
         if proc is None or proc.poll() is not None:
             return
-        with _suppress(ProcessLookupError):
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(timeout=STOP_GRACE_S)
         except subprocess.TimeoutExpired:
-            with _suppress(ProcessLookupError):
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            with _suppress(subprocess.TimeoutExpired):
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=STOP_GRACE_S)
         # The group may hold children that outlived the leader.
-        with _suppress(ProcessLookupError):
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
 
     @property
     def running(self) -> bool:
         return not self.status.state.final
-
-
-class _suppress:
-    def __init__(self, *exc):
-        self.exc = exc
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, et, ev, tb):
-        return et is not None and issubclass(et, self.exc)
 
 
 class Agent:

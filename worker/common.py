@@ -19,16 +19,11 @@ import time
 from typing import Any
 
 from strata.exitcodes import TASK_EXIT_ERROR
+from strata.taskconfig import TaskConfig, TaskConfigError
 
 
-class BadConfig(Exception):
-    """The task configuration cannot be run; ``field`` names the offending field."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
-
+#: The task configuration cannot be run; ``field`` names the offending field (exit 76).
+BadConfig = TaskConfigError
 
 
 # --------------------------------------------------------------------------------------------
@@ -244,13 +239,13 @@ def eval_sums(tf, loss_fn, y, out, classify: bool):
     return tf.reduce_sum(per_example), correct
 
 
-def configure_device(cfg: dict):
+def configure_device(cfg: TaskConfig):
     """Imports TensorFlow and applies the task's device settings before the runtime starts:
     on ``GPU:N`` a logical device limited to the memory budget, on CPU no GPUs (the BFC limit
     comes from the environment, see ``prepare_environment``); intra-op threads. Returns
     ``(tf, memory)`` where ``memory()`` reads this process's allocator ``{current, peak}``."""
-    device = str(cfg.get("device", "CPU") or "CPU")
-    threads = int(cfg.get("threads", 0) or 0)
+    device = cfg.agent.device
+    threads = cfg.agent.threads
     import tensorflow as tf
 
     if device.startswith("GPU:"):
@@ -258,7 +253,7 @@ def configure_device(cfg: dict):
         if not gpus:
             raise RuntimeError(f"device {device} requested but TensorFlow sees no GPU "
                                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
-        budget_mb = int(cfg.get("memory_budget_bytes", 0) or 0) >> 20
+        budget_mb = cfg.memory_budget_bytes >> 20
         if budget_mb > 0:
             tf.config.set_logical_device_configuration(
                 gpus[0], [tf.config.LogicalDeviceConfiguration(memory_limit=budget_mb)])
@@ -280,12 +275,12 @@ def configure_device(cfg: dict):
     return tf, memory
 
 
-def prepare_environment(cfg: dict) -> None:
+def prepare_environment(cfg: TaskConfig) -> None:
     """Environment TensorFlow reads at import: quiet C++ INFO logs; on CPU, a BFC allocator
     limited to the budget when the agent has not set one (it normally does)."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
-    budget = int(cfg.get("memory_budget_bytes", 0) or 0)
-    if str(cfg.get("device", "CPU")) == "CPU" and budget > 0 \
+    budget = cfg.memory_budget_bytes
+    if cfg.agent.device == "CPU" and budget > 0 \
             and "TF_CPU_ALLOCATOR_USE_BFC" not in os.environ:
         os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
         os.environ["TF_CPU_BFC_MEM_LIMIT_IN_MB"] = str(max(1, budget >> 20))

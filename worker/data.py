@@ -22,6 +22,8 @@ import math
 import os
 from dataclasses import dataclass
 
+from strata.spec import DataSpec, TrainingSpec
+
 import numpy as np
 
 DIGITS_SPLIT_SEED = 0
@@ -151,18 +153,18 @@ def load_npz_splits(path: str) -> Splits:
     return Splits(*out)
 
 
-def load_splits(data: dict, input_shape: tuple[int, ...], output_shape: tuple[int, ...]) -> Splits:
-    """Loads the full splits for ``spec["data"]`` and checks them against the model's shapes."""
-    source = data.get("source", "digits")
+def load_splits(data: DataSpec, input_shape: tuple[int, ...], output_shape: tuple[int, ...]) -> Splits:
+    """Loads the full splits for the spec's ``data`` and checks them against the model's shapes."""
+    source = data.source
     if source == "digits":
         s = load_digits_splits()
     elif source == "synthetic":
         if len(output_shape) != 1:
             raise DataError("data.source", f"synthetic data needs a model with one output axis "
                                            f"(classes); the model outputs {list(output_shape)}")
-        s = load_synthetic_splits(tuple(input_shape), int(output_shape[0]), data.get("examples", 0))
+        s = load_synthetic_splits(tuple(input_shape), int(output_shape[0]), data.examples)
     elif source == "npz":
-        s = load_npz_splits(data.get("path", ""))
+        s = load_npz_splits(data.path)
     else:
         raise DataError("data.source", f"unknown source {source!r}; use digits, synthetic or npz")
     field = "data.path" if source == "npz" else "data.source"
@@ -224,11 +226,10 @@ def steps_per_epoch(n_train: int, global_batch: int) -> int:
     return max(1, n_train // global_batch)
 
 
-def total_steps(training: dict, n_train: int, global_batch: int) -> int:
-    steps = int(training.get("steps", 0) or 0)
-    if steps > 0:
-        return steps
-    return int(training.get("epochs", 1) or 1) * steps_per_epoch(n_train, global_batch)
+def total_steps(training: TrainingSpec, n_train: int, global_batch: int) -> int:
+    if training.steps > 0:
+        return training.steps
+    return max(1, training.epochs) * steps_per_epoch(n_train, global_batch)
 
 
 def make_train_dataset(x: np.ndarray, y: np.ndarray, per_replica_batch: int, seed: int):

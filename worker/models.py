@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from strata.spec import OptimizerSpec
 from strata.modelspec import ModelSpecError, check_keras_json_safe, final_activation, parse_keras_json
 
 OPTIMIZERS = ("adam", "sgd", "rmsprop", "adagrad", "adamw")
@@ -89,11 +90,11 @@ def build_model(model_spec: dict, mixed_precision: str = "none", sync_batchnorm:
         keras.mixed_precision.set_dtype_policy("float32")
 
 
-def build_optimizer(opt: dict, mixed_precision: str = "none"):
+def build_optimizer(opt: OptimizerSpec, mixed_precision: str = "none"):
     import keras
 
-    name = str(opt.get("name", "adam")).lower()
-    lr = float(opt.get("learning_rate", 0.001))
+    name = opt.name.lower()
+    lr = float(opt.learning_rate)
     classes: dict[str, Any] = {
         "adam": keras.optimizers.Adam, "sgd": keras.optimizers.SGD,
         "rmsprop": keras.optimizers.RMSprop, "adagrad": keras.optimizers.Adagrad,

@@ -111,12 +111,13 @@ import threading
 import time
 from dataclasses import dataclass
 
-from strata.exitcodes import TASK_EXIT_OK
+from typing import Any, Callable
+
+from strata.taskconfig import PipelineSection, StageAssignment, TaskConfig
 from strata.worker.common import (
-    eval_sums,
-    BadConfig, Events, cluster_from_tf_config, configure_device, exit_task, format_mib,
-    install_sigterm_handler, log,
+    BadConfig, Events, cluster_from_tf_config, eval_sums, format_mib, log,
 )
+from strata.worker.runner import TrainingRunner
 
 CONNECT_TIMEOUT_S = 120.0          # STRATA_PIPELINE_CONNECT_TIMEOUT_S overrides
 LOSS_SCALE_INITIAL = 2.0 ** 15     # float16: Keras LossScaleOptimizer's defaults
@@ -129,23 +130,6 @@ HASH_CHUNK_ELEMS = 1 << 18         # weights are read for hashing 1 MiB at a tim
 
 
 @dataclass(frozen=True)
-class StagePlace:
-    replica: int
-    stage: int
-    job: str            # "chief" or "worker"
-    task: int
-    first: int
-    last: int
-    names: tuple[str, ...]
-    estimate: int
-    budget: int
-
-    @property
-    def task_name(self) -> str:
-        return f"{self.job}:{self.task}"
-
-
-@dataclass(frozen=True)
 class Layout:
     stages: int
     replicas: int
@@ -153,89 +137,74 @@ class Layout:
     microbatch: int
     places: dict
 
-    def at(self, replica: int, stage: int) -> StagePlace:
+    def at(self, replica: int, stage: int) -> StageAssignment:
         return self.places[(replica, stage)]
 
 
-def _pos_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
-
-
-def parse_layout(cfg: dict, layer_names: list[str]) -> Layout:
-    """The ``pipeline`` section of the task config, checked against the spec and the model's
-    layers. Raises ``BadConfig``."""
-    spec = cfg["spec"]
-    p = cfg.get("pipeline")
-    if not isinstance(p, dict):
-        raise BadConfig("pipeline", "the chief of a pipeline or hybrid job needs the pipeline "
+def parse_layout(cfg: TaskConfig, layer_names: list[str]) -> Layout:
+    """The contract's pipeline section, checked against the spec and the model's layers (the
+    one check on this side: a layout that does not match the model would train the wrong
+    thing). Raises ``BadConfig``."""
+    spec = cfg.spec
+    p = cfg.section
+    if not isinstance(p, PipelineSection):
+        raise BadConfig("stage_layout", "the chief of a pipeline or hybrid job needs the pipeline "
                                     "section (stages, replicas, microbatches, layout)")
     for k in ("stages", "replicas", "microbatches", "microbatch"):
-        if not _pos_int(p.get(k)):
-            raise BadConfig(f"pipeline.{k}", f"must be a positive integer, got {p.get(k)!r}")
-    S, R, M, m = p["stages"], p["replicas"], p["microbatches"], p["microbatch"]
-    if spec.get("strategy") == "pipeline" and R != 1:
-        raise BadConfig("pipeline.replicas", f"a pipeline job has one replica, got {R}")
-    if int(spec.get("microbatches", M) or M) != M:
-        raise BadConfig("pipeline.microbatches", f"{M} differs from the spec's "
-                                                 f"{spec.get('microbatches')}")
-    gb = int((spec.get("data") or {}).get("batch_size", 0) or 0)
+        if getattr(p, k) < 1:
+            raise BadConfig(f"pipeline.{k}", f"must be a positive integer, got {getattr(p, k)!r}")
+    S, R, M, m = p.stages, p.replicas, p.microbatches, p.microbatch
+    if spec.workers != R:
+        raise BadConfig("pipeline.replicas", f"{R} replicas, the spec has {spec.workers} workers")
+    if spec.microbatches != M:
+        raise BadConfig("pipeline.microbatches", f"{M} differs from the spec's {spec.microbatches}")
+    gb = spec.data.batch_size
     if m * M * R != gb:
         raise BadConfig("pipeline.microbatch", f"{R} replicas x {M} micro-batches x {m} rows = "
                                                f"{R * M * m}, not the global batch {gb}")
     L = len(layer_names)
     if S > L:
         raise BadConfig("pipeline.stages", f"{S} stages for a model of {L} layers")
-    entries = p.get("layout")
-    if not isinstance(entries, list) or len(entries) != R * S:
-        got = len(entries) if isinstance(entries, list) else repr(entries)
+    if len(p.layout) != R * S:
         raise BadConfig("pipeline.layout", f"needs {R * S} entries ({R} replicas x {S} stages), "
-                                           f"got {got}")
+                                           f"got {len(p.layout)}")
     places: dict = {}
     tasks_seen: set = set()
-    for e in entries:
-        if not isinstance(e, dict):
-            raise BadConfig("pipeline.layout", f"entries must be objects, got {e!r}")
-        r, s = e.get("replica"), e.get("stage")
-        if not (isinstance(r, int) and isinstance(s, int) and 0 <= r < R and 0 <= s < S):
+    for e in p.layout:
+        r, s = e.replica, e.stage
+        if not (0 <= r < R and 0 <= s < S):
             raise BadConfig("pipeline.layout", f"entry has replica {r!r} stage {s!r}; replicas run "
                                                f"0..{R - 1}, stages 0..{S - 1}")
         if (r, s) in places:
             raise BadConfig("pipeline.layout", f"replica {r} stage {s} appears twice")
-        task = str(e.get("task", ""))
-        job, _, idx = task.partition(":")
-        if job not in ("chief", "worker") or not idx.isdigit():
-            raise BadConfig("pipeline.layout", f"replica {r} stage {s}: task {task!r} must be "
-                                               "chief:0 or worker:K")
+        task = e.task_name
         if (r, s) == (0, 0) and task != "chief:0":
             raise BadConfig("pipeline.layout", f"replica 0 stage 0 must be the chief (chief:0), "
                                                f"got {task!r}")
-        if (r, s) != (0, 0) and job != "worker":
+        if (r, s) != (0, 0) and e.role != "worker":
             raise BadConfig("pipeline.layout", f"replica {r} stage {s} must be a worker task, "
                                                f"got {task!r}")
         if task in tasks_seen:
             raise BadConfig("pipeline.layout", f"task {task} holds two stages")
         tasks_seen.add(task)
-        a, b = e.get("first_layer"), e.get("last_layer")
-        if not (isinstance(a, int) and isinstance(b, int) and 0 <= a < b <= L):
+        a, b = e.first_layer, e.last_layer
+        if not 0 <= a < b <= L:
             raise BadConfig("pipeline.layout", f"replica {r} stage {s}: layers [{a!r}, {b!r}) are "
                                                f"not a non-empty range of 0..{L}")
-        names = tuple(str(n) for n in (e.get("layers") or []))
-        if names != tuple(layer_names[a:b]):
-            raise BadConfig("pipeline.layout", f"replica {r} stage {s}: layers {list(names)} are "
-                                               f"not the model's layers {a}..{b - 1} "
+        if tuple(e.layers) != tuple(layer_names[a:b]):
+            raise BadConfig("pipeline.layout", f"replica {r} stage {s}: layers {list(e.layers)} "
+                                               f"are not the model's layers {a}..{b - 1} "
                                                f"{layer_names[a:b]}")
-        places[(r, s)] = StagePlace(r, s, job, int(idx), a, b, names,
-                                    int(e.get("estimated_memory_bytes", 0) or 0),
-                                    int(e.get("memory_budget_bytes", 0) or 0))
+        places[(r, s)] = e
     for r in range(R):
-        if places[(r, 0)].first != 0 or places[(r, S - 1)].last != L:
+        if places[(r, 0)].first_layer != 0 or places[(r, S - 1)].last_layer != L:
             raise BadConfig("pipeline.layout", f"replica {r}'s stages must cover layers 0..{L - 1}")
         for s in range(S):
-            if (places[(r, s)].first, places[(r, s)].last) != \
-                    (places[(0, s)].first, places[(0, s)].last):
+            here, base = places[(r, s)], places[(0, s)]
+            if (here.first_layer, here.last_layer) != (base.first_layer, base.last_layer):
                 raise BadConfig("pipeline.layout", f"stage {s} has different layers on replica {r} "
                                                    "and replica 0")
-            if s + 1 < S and places[(r, s)].last != places[(r, s + 1)].first:
+            if s + 1 < S and here.last_layer != places[(r, s + 1)].first_layer:
                 raise BadConfig("pipeline.layout", f"replica {r}: stage {s + 1} does not start "
                                                    f"where stage {s} ends")
     return Layout(S, R, M, m, places)
@@ -247,7 +216,7 @@ def read_cluster(layout: Layout) -> dict[str, list[str]]:
         raise BadConfig("TF_CONFIG", f"the pipeline driver must be the one chief task (chief:0), "
                                      f"TF_CONFIG says {role}:{index}")
     for pl in layout.places.values():
-        if pl.task >= len(cluster.get(pl.job, [])):
+        if pl.index >= len(cluster.get(pl.role, [])):
             raise BadConfig("TF_CONFIG", f"stage task {pl.task_name} (replica {pl.replica} stage "
                                          f"{pl.stage}) is not in the cluster")
     return cluster
@@ -315,7 +284,7 @@ def _layer_entries(model_spec: dict, mixed: str) -> list:
 class Stage:
     """One stage task's share of one replica: its layers, variables and optimizer."""
 
-    def __init__(self, place: StagePlace, device: str, layers: list):
+    def __init__(self, place: StageAssignment, device: str, layers: list):
         self.place = place
         self.device = device
         self.layers = layers
@@ -356,8 +325,8 @@ def connect(tf, cluster: dict, layout: Layout, timeout_s: float) -> float:
     wait runs in a thread with a deadline. Returns the seconds it took."""
     t0 = time.time()
     deadline = t0 + timeout_s
-    stage_addrs = {pl.task_name: cluster[pl.job][pl.task] for pl in layout.places.values()
-                   if pl.job != "chief"}
+    stage_addrs = {pl.task_name: cluster[pl.role][pl.index] for pl in layout.places.values()
+                   if pl.role != "chief"}
     # first the cheap check: every stage server accepts TCP connections
     missing = dict(stage_addrs)
     last_log = 0.0
@@ -393,7 +362,7 @@ def connect(tf, cluster: dict, layout: Layout, timeout_s: float) -> float:
         raise box["error"]
     names = {d.name for d in box["devices"]}
     for pl in layout.places.values():
-        want = f"/job:{pl.job}/replica:0/task:{pl.task}/"
+        want = f"/job:{pl.role}/replica:0/task:{pl.index}/"
         if not any(n.startswith(want) for n in names):
             raise RuntimeError(f"stage task {pl.task_name} has no device after connecting "
                                f"(devices: {sorted(names)})")
@@ -404,373 +373,335 @@ def connect(tf, cluster: dict, layout: Layout, timeout_s: float) -> float:
 # the driver
 
 
-def run_driver(cfg: dict, events: Events) -> int:
-    from strata.modelspec import ModelSpecError, profile_model
+class PipelineDriver(TrainingRunner):
+    memory_label = "mem"
 
-    spec = cfg["spec"]
-    data_spec = spec.get("data", {}) or {}
-    training = spec.get("training", {}) or {}
-    mem = spec.get("memory", {}) or {}
-    mixed = mem.get("mixed_precision", "none") or "none"
-    recompute = bool(mem.get("recompute", False))
-    device = str(cfg.get("device", "CPU") or "CPU")
-    kind = "GPU" if device.startswith("GPU") else "CPU"
-    interval = float(cfg.get("report_interval_s", 0.5) or 0.5)
-    seed = int(training.get("seed", 0) or 0)
-    gb = int(data_spec["batch_size"])
-    try:
-        profile = profile_model(spec["model"])
-    except ModelSpecError as e:
-        raise BadConfig(e.field, e.message) from None
-    layer_names = [l.name for l in profile.layers]
-    layout = parse_layout(cfg, layer_names)
-    S, R, M, m = layout.stages, layout.replicas, layout.microbatches, layout.microbatch
-    cluster = read_cluster(layout)
-    loss_name = training.get("loss", "sparse_categorical_crossentropy")
+    def join(self) -> dict[str, Any]:
+        tf, cfg = self.tf, self.cfg
+        self.layer_names = [l.name for l in self.profile.layers]
+        self.layout = layout = parse_layout(cfg, self.layer_names)
+        cluster = read_cluster(layout)
+        timeout = float(os.environ.get("STRATA_PIPELINE_CONNECT_TIMEOUT_S", CONNECT_TIMEOUT_S))
+        waited = connect(tf, cluster, layout, timeout)
+        kind = "GPU" if cfg.agent.device.startswith("GPU") else "CPU"
+        self.dev_of = lambda pl: f"/job:{pl.role}/replica:0/task:{pl.index}/device:{kind}:0"
+        self.chief_dev = self.dev_of(layout.at(0, 0))
+        return {"stages": layout.stages, "replicas": layout.replicas,
+                "microbatches": layout.microbatches, "microbatch": layout.microbatch,
+                "recompute": self.spec.memory.recompute, "connect_s": round(waited, 1)}
 
-    t_import = time.time()
-    import numpy as np
+    def build(self) -> None:
+        import keras
+        import numpy as np
 
-    tf, memory = configure_device(cfg)
-    import keras
+        from strata.worker import models as wmodels
 
-    from strata.worker import data as wdata
-    from strata.worker import models as wmodels
+        tf, spec, profile, layout, d = self.tf, self.spec, self.profile, self.layout, self.data
+        assert d is not None
+        S, R, M, m = layout.stages, layout.replicas, layout.microbatches, layout.microbatch
+        mixed, recompute, seed, gb = self.mixed, spec.memory.recompute, self.seed, self.gb
+        layer_names, dev_of, chief_dev = self.layer_names, self.dev_of, self.chief_dev
+        loss_name = spec.training.loss
+        n_train = d.n_train
 
-    timeout = float(os.environ.get("STRATA_PIPELINE_CONNECT_TIMEOUT_S", CONNECT_TIMEOUT_S))
-    waited = connect(tf, cluster, layout, timeout)
-    install_sigterm_handler(events)
-
-    def dev_of(pl: StagePlace) -> str:
-        return f"/job:{pl.job}/replica:0/task:{pl.task}/device:{kind}:0"
-
-    chief_dev = dev_of(layout.at(0, 0))
-    events.emit("started", stages=S, replicas=R, microbatches=M, microbatch=m)
-    log(f"started: {S} stages x {R} replica{'s' if R > 1 else ''}, {M} micro-batches of {m}, "
-        f"recompute {recompute}, mixed precision {mixed}, TF {tf.__version__} (import "
-        f"{time.time() - t_import - waited:.1f} s, connect {waited:.1f} s)")
-
-    # ---- data (on the chief)
-    try:
-        splits = wdata.load_splits(data_spec, profile.input_shape, profile.output_shape)
-        field = "data.path" if data_spec.get("source") == "npz" else "data.source"
-        y_train = wdata.prepare_targets(splits.y_train, loss_name, profile.output_shape, field)
-        y_test = wdata.prepare_targets(splits.y_test, loss_name, profile.output_shape, field)
-    except wdata.DataError as e:
-        raise BadConfig(e.field, e.message) from None
-    x_test = splits.x_test
-    classify = loss_name in wdata.CLASSIFICATION_LOSSES or (
-        np.issubdtype(splits.y_test.dtype, np.integer) and splits.y_test.ndim == 1)
-    n_train = splits.n_train
-    steps = wdata.total_steps(training, n_train, gb)
-
-    # ---- layers, stage by stage (never the whole model in one place)
-    keras.utils.set_random_seed(seed)
-    factories = _layer_entries(spec["model"], mixed)
-    if len(factories) != len(layer_names):
-        raise BadConfig("model", f"the model has {len(factories)} layers, its profile "
-                                 f"{len(layer_names)}")
-    stages: list[list[Stage]] = []
-    for r in range(R):
-        row = []
-        h = tf.zeros((1,) + tuple(profile.input_shape), tf.float32)
-        for s in range(S):
-            pl = layout.at(r, s)
-            dev = dev_of(pl)
-            with tf.device(dev):
-                layers = [factories[i]() for i in range(pl.first, pl.last)]
-                for layer, want in zip(layers, pl.names):
-                    if layer.name != want:
-                        raise BadConfig("pipeline.layout", f"layer {layer.name!r} is where the "
-                                                           f"layout has {want!r}")
-                    h = layer(h, training=False)  # builds it here: its variables live on dev
-            row.append(Stage(pl, dev, layers))
-        stages.append(row)
-    from_logits = _from_logits(spec["model"])
-    loss_fn = wmodels.build_loss(loss_name, from_logits)
-
-    # replicas start identical: replica 0's values everywhere (seed states stay their own)
-    for r in range(1, R):
-        for s in range(S):
-            src, dst = stages[0][s], stages[r][s]
-            pairs = list(zip(src.tvars, dst.tvars)) + [
-                (a, b) for la, lb in zip(src.nt, dst.nt) for a, b in zip(la, lb) if _is_float(a)]
-            with tf.device(dst.device):
-                for a, b in pairs:
-                    b.assign(a)
-
-    for row in stages:
-        for st in row:
-            with tf.device(st.device):
-                st.optimizer = wmodels.build_optimizer(training.get("optimizer") or {}, "none")
-                st.optimizer.build(st.tvars)
-
-    scaled = mixed == "float16"
-    with tf.device(chief_dev):
-        loss_scale = tf.Variable(LOSS_SCALE_INITIAL, dtype=tf.float32, trainable=False,
-                                 name="loss_scale")
-        good_steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="good_steps")
-    batches = _batch_indices(n_train, gb, seed)
-
-    per_replica = m * M
-    for s in range(S):
-        pl = layout.at(0, s)
-        n_params = sum(int(np.prod(v.shape)) for l in stages[0][s].layers for v in l.weights)
-        log(f"stage {s}: layers {pl.first}-{pl.last - 1} ({pl.names[0]} .. {pl.names[-1]}), "
-            f"{n_params:,} params on {', '.join(stages[r][s].place.task_name for r in range(R))}"
-            f"; estimate {format_mib(pl.estimate)}, budget {format_mib(pl.budget)}")
-
-    def run_layers(st: Stage, h, nt_vals, casts: dict, training: bool):
-        """The stage's layers on ``h``. Layers with state run statelessly from ``nt_vals``
-        (one list per layer) and return their new state; the variables are not touched.
-        ``casts`` maps id(variable) to its 16-bit copy for this step (mixed precision)."""
-        new = []
-        for layer, vars_, vals in zip(st.layers, st.nt, nt_vals):
-            raw = [(v, casts[id(v)]) for v in layer.trainable_variables if id(v) in casts]
-            if vars_ or raw:
-                scope = keras.StatelessScope(list(zip(vars_, vals)))
-                # StatelessScope casts mapped values back to the variable's dtype; the 16-bit
-                # copy goes in as it is (Keras' autocast then leaves it alone)
-                for v, val in raw:
-                    scope.state_mapping[id(v)] = val
-                with scope:
-                    h = layer(h, training=training)
-                new.append([scope.get_current_value(v) for v in vars_])
-            else:
-                h = layer(h, training=training)
-                new.append([])
-        return h, new
-
-    def mb_loss(out, y):
-        per_example = loss_fn(y, tf.cast(out, tf.float32))
-        return tf.reduce_sum(per_example) / float(per_replica)
-
-    @tf.function
-    def train_step(x, y):
-        with tf.device(chief_dev):
-            xs = tf.split(x, R * M)
-            ys = tf.split(y, R * M)
-            scale = loss_scale.read_value() if scaled else None
-        losses = []
-        acc = [[None] * S for _ in range(R)]
-        nt_final = [[None] * S for _ in range(R)]
+        # ---- layers, stage by stage (never the whole model in one place)
+        keras.utils.set_random_seed(seed)
+        factories = _layer_entries(spec.model, mixed)
+        if len(factories) != len(layer_names):
+            raise BadConfig("model", f"the model has {len(factories)} layers, its profile "
+                                     f"{len(layer_names)}")
+        stages: list[list[Stage]] = []
         for r in range(R):
-            row = stages[r]
-            state, casts, sources = [], [], []
+            row = []
+            h = tf.zeros((1,) + tuple(profile.input_shape), tf.float32)
+            for s in range(S):
+                pl = layout.at(r, s)
+                dev = dev_of(pl)
+                with tf.device(dev):
+                    layers = [factories[i]() for i in range(pl.first_layer, pl.last_layer)]
+                    for layer, want in zip(layers, pl.layers):
+                        if layer.name != want:
+                            raise BadConfig("pipeline.layout", f"layer {layer.name!r} is where the "
+                                                               f"layout has {want!r}")
+                        h = layer(h, training=False)  # builds it here: its variables live on dev
+                row.append(Stage(pl, dev, layers))
+            stages.append(row)
+        from_logits = _from_logits(spec.model)
+        loss_fn = wmodels.build_loss(loss_name, from_logits)
+
+        # replicas start identical: replica 0's values everywhere (seed states stay their own)
+        for r in range(1, R):
+            for s in range(S):
+                src, dst = stages[0][s], stages[r][s]
+                pairs = list(zip(src.tvars, dst.tvars)) + [
+                    (a, b) for la, lb in zip(src.nt, dst.nt) for a, b in zip(la, lb) if _is_float(a)]
+                with tf.device(dst.device):
+                    for a, b in pairs:
+                        b.assign(a)
+
+        for row in stages:
             for st in row:
                 with tf.device(st.device):
-                    state.append([[v.value for v in vs] for vs in st.nt])
-                    # one 16-bit copy of each weight per step, shared by the micro-batches
-                    # (Keras would cast on every call, and each micro-batch's tape would keep
-                    # its own copy until its backward pass)
-                    c = {id(v): tf.cast(v.value, st.casts[id(v)]) for v in st.tvars
-                         if id(v) in st.casts}
-                casts.append(c)
-                sources.append([c.get(id(v), v) for v in st.tvars])
-            saved = {}
-            prev = [None] * S
-            # forward: micro-batch i through every stage; in order within a stage
-            for i in range(M):
-                h = xs[r * M + i]
-                y_mb = ys[r * M + i]
-                for s, st in enumerate(row):
-                    last = s == S - 1
-                    deps = [prev[s]] if prev[s] is not None else []
-                    with tf.device(st.device), tf.control_dependencies(deps):
-                        h_in = tf.identity(h)
-                        nt_in = state[s]
-                        loss = target = None
-                        if recompute:
-                            tape = None
-                            out, state[s] = run_layers(st, h_in, nt_in, casts[s], True)
-                            if last:
-                                loss = mb_loss(out, y_mb)
-                        else:
-                            tape = tf.GradientTape()
-                            with tape:
-                                tape.watch(list(casts[s].values()) + ([h_in] if s > 0 else []))
+                    st.optimizer = wmodels.build_optimizer(spec.training.optimizer, "none")
+                    st.optimizer.build(st.tvars)
+
+        scaled = mixed == "float16"
+        with tf.device(chief_dev):
+            loss_scale = tf.Variable(LOSS_SCALE_INITIAL, dtype=tf.float32, trainable=False,
+                                     name="loss_scale")
+            good_steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="good_steps")
+        batches = _batch_indices(n_train, gb, seed)
+
+        per_replica = m * M
+        for s in range(S):
+            pl = layout.at(0, s)
+            n_params = sum(int(np.prod(v.shape)) for l in stages[0][s].layers for v in l.weights)
+            log(f"stage {s}: layers {pl.first_layer}-{pl.last_layer - 1} ({pl.layers[0]} .. "
+                f"{pl.layers[-1]}), "
+                f"{n_params:,} params on {', '.join(stages[r][s].place.task_name for r in range(R))}"
+                f"; estimate {format_mib(pl.estimated_memory_bytes)}, budget "
+                f"{format_mib(pl.memory_budget_bytes)}")
+
+        def run_layers(st: Stage, h, nt_vals, casts: dict, training: bool):
+            """The stage's layers on ``h``. Layers with state run statelessly from ``nt_vals``
+            (one list per layer) and return their new state; the variables are not touched.
+            ``casts`` maps id(variable) to its 16-bit copy for this step (mixed precision)."""
+            new = []
+            for layer, vars_, vals in zip(st.layers, st.nt, nt_vals):
+                raw = [(v, casts[id(v)]) for v in layer.trainable_variables if id(v) in casts]
+                if vars_ or raw:
+                    scope = keras.StatelessScope(list(zip(vars_, vals)))
+                    # StatelessScope casts mapped values back to the variable's dtype; the 16-bit
+                    # copy goes in as it is (Keras' autocast then leaves it alone)
+                    for v, val in raw:
+                        scope.state_mapping[id(v)] = val
+                    with scope:
+                        h = layer(h, training=training)
+                    new.append([scope.get_current_value(v) for v in vars_])
+                else:
+                    h = layer(h, training=training)
+                    new.append([])
+            return h, new
+
+        def mb_loss(out, y):
+            per_example = loss_fn(y, tf.cast(out, tf.float32))
+            return tf.reduce_sum(per_example) / float(per_replica)
+
+        @tf.function
+        def train_step(x, y):
+            with tf.device(chief_dev):
+                xs = tf.split(x, R * M)
+                ys = tf.split(y, R * M)
+                scale = loss_scale.read_value() if scaled else None
+            losses = []
+            acc = [[None] * S for _ in range(R)]
+            nt_final = [[None] * S for _ in range(R)]
+            for r in range(R):
+                row = stages[r]
+                state, casts, sources = [], [], []
+                for st in row:
+                    with tf.device(st.device):
+                        state.append([[v.value for v in vs] for vs in st.nt])
+                        # one 16-bit copy of each weight per step, shared by the micro-batches
+                        # (Keras would cast on every call, and each micro-batch's tape would keep
+                        # its own copy until its backward pass)
+                        c = {id(v): tf.cast(v.value, st.casts[id(v)]) for v in st.tvars
+                             if id(v) in st.casts}
+                    casts.append(c)
+                    sources.append([c.get(id(v), v) for v in st.tvars])
+                saved = {}
+                prev = [None] * S
+                # forward: micro-batch i through every stage; in order within a stage
+                for i in range(M):
+                    h = xs[r * M + i]
+                    y_mb = ys[r * M + i]
+                    for s, st in enumerate(row):
+                        last = s == S - 1
+                        deps = [prev[s]] if prev[s] is not None else []
+                        with tf.device(st.device), tf.control_dependencies(deps):
+                            h_in = tf.identity(h)
+                            nt_in = state[s]
+                            loss = target = None
+                            if recompute:
+                                tape = None
                                 out, state[s] = run_layers(st, h_in, nt_in, casts[s], True)
                                 if last:
                                     loss = mb_loss(out, y_mb)
-                                    target = loss * scale if scaled else loss
-                    saved[(s, i)] = (h_in, nt_in, tape, out, loss, target)
-                    prev[s] = loss if last else out
-                    h = out
-                losses.append(saved[(S - 1, i)][4])
-            # backward: reverse micro-batch order (GPipe); one micro-batch's grads at a time
-            for i in reversed(range(M)):
-                dy = None
-                y_mb = ys[r * M + i]
-                for s in reversed(range(S)):
-                    st = row[s]
-                    last = s == S - 1
-                    h_in, nt_in, tape, out, loss, target = saved.pop((s, i))
-                    deps = acc[r][s] if acc[r][s] is not None else []
-                    with tf.device(st.device), tf.control_dependencies(deps):
-                        if recompute:
-                            # re-run this micro-batch's forward from its kept input and state
-                            tape = tf.GradientTape()
-                            with tape:
-                                tape.watch(list(casts[s].values()) + ([h_in] if s > 0 else []))
-                                out, _ = run_layers(st, h_in, nt_in, casts[s], True)
-                                if last:
-                                    rl = mb_loss(out, y_mb)
-                                    target = rl * scale if scaled else rl
-                        if last:
-                            out_grad = None
-                        else:
-                            target, out_grad = out, dy
-                        grads = tape.gradient(target, ([h_in] if s > 0 else []) + sources[s],
-                                              output_gradients=out_grad)
-                        if s > 0:
-                            dy, grads = grads[0], grads[1:]
-                        # float32 gradients (a 16-bit copy's gradient cast back, as the
-                        # gradient of Keras' own cast would be)
-                        grads = [tf.zeros_like(v) if g is None else
-                                 tf.cast(tf.convert_to_tensor(g), v.dtype)
-                                 for g, v in zip(grads, st.tvars)]
-                        acc[r][s] = grads if acc[r][s] is None else \
-                            [a + g for a, g in zip(acc[r][s], grads)]
-            for s in range(S):
-                nt_final[r][s] = state[s]
+                            else:
+                                tape = tf.GradientTape()
+                                with tape:
+                                    tape.watch(list(casts[s].values()) + ([h_in] if s > 0 else []))
+                                    out, state[s] = run_layers(st, h_in, nt_in, casts[s], True)
+                                    if last:
+                                        loss = mb_loss(out, y_mb)
+                                        target = loss * scale if scaled else loss
+                        saved[(s, i)] = (h_in, nt_in, tape, out, loss, target)
+                        prev[s] = loss if last else out
+                        h = out
+                    losses.append(saved[(S - 1, i)][4])
+                # backward: reverse micro-batch order (GPipe); one micro-batch's grads at a time
+                for i in reversed(range(M)):
+                    dy = None
+                    y_mb = ys[r * M + i]
+                    for s in reversed(range(S)):
+                        st = row[s]
+                        last = s == S - 1
+                        h_in, nt_in, tape, out, loss, target = saved.pop((s, i))
+                        deps = acc[r][s] if acc[r][s] is not None else []
+                        with tf.device(st.device), tf.control_dependencies(deps):
+                            if recompute:
+                                # re-run this micro-batch's forward from its kept input and state
+                                tape = tf.GradientTape()
+                                with tape:
+                                    tape.watch(list(casts[s].values()) + ([h_in] if s > 0 else []))
+                                    out, _ = run_layers(st, h_in, nt_in, casts[s], True)
+                                    if last:
+                                        rl = mb_loss(out, y_mb)
+                                        target = rl * scale if scaled else rl
+                            if last:
+                                out_grad = None
+                            else:
+                                target, out_grad = out, dy
+                            grads = tape.gradient(target, ([h_in] if s > 0 else []) + sources[s],
+                                                  output_gradients=out_grad)
+                            if s > 0:
+                                dy, grads = grads[0], grads[1:]
+                            # float32 gradients (a 16-bit copy's gradient cast back, as the
+                            # gradient of Keras' own cast would be)
+                            grads = [tf.zeros_like(v) if g is None else
+                                     tf.cast(tf.convert_to_tensor(g), v.dtype)
+                                     for g, v in zip(grads, st.tvars)]
+                            acc[r][s] = grads if acc[r][s] is None else \
+                                [a + g for a, g in zip(acc[r][s], grads)]
+                for s in range(S):
+                    nt_final[r][s] = state[s]
 
-        # average over the replicas: every replica's task of a stage receives the others'
-        # accumulated gradients and sums all R in replica order (the same op on the same
-        # values: bit-identical means, and the same memory on every replica); unscale
-        means = [[None] * S for _ in range(R)]
-        finite = []
-        for s in range(S):
-            got = {}  # (q, r): replica r's accumulated gradients as received on q's task
-            for q in range(R):
-                with tf.device(stages[q][s].device):
-                    for r in range(R):
-                        if r != q:
-                            got[(q, r)] = [tf.identity(t) for t in acc[r][s]]
-            for q in range(R):
-                st = stages[q][s]
-                with tf.device(st.device):
-                    g = []
-                    for k in range(len(st.tvars)):
-                        if R == 1:
-                            g.append(acc[q][s][k])
-                            continue
-                        # sum into our own accumulator only once the others have it: then
-                        # nothing else holds it and the sum reuses its buffer (R gradient
-                        # buffers here at the peak, on every replica alike)
-                        sent = [got[(r, q)][k] for r in range(R) if r != q]
-                        with tf.control_dependencies(sent):
-                            terms = [acc[q][s][k] if r == q else got[(q, r)][k]
-                                     for r in range(R)]
-                            g.append(tf.add_n(terms) * (1.0 / R))
-                    if scaled:
-                        inv = 1.0 / scale
-                        g = [t * inv for t in g]
-                        finite.append(tf.reduce_all(
-                            [tf.reduce_all(tf.math.is_finite(t)) for t in g]))
-                means[q][s] = g
-
-        if scaled:
-            with tf.device(chief_dev):
-                ok = tf.reduce_all(tf.stack(finite))
-        for r in range(R):
+            # average over the replicas: every replica's task of a stage receives the others'
+            # accumulated gradients and sums all R in replica order (the same op on the same
+            # values: bit-identical means, and the same memory on every replica); unscale
+            means = [[None] * S for _ in range(R)]
+            finite = []
             for s in range(S):
-                st = stages[r][s]
-                with tf.device(st.device):
-                    if scaled:
-                        def apply(st=st, g=means[r][s]):
-                            st.optimizer.apply_gradients(zip(g, st.tvars))
-                            return tf.constant(True)
-                        tf.cond(ok, apply, lambda: tf.constant(False))
-                    else:
-                        st.optimizer.apply_gradients(zip(means[r][s], st.tvars))
-        # layer state: float state averaged over the replicas, seed states each their own
-        for s in range(S):
-            home = stages[0][s]
-            for li, vars_ in enumerate(home.nt):
-                for k, v in enumerate(vars_):
-                    vals = [nt_final[r][s][li][k] for r in range(R)]
-                    if R > 1 and _is_float(v):
-                        with tf.device(home.device):
-                            mean = tf.add_n(vals) * (1.0 / R)
-                        vals = [mean] * R
-                    for r in range(R):
-                        with tf.device(stages[r][s].device):
-                            stages[r][s].nt[li][k].assign(vals[r])
-        with tf.device(chief_dev):
-            total = tf.add_n(losses) * (1.0 / R)
+                got = {}  # (q, r): replica r's accumulated gradients as received on q's task
+                for q in range(R):
+                    with tf.device(stages[q][s].device):
+                        for r in range(R):
+                            if r != q:
+                                got[(q, r)] = [tf.identity(t) for t in acc[r][s]]
+                for q in range(R):
+                    st = stages[q][s]
+                    with tf.device(st.device):
+                        g = []
+                        for k in range(len(st.tvars)):
+                            if R == 1:
+                                g.append(acc[q][s][k])
+                                continue
+                            # sum into our own accumulator only once the others have it: then
+                            # nothing else holds it and the sum reuses its buffer (R gradient
+                            # buffers here at the peak, on every replica alike)
+                            sent = [got[(r, q)][k] for r in range(R) if r != q]
+                            with tf.control_dependencies(sent):
+                                terms = [acc[q][s][k] if r == q else got[(q, r)][k]
+                                         for r in range(R)]
+                                g.append(tf.add_n(terms) * (1.0 / R))
+                        if scaled:
+                            inv = 1.0 / scale
+                            g = [t * inv for t in g]
+                            finite.append(tf.reduce_all(
+                                [tf.reduce_all(tf.math.is_finite(t)) for t in g]))
+                    means[q][s] = g
+
             if scaled:
-                grow = tf.logical_and(ok, good_steps + 1 >= LOSS_SCALE_GROWTH_STEPS)
-                new_scale = tf.where(ok, tf.where(grow, loss_scale * 2.0, loss_scale),
-                                     tf.maximum(loss_scale * 0.5, 1.0))
-                loss_scale.assign(new_scale)
-                good_steps.assign(tf.where(ok, tf.where(grow, tf.constant(0, tf.int64),
-                                                        good_steps + 1),
-                                           tf.constant(0, tf.int64)))
-        return total
+                with tf.device(chief_dev):
+                    ok = tf.reduce_all(tf.stack(finite))
+            for r in range(R):
+                for s in range(S):
+                    st = stages[r][s]
+                    with tf.device(st.device):
+                        if scaled:
+                            def apply(st=st, g=means[r][s]):
+                                st.optimizer.apply_gradients(zip(g, st.tvars))
+                                return tf.constant(True)
+                            tf.cond(ok, apply, lambda: tf.constant(False))
+                        else:
+                            st.optimizer.apply_gradients(zip(means[r][s], st.tvars))
+            # layer state: float state averaged over the replicas, seed states each their own
+            for s in range(S):
+                home = stages[0][s]
+                for li, vars_ in enumerate(home.nt):
+                    for k, v in enumerate(vars_):
+                        vals = [nt_final[r][s][li][k] for r in range(R)]
+                        if R > 1 and _is_float(v):
+                            with tf.device(home.device):
+                                mean = tf.add_n(vals) * (1.0 / R)
+                            vals = [mean] * R
+                        for r in range(R):
+                            with tf.device(stages[r][s].device):
+                                stages[r][s].nt[li][k].assign(vals[r])
+            with tf.device(chief_dev):
+                total = tf.add_n(losses) * (1.0 / R)
+                if scaled:
+                    grow = tf.logical_and(ok, good_steps + 1 >= LOSS_SCALE_GROWTH_STEPS)
+                    new_scale = tf.where(ok, tf.where(grow, loss_scale * 2.0, loss_scale),
+                                         tf.maximum(loss_scale * 0.5, 1.0))
+                    loss_scale.assign(new_scale)
+                    good_steps.assign(tf.where(ok, tf.where(grow, tf.constant(0, tf.int64),
+                                                            good_steps + 1),
+                                               tf.constant(0, tf.int64)))
+            return total
 
-    log(f"training: {profile.total_params:,} params in {S} stages, {steps} steps, global batch "
-        f"{gb} ({R} x {M} micro-batches of {m}), {n_train} train / {x_test.shape[0]} test rows")
-    t_start = time.time()
-    last_t, last_step, last_report = t_start, 0, t_start
-    loss_v = float("nan")
-    for step in range(1, steps + 1):
-        idx = next(batches)
-        with tf.device(chief_dev):
-            xb, yb = tf.constant(splits.x_train[idx]), tf.constant(y_train[idx])
-        total = train_step(xb, yb)
-        now = time.time()
-        if step == 1:
-            events.emit("first_step", latency_s=now - t_start)
-        if step == 1 or step == steps or now - last_report >= interval:
-            loss_v = float(total)
-            now = time.time()
-            eps = (step - last_step) * gb / max(now - last_t, 1e-9)
-            mm = memory()
-            events.emit("progress", step=step, total_steps=steps, loss=loss_v,
-                        examples_per_sec=eps, memory=mm)
-            log(f"step {step}/{steps} loss {loss_v:.4f} {eps:,.0f} ex/s mem "
-                f"{format_mib(mm['current'])} (peak {format_mib(mm['peak'])})")
-            last_t, last_step, last_report = now, step, now
-    train_s = time.time() - t_start
+        last_dev = stages[0][-1].device
 
-    # ---- evaluation through replica 0's pipeline (whole batches, no micro-batching)
-    last_dev = stages[0][-1].device
+        @tf.function(reduce_retracing=True)
+        def eval_batch(x, y):
+            # through replica 0's pipeline, whole batches, no micro-batching
+            h = x
+            for st in stages[0]:
+                with tf.device(st.device):
+                    for layer in st.layers:
+                        h = layer(h, training=False)
+            with tf.device(last_dev):
+                out = tf.cast(h, tf.float32)
+                return eval_sums(tf, loss_fn, y, out, d.classify)
 
-    @tf.function(reduce_retracing=True)
-    def eval_batch(x, y):
-        h = x
-        for st in stages[0]:
-            with tf.device(st.device):
-                for layer in st.layers:
-                    h = layer(h, training=False)
-        with tf.device(last_dev):
-            out = tf.cast(h, tf.float32)
-            return eval_sums(tf, loss_fn, y, out, classify)
+        self.stages, self.batches = stages, batches
+        self._train_step, self._eval_batch = train_step, eval_batch
+        self.per_replica = per_replica
 
-    total_loss, total_correct = 0.0, 0.0
-    n_test = int(x_test.shape[0])
-    eval_bs = max(1, per_replica)
-    for i in range(0, n_test, eval_bs):
-        with tf.device(chief_dev):
-            xb, yb = tf.constant(x_test[i:i + eval_bs]), tf.constant(y_test[i:i + eval_bs])
-        l, c = eval_batch(xb, yb)
-        total_loss += float(l)
-        total_correct += float(c)
-    test_loss = total_loss / max(1, n_test)
-    test_acc = total_correct / max(1, n_test) if classify else 0.0
+    def train_step(self, step: int) -> Callable[[], float]:
+        tf = self.tf
+        assert self.data is not None
+        idx = next(self.batches)
+        with tf.device(self.chief_dev):
+            xb = tf.constant(self.data.x_train[idx])
+            yb = tf.constant(self.data.y_train[idx])
+        total = self._train_step(xb, yb)
+        return lambda: float(total)
 
-    digests = [_digest(tf, np, row) for row in stages]
-    mm = memory()
-    events.emit("result", test_accuracy=test_acc, test_loss=test_loss, weights_sha256=digests[0],
-                replica_weights_sha256=digests, model_path=None, memory=mm, steps=steps,
-                train_seconds=train_s)
-    same = "identical" if len(set(digests)) == 1 else "DIFFERENT"
-    log(f"result: test accuracy {test_acc:.4f} test loss {test_loss:.4f} after {steps} steps "
-        f"({train_s:.1f} s); chief peak memory {format_mib(mm['peak'])}; weights "
-        f"{digests[0][:12]}" + (f" ({R} replicas {same})" if R > 1 else "")
-        + "; model not saved (pipeline jobs keep the model split across stage tasks)")
-    exit_task(TASK_EXIT_OK, events)
-    return TASK_EXIT_OK  # not reached
+    def eval_batch_size(self) -> int:
+        return max(1, self.per_replica)
+
+    def eval_batch(self, x: Any, y: Any) -> tuple[float, float]:
+        tf = self.tf
+        with tf.device(self.chief_dev):
+            xb, yb = tf.constant(x), tf.constant(y)
+        loss_sum, correct = self._eval_batch(xb, yb)
+        return float(loss_sum), float(correct)
+
+    def result_fields(self) -> dict[str, Any]:
+        import numpy as np
+
+        digests = [_digest(self.tf, np, row) for row in self.stages]
+        R = self.layout.replicas
+        same = "identical" if len(set(digests)) == 1 else "DIFFERENT"
+        log(f"weights {digests[0][:12]}" + (f" ({R} replicas {same})" if R > 1 else "")
+            + "; model not saved (pipeline jobs keep the model split across stage tasks)")
+        return {"weights_sha256": digests[0], "replica_weights_sha256": digests,
+                "model_path": None}
+
+
+def run_driver(cfg: TaskConfig, events: Events) -> int:
+    return PipelineDriver(cfg, events).run()
 
 
 def _batch_indices(n: int, batch: int, seed: int):

@@ -51,12 +51,15 @@ import socket
 import threading
 import time
 
-from strata.exitcodes import TASK_EXIT_ERROR, TASK_EXIT_OK
+from typing import Any
+
+from strata.exitcodes import TASK_EXIT_ERROR
+from strata.spec import JobSpec
+from strata.taskconfig import ParameterServerSection, TaskConfig
 from strata.worker.common import (
-    eval_sums,
-    BadConfig, Events, cluster_from_tf_config, configure_device, exit_task, format_mib,
-    install_sigterm_handler, log,
+    BadConfig, Events, cluster_from_tf_config, eval_sums, exit_task, format_mib, log,
 )
+from strata.worker.runner import Progress, TrainingRunner
 
 DEFAULT_CONNECT_TIMEOUT_S = 120.0
 DEFAULT_UNREACHABLE_TIMEOUT_S = 60.0
@@ -168,42 +171,20 @@ class Watchdog(threading.Thread):
 # placement
 
 
-def _placement_from_config(cfg: dict, spec: dict, num_ps: int, n_workers: int) -> dict[str, int]:
-    section = cfg.get("parameter_server") or {}
-    placement = section.get("placement")
-    if placement is None:
-        from strata.modelspec import ModelSpecError, profile_model
-        from strata.psplan import plan_parameter_servers
-
-        try:
-            profile = profile_model(spec["model"])
-        except ModelSpecError as e:
-            raise BadConfig(e.field, e.message) from None
-        tr = spec.get("training", {}) or {}
-        plan = plan_parameter_servers(
-            profile, num_ps=num_ps, workers=n_workers,
-            optimizer=str((tr.get("optimizer") or {}).get("name", "adam")).lower(),
-            batch_size=int(spec["data"]["batch_size"]),
-            mixed_precision=(spec.get("memory", {}) or {}).get("mixed_precision", "none") or "none",
-            data_bytes=0)
-        log(f"no parameter_server.placement in the config; planned {plan.placement}")
-        return dict(plan.placement)
-    if not isinstance(placement, dict):
-        raise BadConfig("parameter_server.placement", "must map layer names to PS indexes")
+def _placement_from_config(cfg: TaskConfig, profile, num_ps: int) -> dict[str, int]:
+    section = cfg.section
+    if not isinstance(section, ParameterServerSection):
+        raise BadConfig("ps_placement", "the chief of a parameter_server job needs the "
+                                            "layer placement section")
     out = {}
-    for name, k in placement.items():
-        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < num_ps:
+    for name, k in section.placement.items():
+        if not 0 <= k < num_ps:
             raise BadConfig("parameter_server.placement",
                             f"layer {name!r} -> {k!r}: not a PS index of the {num_ps} ps tasks")
-        out[str(name)] = k
+        out[str(name)] = int(k)
     # fail before connecting when the placement does not match the model's layers (checked
     # again on the built model's variables)
-    from strata.modelspec import ModelSpecError, profile_model
-
-    try:
-        with_params = {l.name for l in profile_model(spec["model"]).layers if l.params > 0}
-    except ModelSpecError as e:
-        raise BadConfig(e.field, e.message) from None
+    with_params = {l.name for l in profile.layers if l.params > 0}
     missing, extra = sorted(with_params - set(out)), sorted(set(out) - with_params)
     if missing or extra:
         raise BadConfig("parameter_server.placement",
@@ -267,8 +248,8 @@ def _check_placement(tf, model, placement: dict[str, int], slot_log: list,
     return per_ps
 
 
-def _build_placed(tf, strategy, spec: dict, mixed: str, training: dict,
-                  placement: dict[str, int], num_ps: int):
+def _build_placed(tf, strategy, spec: JobSpec, mixed: str, placement: dict[str, int],
+                  num_ps: int):
     from strata.modelspec import ModelSpecError
     from strata.worker import models as wmodels
 
@@ -278,7 +259,7 @@ def _build_placed(tf, strategy, spec: dict, mixed: str, training: dict,
         raise BadConfig("strategy", "this Keras version does not expose the layer name scope "
                                     "that parameter_server placement needs") from None
 
-    loss_name = training.get("loss", "sparse_categorical_crossentropy")
+    loss_name = spec.training.loss
     with strategy.scope():
         # a scalar anchor on each PS task (TensorFlow places them round-robin)
         anchors: dict[int, object] = {}
@@ -303,8 +284,8 @@ def _build_placed(tf, strategy, spec: dict, mixed: str, training: dict,
 
         try:
             with tf.variable_creator_scope(place):
-                model, from_logits = wmodels.build_model(spec["model"], mixed)
-            optimizer = wmodels.build_optimizer(training.get("optimizer") or {}, mixed)
+                model, from_logits = wmodels.build_model(spec.model, mixed)
+            optimizer = wmodels.build_optimizer(spec.training.optimizer, mixed)
             loss_fn = wmodels.build_loss(loss_name, from_logits)
         except ModelSpecError as e:
             raise BadConfig(e.field, e.message) from None
@@ -326,121 +307,98 @@ def _build_placed(tf, strategy, spec: dict, mixed: str, training: dict,
 # the chief
 
 
-def run_chief(cfg: dict, events: Events) -> int:
-    spec = cfg["spec"]
-    data_spec = spec.get("data", {}) or {}
-    training = spec.get("training", {}) or {}
-    mem = spec.get("memory", {}) or {}
-    mixed = mem.get("mixed_precision", "none") or "none"
-    device = str(cfg.get("device", "CPU") or "CPU")
-    threads = int(cfg.get("threads", 0) or 0)
-    interval = float(cfg.get("report_interval_s", 0.5) or 0.5)
-    seed = int(training.get("seed", 0) or 0)
-    gb = int(data_spec["batch_size"])
-    loss_name = training.get("loss", "sparse_categorical_crossentropy")
-    cluster = _ps_cluster()
-    n_workers, num_ps = len(cluster["worker"]), len(cluster["ps"])
-    if int(spec.get("workers", n_workers) or n_workers) != n_workers:
-        log(f"warning: spec has {spec.get('workers')} workers, TF_CONFIG {n_workers}; using "
-            "TF_CONFIG's")
-    placement = _placement_from_config(cfg, spec, num_ps, n_workers)
-    budgets = (cfg.get("parameter_server") or {}).get("ps_budgets_bytes") or []
+class PsChiefRunner(TrainingRunner):
+    memory_label = "chief mem"
 
-    watchdog = Watchdog(cluster, events,
-                        connect_s=float(os.environ.get("STRATA_PS_CONNECT_TIMEOUT_S",
-                                                       DEFAULT_CONNECT_TIMEOUT_S)),
-                        unreachable_s=float(os.environ.get("STRATA_PS_UNREACHABLE_TIMEOUT_S",
-                                                           DEFAULT_UNREACHABLE_TIMEOUT_S)))
+    def join(self) -> dict[str, Any]:
+        tf, cfg = self.tf, self.cfg
+        self.cluster = cluster = _ps_cluster()
+        self.n_workers, self.num_ps = len(cluster["worker"]), len(cluster["ps"])
+        if self.spec.workers != self.n_workers:
+            log(f"warning: spec has {self.spec.workers} workers, TF_CONFIG {self.n_workers}; "
+                "using TF_CONFIG's")
+        self.placement = _placement_from_config(cfg, self.profile, self.num_ps)
+        self.watchdog = Watchdog(
+            cluster, self.events,
+            connect_s=float(os.environ.get("STRATA_PS_CONNECT_TIMEOUT_S",
+                                           DEFAULT_CONNECT_TIMEOUT_S)),
+            unreachable_s=float(os.environ.get("STRATA_PS_UNREACHABLE_TIMEOUT_S",
+                                               DEFAULT_UNREACHABLE_TIMEOUT_S)))
+        self.watchdog.start()  # phase connect: the strategy's constructor waits for every task
+        resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+        self.strategy = tf.distribute.ParameterServerStrategy(resolver)
+        self.coordinator = tf.distribute.coordinator.ClusterCoordinator(self.strategy)
+        self.watchdog.set_phase("build")
+        return {"workers": self.n_workers, "parameter_servers": self.num_ps}
 
-    t_import = time.time()
-    import numpy as np
+    def build(self) -> None:
+        import keras
 
-    tf, memory = configure_device(cfg)
-    import keras
+        tf, strategy, d, gb, seed = self.tf, self.strategy, self.data, self.gb, self.seed
+        assert d is not None and isinstance(self.cfg.section, ParameterServerSection)
+        budgets = self.cfg.section.ps_budgets_bytes
+        keras.utils.set_random_seed(seed)
+        model, optimizer, loss_fn, per_ps = _build_placed(tf, strategy, self.spec, self.mixed,
+                                                          self.placement, self.num_ps)
+        self.model, self.loss_fn = model, loss_fn
+        for k in range(self.num_ps):
+            names = sorted(n for n, p in self.placement.items() if p == k)
+            log(f"placement: ps:{k} holds {format_mib(per_ps[k])} of variables and slots "
+                f"({', '.join(names) or 'no layers'})"
+                + (f", budget {format_mib(int(budgets[k]))}" if k < len(budgets) else ""))
+        x_train, y_train, n_train = d.x_train, d.y_train, d.n_train
 
-    from strata.worker import data as wdata
+        def dataset_fn() -> Any:
+            # Traced once on the chief, run on every worker. The shuffle seed comes from the
+            # worker's clock when its pipeline is created, so each worker (and a restarted one)
+            # draws its own order; a stateless shuffle because tf.data's shuffle takes no
+            # tensor seed. The training set is embedded in the function as constants.
+            xt, yt = tf.constant(x_train), tf.constant(y_train)
+            wseed = tf.math.floormod(tf.cast(tf.timestamp() * 1e6, tf.int64) + seed, 2 ** 31 - 1)
+            order = tf.data.Dataset.range(2 ** 62).map(
+                lambda epoch: tf.random.experimental.stateless_shuffle(
+                    tf.range(n_train, dtype=tf.int64), seed=tf.stack([wseed, epoch])))
+            ds = order.unbatch().batch(gb, drop_remainder=True)
+            ds = ds.map(lambda i: (tf.gather(xt, i), tf.gather(yt, i)))
+            return ds.prefetch(1)
 
-    watchdog.start()  # phase connect: the strategy's constructor waits for every task
-    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
-    strategy = tf.distribute.ParameterServerStrategy(resolver)
-    coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
-    install_sigterm_handler(events)
-    watchdog.set_phase("build")
-    events.emit("started", workers=n_workers, parameter_servers=num_ps)
-    log(f"started: chief of {n_workers} workers and {num_ps} parameter servers, device "
-        f"{device}, threads {threads or 'default'}, TF {tf.__version__} (import+connect "
-        f"{time.time() - t_import:.1f} s)")
+        self.per_worker_iter = iter(self.coordinator.create_per_worker_dataset(dataset_fn))
+        variables = model.trainable_variables
+        scaled = self.mixed == "float16"
 
-    keras.utils.set_random_seed(seed)
-    model, optimizer, loss_fn, per_ps = _build_placed(tf, strategy, spec, mixed, training,
-                                                      placement, num_ps)
-    for k in range(num_ps):
-        names = sorted(n for n, p in placement.items() if p == k)
-        log(f"placement: ps:{k} holds {format_mib(per_ps[k])} of variables and slots "
-            f"({', '.join(names) or 'no layers'})"
-            + (f", budget {format_mib(int(budgets[k]))}" if k < len(budgets) else ""))
-    input_shape = tuple(int(d) for d in model.inputs[0].shape[1:])
-    output_shape = tuple(int(d) for d in model.outputs[0].shape[1:])
+        # steps applied and the sum of their losses, kept on a PS task: a step returns nothing,
+        # because a result left on a worker cannot be fetched once that worker dies
+        with strategy.scope():
+            self.applied = applied = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                                 name="strata_steps_applied")
+            self.loss_sum = loss_sum = tf.Variable(0.0, dtype=tf.float64, trainable=False,
+                                                   name="strata_loss_sum")
 
-    try:
-        splits = wdata.load_splits(data_spec, input_shape, output_shape)
-        field = "data.path" if data_spec.get("source") == "npz" else "data.source"
-        y_train = wdata.prepare_targets(splits.y_train, loss_name, output_shape, field)
-        y_test = wdata.prepare_targets(splits.y_test, loss_name, output_shape, field)
-    except wdata.DataError as e:
-        raise BadConfig(e.field, e.message) from None
-    x_train, x_test = splits.x_train, splits.x_test
-    classify = loss_name in wdata.CLASSIFICATION_LOSSES or (
-        np.issubdtype(splits.y_test.dtype, np.integer) and splits.y_test.ndim == 1)
-    n_train = splits.n_train
-    steps = wdata.total_steps(training, n_train, gb)
+        def step_fn(x: Any, y: Any) -> Any:
+            with tf.GradientTape() as tape:
+                out = model(x, training=True)
+                loss = tf.reduce_mean(loss_fn(y, tf.cast(out, tf.float32)))
+                loss_for_grad = optimizer.scale_loss(loss) if scaled else loss
+            grads = tape.gradient(loss_for_grad, variables)
+            optimizer.apply_gradients(zip(grads, variables))
+            return loss
 
-    def dataset_fn():
-        # Traced once on the chief, run on every worker. The shuffle seed comes from the
-        # worker's clock when its pipeline is created, so each worker (and a restarted one)
-        # draws its own order; a stateless shuffle because tf.data's shuffle takes no tensor
-        # seed. The training set is embedded in the function as constants and held once.
-        xt, yt = tf.constant(x_train), tf.constant(y_train)
-        wseed = tf.math.floormod(tf.cast(tf.timestamp() * 1e6, tf.int64) + seed, 2 ** 31 - 1)
-        order = tf.data.Dataset.range(2 ** 62).map(
-            lambda epoch: tf.random.experimental.stateless_shuffle(
-                tf.range(n_train, dtype=tf.int64), seed=tf.stack([wseed, epoch])))
-        ds = order.unbatch().batch(gb, drop_remainder=True)
-        ds = ds.map(lambda i: (tf.gather(xt, i), tf.gather(yt, i)))
-        return ds.prefetch(1)
+        @tf.function
+        def train_step(it: Any) -> None:
+            x, y = next(it)
+            losses = strategy.experimental_local_results(strategy.run(step_fn, args=(x, y)))
+            loss_sum.assign_add(tf.add_n([tf.cast(l, tf.float64) for l in losses]) / len(losses))
+            applied.assign_add(1)
 
-    per_worker_ds = coordinator.create_per_worker_dataset(dataset_fn)
-    per_worker_iter = iter(per_worker_ds)
-    variables = model.trainable_variables
-    scaled = mixed == "float16"
+        @tf.function(reduce_retracing=True)
+        def eval_batch(x: Any, y: Any) -> Any:
+            out = tf.cast(model(x, training=False), tf.float32)
+            return eval_sums(tf, loss_fn, y, out, d.classify)
 
-    # steps applied and the sum of their losses, kept on a PS task: a step returns nothing,
-    # because a result left on a worker cannot be fetched once that worker dies
-    with strategy.scope():
-        applied = tf.Variable(0, dtype=tf.int64, trainable=False, name="strata_steps_applied")
-        loss_sum = tf.Variable(0.0, dtype=tf.float64, trainable=False, name="strata_loss_sum")
+        self._train_step, self._eval_batch = train_step, eval_batch
 
-    def step_fn(x, y):
-        with tf.GradientTape() as tape:
-            out = model(x, training=True)
-            loss = tf.reduce_mean(loss_fn(y, tf.cast(out, tf.float32)))
-            loss_for_grad = optimizer.scale_loss(loss) if scaled else loss
-        grads = tape.gradient(loss_for_grad, variables)
-        optimizer.apply_gradients(zip(grads, variables))
-        return loss
-
-    @tf.function
-    def train_step(it):
-        x, y = next(it)
-        losses = strategy.experimental_local_results(strategy.run(step_fn, args=(x, y)))
-        loss_sum.assign_add(tf.add_n([tf.cast(l, tf.float64) for l in losses]) / len(losses))
-        applied.assign_add(1)
-
-    log(f"training {model.name}: {model.count_params():,} params, {steps} steps of batch {gb} "
-        f"on {n_workers} workers (asynchronous), {n_train} train / {x_test.shape[0]} test rows, "
-        f"mixed precision {mixed}")
-
-    def wait(rv) -> None:
+    def _wait(self, rv: Any) -> None:
+        tf, coordinator = self.tf, self.coordinator
         try:
             rv.fetch()  # no return value: only waits, and raises the step's error
         except Exception as first:  # noqa: BLE001 - surface the coordinator's first error
@@ -451,7 +409,7 @@ def run_chief(cfg: dict, events: Events) -> int:
                 err = e
             # the coordinator re-runs the steps of a lost worker, but a lost PS task is fatal:
             # name it
-            lost = [f"ps:{i} ({a})" for i, a in enumerate(cluster["ps"]) if a in str(err)]
+            lost = [f"ps:{i} ({a})" for i, a in enumerate(self.cluster["ps"]) if a in str(err)]
             if isinstance(err, tf.errors.UnavailableError) and lost:
                 raise RuntimeError(f"parameter server {', '.join(lost)} is unreachable; the "
                                    f"variables it held are lost ({type(err).__name__})") from err
@@ -459,100 +417,89 @@ def run_chief(cfg: dict, events: Events) -> int:
                 raise
             raise err from first
 
-    window = max(4, 4 * n_workers)
-    watchdog.set_phase("train")
-    t_start = time.time()
-    last = {"t": t_start, "step": 0, "count": 0, "sum": 0.0, "loss": float("nan")}
+    def train(self, steps: int) -> None:
+        """Asynchronous: steps are scheduled on whichever worker is free, at most ``4 x
+        workers`` ahead; progress reads the steps applied and their summed loss on the PS."""
+        coordinator = self.coordinator
+        progress = Progress(self.events, self.memory, steps, self.gb, self.cfg.report_interval_s,
+                            self.memory_label)
+        window = max(4, 4 * self.n_workers)
+        self.watchdog.set_phase("train")
+        last = {"step": 0, "count": 0, "sum": 0.0, "loss": float("nan")}
 
-    def report(final: bool = False) -> None:
-        count, total = int(applied.numpy()), float(loss_sum.numpy())
-        now = time.time()
-        if count > last["count"]:
-            last["loss"] = (total - last["sum"]) / (count - last["count"])
-        # a step re-run after its worker died mid-step can count twice: clamp
-        step = steps if final else min(count, steps)
-        if step <= last["step"]:
-            return  # nothing new (steps in progress events strictly increase)
-        eps = (step - last["step"]) * gb / max(now - last["t"], 1e-9)
-        m = memory()
-        events.emit("progress", step=step, total_steps=steps, loss=last["loss"],
-                    examples_per_sec=eps, memory=m)
-        log(f"step {step}/{steps} loss {last['loss']:.4f} {eps:,.0f} ex/s chief mem "
-            f"{format_mib(m['current'])} (peak {format_mib(m['peak'])})")
-        last.update(t=now, step=step, count=count, sum=total)
+        def report(final: bool = False) -> None:
+            count, total = int(self.applied.numpy()), float(self.loss_sum.numpy())
+            if count > last["count"]:
+                last["loss"] = (total - last["sum"]) / (count - last["count"])
+            # a step re-run after its worker died mid-step can count twice: clamp
+            step = steps if final else min(count, steps)
+            if step <= last["step"]:
+                return  # nothing new (steps in progress events strictly increase)
+            progress.report(step, last["loss"])
+            last.update(step=step, count=count, sum=total)
 
-    inflight = [coordinator.schedule(train_step, args=(per_worker_iter,))]
-    wait(inflight.pop())
-    events.emit("first_step", latency_s=time.time() - t_start)
-    report()
-    scheduled = waited = 1
-    while waited < steps:
-        while scheduled < steps and len(inflight) < window:
-            inflight.append(coordinator.schedule(train_step, args=(per_worker_iter,)))
-            scheduled += 1
-        wait(inflight.pop(0))
-        waited += 1
-        if time.time() - last["t"] >= interval and waited < steps:
-            report()
-    coordinator.join()
-    train_s = time.time() - t_start
-    report(final=True)
-    if int(applied.numpy()) != steps:
-        log(f"note: {int(applied.numpy())} steps were applied for {steps} scheduled (a step "
-            "whose worker died after applying its gradients was run again)")
-    watchdog.set_phase("eval")
+        inflight = [coordinator.schedule(self._train_step, args=(self.per_worker_iter,))]
+        self._wait(inflight.pop())
+        progress.first_step()
+        report()
+        scheduled = waited = 1
+        while waited < steps:
+            while scheduled < steps and len(inflight) < window:
+                inflight.append(coordinator.schedule(self._train_step,
+                                                     args=(self.per_worker_iter,)))
+                scheduled += 1
+            self._wait(inflight.pop(0))
+            waited += 1
+            if time.time() - progress.last_report >= progress.interval and waited < steps:
+                report()
+        coordinator.join()
+        report(final=True)
+        if int(self.applied.numpy()) != steps:
+            log(f"note: {int(self.applied.numpy())} steps were applied for {steps} scheduled (a "
+                "step whose worker died after applying its gradients was run again)")
+        self.watchdog.set_phase("eval")
 
-    # evaluation on the chief: the whole test split, reading the variables from the PS tasks
-    @tf.function(reduce_retracing=True)
-    def eval_batch(x, y):
-        out = tf.cast(model(x, training=False), tf.float32)
-        return eval_sums(tf, loss_fn, y, out, classify)
+    def eval_batch_size(self) -> int:
+        return min(self.gb, EVAL_BATCH_MAX)
 
-    total_loss, total_correct = 0.0, 0.0
-    n_test = int(x_test.shape[0])
-    eval_bs = min(gb, EVAL_BATCH_MAX)
-    local = "GPU:0" if device.startswith("GPU:") else "CPU:0"  # the device memory() reads
-    with tf.device(f"/job:chief/replica:0/task:0/device:{local}"):
-        for i in range(0, n_test, eval_bs):
-            l, c = eval_batch(tf.constant(x_test[i:i + eval_bs]),
-                              tf.constant(y_test[i:i + eval_bs]))
-            total_loss += float(l)
-            total_correct += float(c)
-    test_loss = total_loss / max(1, n_test)
-    test_acc = total_correct / max(1, n_test) if classify else 0.0
+    def eval_batch(self, x: Any, y: Any) -> tuple[float, float]:
+        # on the chief, reading the variables from the PS tasks
+        tf = self.tf
+        local = "GPU:0" if self.cfg.agent.device.startswith("GPU:") else "CPU:0"
+        with tf.device(f"/job:chief/replica:0/task:0/device:{local}"):
+            loss_sum, correct = self._eval_batch(tf.constant(x), tf.constant(y))
+        return float(loss_sum), float(correct)
 
-    h = hashlib.sha256()
-    weight_bytes = 0
-    for w in model.weights:
-        a = np.ascontiguousarray(np.asarray(w.numpy(), dtype=np.float32))
-        weight_bytes += a.nbytes
-        h.update(a.tobytes())
-    digest = h.hexdigest()
+    def result_fields(self) -> dict[str, Any]:
+        import numpy as np
 
-    model_path = None
-    budget = int(cfg.get("memory_budget_bytes", 0) or 0)
-    m = memory()
-    if budget and budget - m["peak"] < 2 * weight_bytes + (4 << 20):
-        log(f"not saving model.keras: {format_mib(2 * weight_bytes)} of weights copies would "
-            f"not fit in the chief's budget {format_mib(budget)} (peak so far "
-            f"{format_mib(m['peak'])})")
-    else:
-        out_dir = cfg.get("output_dir") or os.getcwd()
-        os.makedirs(out_dir, exist_ok=True)
-        path = os.path.abspath(os.path.join(out_dir, "model.keras"))
-        try:
-            model.save(path)
-            model_path = path
-        except Exception as e:  # noqa: BLE001 - the trained result still stands
-            log(f"warning: saving {path} failed: {type(e).__name__}: {e}")
-    watchdog.stop()
-    m = memory()
-    events.emit("result", test_accuracy=test_acc, test_loss=test_loss, weights_sha256=digest,
-                model_path=model_path, memory=m, steps=steps, train_seconds=train_s)
-    log(f"result: test accuracy {test_acc:.4f} test loss {test_loss:.4f} after {steps} steps "
-        f"({train_s:.1f} s); chief peak memory {format_mib(m['peak'])}; weights {digest[:12]}"
-        + (f"; saved {model_path}" if model_path else ""))
-    # leave at once: the coordinator's threads and the remote resources' destructors would
-    # talk to tasks that are being stopped
-    exit_task(TASK_EXIT_OK, events)
-    return TASK_EXIT_OK  # not reached
+        h = hashlib.sha256()
+        weight_bytes = 0
+        for w in self.model.weights:
+            a = np.ascontiguousarray(np.asarray(w.numpy(), dtype=np.float32))
+            weight_bytes += a.nbytes
+            h.update(a.tobytes())
+        model_path = None
+        budget = self.cfg.memory_budget_bytes
+        m = self.memory()
+        if budget and budget - m["peak"] < 2 * weight_bytes + (4 << 20):
+            log(f"not saving model.keras: {format_mib(2 * weight_bytes)} of weights copies would "
+                f"not fit in the chief's budget {format_mib(budget)} (peak so far "
+                f"{format_mib(m['peak'])})")
+        else:
+            out_dir = self.cfg.agent.output_dir or os.getcwd()
+            os.makedirs(out_dir, exist_ok=True)
+            path = os.path.abspath(os.path.join(out_dir, "model.keras"))
+            try:
+                self.model.save(path)
+                model_path = path
+            except Exception as e:  # noqa: BLE001 - the trained result still stands
+                log(f"warning: saving {path} failed: {type(e).__name__}: {e}")
+        # the coordinator's threads and the remote resources' destructors would talk to tasks
+        # that are being stopped: the skeleton leaves at once after the result
+        self.watchdog.stop()
+        return {"weights_sha256": h.hexdigest(), "model_path": model_path}
+
+
+def run_chief(cfg: TaskConfig, events: Events) -> int:
+    return PsChiefRunner(cfg, events).run()

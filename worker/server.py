@@ -22,16 +22,17 @@ import threading
 import time
 
 from strata.exitcodes import TASK_EXIT_OK
+from strata.taskconfig import TaskConfig
 from strata.worker.common import Events, cluster_from_tf_config, configure_device, exit_task, log
 
 
-def _server_config(tf, cfg: dict):
+def _server_config(tf, cfg: TaskConfig):
     """The server builds its own devices and thread pools from a ConfigProto (what
     ``configure_device`` set on the eager context does not reach them): the task's intra-op
     threads, and on GPU the budget as a virtual device's memory limit."""
-    device = str(cfg.get("device", "CPU") or "CPU")
-    threads = int(cfg.get("threads", 0) or 0)
-    budget_mb = int(cfg.get("memory_budget_bytes", 0) or 0) >> 20
+    device = cfg.agent.device
+    threads = cfg.agent.threads
+    budget_mb = cfg.memory_budget_bytes >> 20
     config = tf.compat.v1.ConfigProto()
     if threads > 0:
         config.intra_op_parallelism_threads = threads
@@ -44,9 +45,9 @@ def _server_config(tf, cfg: dict):
     return config
 
 
-def serve(cfg: dict, events: Events) -> int:
+def serve(cfg: TaskConfig, events: Events) -> int:
     cluster, role, index = cluster_from_tf_config()
-    interval = float(cfg.get("report_interval_s", 1.0) or 1.0)
+    interval = cfg.report_interval_s
     t0 = time.time()
     tf, memory = configure_device(cfg)
     server = tf.distribute.Server(tf.train.ClusterSpec(cluster), job_name=role, task_index=index,

@@ -1,0 +1,209 @@
+"""Agent sessions: the worker agents the coordinator knows, their registrations, heartbeats and
+command queues, and the pure decisions about them (which agents are lost, how a re-registering
+agent's tasks line up with what the coordinator assigned to it).
+
+``Coordinator`` (``coordinator.core``) owns an ``Agents`` and carries out what these decisions
+return; nothing here touches jobs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import secrets
+from typing import AsyncIterator, Iterable, Mapping
+
+from strata.coordinator.placement import Capacity
+from strata.coordinator.store import WorkerRecord
+from strata.errors import DuplicateAgent, UnknownAgentSession
+from strata.memory import format_size
+from strata.taskconfig import TaskConfig
+from strata.types import Job, JobState, MemoryStatus, Task, TaskReport, TaskState
+
+log = logging.getLogger("strata.coordinator")
+
+
+# --- commands pushed to agents ---------------------------------------------------------------
+
+@dataclasses.dataclass
+class StartTaskCommand:
+    job_id: str
+    role: str
+    index: int
+    attempt: int
+    tf_config: str
+    memory_budget_bytes: int
+    config: TaskConfig
+
+
+@dataclasses.dataclass
+class StopTaskCommand:
+    job_id: str
+    role: str = ""   # empty: every task of the job on that agent
+    index: int = 0
+    reason: str = ""
+
+
+AgentCommand = StartTaskCommand | StopTaskCommand
+
+
+# --- live agents -----------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class LiveWorker:
+    """A worker agent as the coordinator sees it now."""
+
+    record: WorkerRecord
+    session: str = ""            # empty until the agent (re-)registers after a coordinator start
+    last_seen: float = 0.0
+    lost: bool = False
+    memory: MemoryStatus = dataclasses.field(default_factory=MemoryStatus)
+    free_ports: list[int] = dataclasses.field(default_factory=list)
+    queue: asyncio.Queue[AgentCommand | None] | None = None
+    pid: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.record.name
+
+    @property
+    def connected(self) -> bool:
+        return bool(self.session) and not self.lost
+
+
+class Agents:
+    """The agents by name. Sessions identify registrations: a call with another session is
+    refused (``UnknownAgentSession``) and the agent registers again."""
+
+    def __init__(self, records: Iterable[WorkerRecord], now: float):
+        # Known from before a restart: not schedulable until the agent registers again, and
+        # declared LOST if it has not done so within one heartbeat timeout.
+        self.workers: dict[str, LiveWorker] = {r.name: LiveWorker(record=r, last_seen=now)
+                                               for r in records}
+
+    def get(self, name: str) -> LiveWorker | None:
+        return self.workers.get(name)
+
+    def values(self) -> Iterable[LiveWorker]:
+        return self.workers.values()
+
+    def register(self, rec: WorkerRecord, pid: int, free_ports: list[int], now: float,
+                 heartbeat_timeout_s: float) -> LiveWorker:
+        """A (re-)registration: a new session and command queue. A name is one agent: another
+        live agent registering under it is refused (``DuplicateAgent``)."""
+        live = self.workers.get(rec.name)
+        if (live is not None and live.connected and now - live.last_seen < heartbeat_timeout_s
+                and (live.record.address, live.pid) != (rec.address, pid)):
+            raise DuplicateAgent(rec.name, live.record.address, live.pid)
+        if live is None:
+            live = self.workers[rec.name] = LiveWorker(record=rec)
+        else:
+            rec.draining = live.record.draining
+            live.record = rec
+        old_queue = live.queue
+        live.session = secrets.token_hex(8)
+        live.pid = pid
+        live.last_seen = now
+        live.lost = False
+        live.free_ports = list(free_ports)
+        live.queue = asyncio.Queue()
+        if old_queue is not None:
+            old_queue.put_nowait(None)  # ends the previous Connect stream, if one is still open
+        log.info("worker %s registered (%s, %s, budget %s)", rec.name, rec.address, rec.device,
+                 format_size(rec.budget_bytes))
+        return live
+
+    def check_session(self, name: str, session: str) -> LiveWorker:
+        live = self.workers.get(name)
+        if live is None or not live.session or live.session != session:
+            raise UnknownAgentSession(f"worker {name!r} is not registered with this session")
+        return live
+
+    def expired(self, now: float, timeout_s: float) -> list[LiveWorker]:
+        """The agents silent for longer than ``timeout_s`` that are not yet marked lost."""
+        return [w for w in self.workers.values() if not w.lost and now - w.last_seen > timeout_s]
+
+    def mark_lost(self, w: LiveWorker) -> None:
+        w.lost = True
+        if w.queue is not None:
+            w.queue.put_nowait(None)
+        w.session = ""
+
+    def send(self, name: str, cmd: AgentCommand) -> None:
+        live = self.workers.get(name)
+        if live is not None and live.queue is not None:
+            live.queue.put_nowait(cmd)
+
+    async def commands(self, name: str, session: str) -> AsyncIterator[AgentCommand]:
+        live = self.check_session(name, session)
+        queue = live.queue
+        assert queue is not None
+        while True:
+            cmd = await queue.get()
+            if cmd is None:
+                return
+            yield cmd
+
+    def capacities(self, reserved: Mapping[str, int]) -> list[Capacity]:
+        return [Capacity(name=w.name, budget_bytes=w.record.budget_bytes,
+                         free_bytes=w.record.budget_bytes - reserved.get(w.name, 0),
+                         free_ports=len(w.free_ports))
+                for w in self.workers.values() if w.connected and not w.record.draining]
+
+    def close(self) -> None:
+        for w in self.workers.values():
+            if w.queue is not None:
+                w.queue.put_nowait(None)
+
+
+# --- reconciling a registering agent (a pure decision) ---------------------------------------
+
+@dataclasses.dataclass
+class Reconciliation:
+    """What to do with the tasks an agent reports when it registers, and with those assigned
+    to it that it does not report."""
+
+    apply: list[TaskReport] = dataclasses.field(default_factory=list)        # as reports
+    stop: list[StopTaskCommand] = dataclasses.field(default_factory=list)    # unwanted processes
+    stop_again: list[TaskReport] = dataclasses.field(default_factory=list)   # of ended jobs
+    cancel: list[Task] = dataclasses.field(default_factory=list)     # of ended jobs, gone
+    start_again: list[tuple[Job, Task]] = dataclasses.field(default_factory=list)
+    lost: list[tuple[Job, Task]] = dataclasses.field(default_factory=list)   # it no longer runs
+
+
+def reconcile(worker: str, reports: Iterable[TaskReport], jobs: Mapping[str, Job]) -> Reconciliation:
+    out = Reconciliation()
+    reported = {r.key: r for r in reports}
+
+    def task_of(job: Job | None, role: str, index: int) -> Task | None:
+        if job is None:
+            return None
+        return next((t for t in job.tasks if t.role == role and t.index == index), None)
+
+    for r in reported.values():
+        job = jobs.get(r.job_id)
+        task = task_of(job, r.role, r.index)
+        mine = task is not None and task.worker == worker
+        if r.state.final:
+            if mine and task is not None and not task.state.final:
+                out.apply.append(r)
+            continue
+        if mine and job is not None and job.state.final:
+            out.stop_again.append(r)  # a stop lost while the agent was away
+        elif not mine or job is None or task is None or task.state.final:
+            out.stop.append(StopTaskCommand(job_id=r.job_id, role=r.role, index=r.index,
+                                            reason="not assigned to this worker"))
+        else:
+            out.apply.append(r)
+    for job in jobs.values():
+        for t in job.tasks:
+            if t.worker != worker or t.state.final or t.key in reported:
+                continue
+            if job.state.final:
+                out.cancel.append(t)
+            elif t.state == TaskState.PENDING and job.state == JobState.SCHEDULED:
+                out.start_again.append((job, t))  # the start never reached the agent
+            else:
+                out.lost.append((job, t))
+    return out

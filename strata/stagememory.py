@@ -1,0 +1,286 @@
+"""Memory and cost of one pipeline stage task: the estimate the stage planner fits.
+
+Pure Python (standard library and ``strata.memory`` / ``strata.modelspec`` only): the
+coordinator plans with it, from the model's ``ModelProfile`` alone. It models the GPipe runner
+``worker/pipeline.py`` (all forwards, then all backwards), as ``strata.memory`` models a
+data-parallel task and ``strata.psplan`` a parameter-server one. ``coordinator.planner``
+searches the splits with it (``docs/planner.md``).
+
+Memory of one stage task (``StageCostModel.memory``; bytes)
+-----------------------------------------------------------
+The PEAK of the task's allocator while ``worker.pipeline`` runs the stage (what
+``get_memory_info`` reports in the task, and what its BFC limit is checked against). With ``m``
+the micro-batch size (global batch / replicas / microbatches), ``M`` the number of
+micro-batches, ``R`` the replicas and the stage's layers [first, last):
+
+- weights: 4 bytes per parameter, +2 with mixed precision (16-bit compute copies: the runner
+  casts once per step, not once per micro-batch);
+- gradients: 4 bytes per trainable parameter;
+- accumulator: one more gradient-sized buffer wherever the step sums gradients: the sum of
+  the M micro-batches' gradients (M > 1; with M = 1 the one gradient is used as it is), or,
+  with replicas, a gradient received from another replica;
+- optimizer slots: ``OPTIMIZER_SLOTS[optimizer]`` x 4 bytes per trainable parameter;
+- collective (R > 2): every replica's task of a stage receives the other ``R - 1`` replicas'
+  accumulated gradients and sums them into its own accumulator once the micro-batches'
+  gradients are gone. The first received one takes the place counted under gradients (M > 1)
+  or accumulator (M = 1), so ``R - 2`` more gradient sizes (none for two replicas);
+- activations: ``PIPELINE_ACTIVATION_BYTES`` (``PIPELINE_MIXED_ACTIVATION_BYTES`` with mixed
+  precision) per output element of the stage's layers per example, x m x M: GPipe keeps every
+  micro-batch's activations until its backward pass. With ``recompute`` only ONE micro-batch's
+  (the one being recomputed and back-propagated), x m;
+- boundary input: the stage's input (the previous stage's output, or the model input for the
+  first stage), float32, kept for all M micro-batches (it feeds the first layer's backward,
+  and with recompute it is the checkpoint the forward is re-run from): 4 x elements x m x M;
+- boundary gradients: one micro-batch at a time, the gradient of the stage's output received
+  from the next stage (not on the last stage, which starts from the loss) and the gradient of
+  its input sent back (not on the first stage): 4 x elements x m each;
+- input data (first stage): ``PIPELINE_INPUT_BATCHES`` GLOBAL batches (R x m x M examples: the
+  chief draws the whole global batch and splits it) of float32 model inputs, plus
+  ``data_bytes`` (0 for ``worker.pipeline``, which keeps the training set in host memory
+  outside the allocator; for a runner that holds it as tensors); labels (last stage):
+  ``PIPELINE_INPUT_BATCHES`` per-replica batches (m x M) of ``label_bytes`` per example (8:
+  sparse int64 labels; pass 4 x classes for one-hot);
+- overhead: ``FIXED_OVERHEAD`` + ``FRAGMENTATION`` of all the rest (BFC chunk rounding).
+
+``StageCostModel.breakdown`` returns these terms one by one.
+
+Calibration (TF 2.21 CPU, BFC allocator, Adam, ``worker.pipeline``): 4-stage runs of deep
+uniform MLPs 64-[1024]x13-10 and 64-[512]x13-10 at global batches 512-4096, M = 1, 4, 16, with
+and without recompute, float32 and bfloat16, and hybrid 2 x 2 and 2 x 4. The peak comes at the
+start of the backward pass (weights, slots, the first micro-batch's gradients, every kept
+activation) or, when activations are small, in the optimizer step (weights, slots, the
+gradient and the optimizer's temporaries, about one more gradient size): the sum of the terms
+above with 3.2 bytes per kept output element covers both. Measured / estimate 0.83-1.06 over
+the configurations of ``bench/pipeline_throughput.py --calibrate`` and 0.81-1.04 over its
+throughput runs (``docs/benchmarks.md``, "Pipeline throughput and stage memory"). The
+data-parallel ``strata.memory`` constants (1.8 x 4 and 14 bytes per element) overestimate a
+pipeline stage by up to 45%: there the whole batch's backward temporaries are alive at once,
+here one micro-batch's. With mixed precision the kept activations are 16-bit but the CPU
+kernels add float32 temporaries: measured about as much per element as float32, so the same
+3.2.
+
+Costs (``StageCostModel.cost``)
+-------------------------------
+``3 x`` the stage's forward FLOPs per example (forward + backward = 2 x forward), ``4 x`` with
+recompute (one more forward). A measured per-layer cost list (seconds or any unit; a training
+step's forward + backward) replaces the FLOPs; with recompute it is scaled by 4/3 (the extra
+forward at the same 1:2 forward:backward ratio). Costs are per example: the micro-batch size
+scales every stage alike and does not change the split.
+"""
+
+from __future__ import annotations
+
+from strata.errors import SpecError
+
+import math
+from typing import Sequence
+
+from strata.memory import FIXED_OVERHEAD, FRAGMENTATION, OPTIMIZER_SLOTS
+from strata.modelspec import ModelProfile
+
+__all__ = [
+    "StageCostModel", "stage_memory", "MIXED_PRECISION_MODES", "PIPELINE_ACTIVATION_BYTES",
+    "PIPELINE_MIXED_ACTIVATION_BYTES", "PIPELINE_INPUT_BATCHES",
+]
+
+MIXED_PRECISION_MODES = ("none", "bfloat16", "float16")
+
+# Calibrated against worker/pipeline.py (module docstring, "Calibration").
+PIPELINE_ACTIVATION_BYTES = 3.2        # per kept layer output element per example, float32
+PIPELINE_MIXED_ACTIVATION_BYTES = 3.2  # the same with bfloat16/float16 compute (CPU)
+PIPELINE_INPUT_BATCHES = 2.0           # input batches alive on the first stage (batch + split)
+
+
+def _check_optimizer(optimizer: str) -> str:
+    name = str(optimizer).lower()
+    if name not in OPTIMIZER_SLOTS:
+        raise SpecError("training.optimizer.name", f"unknown optimizer {optimizer!r} "
+                         f"(known: {', '.join(OPTIMIZER_SLOTS)})")
+    return name
+
+
+class StageCostModel:
+    """Memory and cost of any contiguous stage in O(1), after an O(L) prefix-sum pass.
+
+    ``memory(first, last)`` and ``cost(first, last)`` take half-open layer ranges. The memory
+    terms are listed in the module docstring; ``breakdown`` returns them one by one. Internally
+    ``memory(a, b) = total(X[b] - Y[a])`` with ``total`` non-decreasing: the planner relies on
+    that separable form (``docs/planner.md``, point 3)."""
+
+    def __init__(self, profile: ModelProfile, *, microbatch: int, microbatches: int,
+                 optimizer: str = "adam", mixed_precision: str = "none",
+                 recompute: bool = False, replicas: int = 1,
+                 layer_costs: Sequence[float] | None = None, label_bytes: int = 8,
+                 data_bytes: int = 0):
+        layers = profile.layers
+        if not layers:
+            raise SpecError("model", "has no layers to split into stages")
+        if not isinstance(microbatch, int) or microbatch < 1:
+            raise SpecError("microbatches", f"the micro-batch size must be a positive integer, "
+                             f"got {microbatch!r}")
+        if not isinstance(microbatches, int) or microbatches < 1:
+            raise SpecError("microbatches", f"must be a positive integer, got {microbatches!r}")
+        if not isinstance(replicas, int) or replicas < 1:
+            raise SpecError("replicas", f"must be a positive integer, got {replicas!r}")
+        if mixed_precision not in MIXED_PRECISION_MODES:
+            raise SpecError("memory.mixed_precision", f"unknown mode {mixed_precision!r} "
+                             f"(known: {', '.join(MIXED_PRECISION_MODES)})")
+        self.profile = profile
+        self.layers = layers
+        self.L = L = len(layers)
+        self.microbatch = m = microbatch
+        self.microbatches = M = microbatches
+        self.optimizer = _check_optimizer(optimizer)
+        self.mixed = mixed = mixed_precision != "none"
+        self.recompute = bool(recompute)
+        self.replicas = replicas
+        self.label_bytes = int(label_bytes)
+        self.data_bytes = int(data_bytes)
+
+        # per-unit coefficients (bytes)
+        self.c_weight = 4 + (2 if mixed else 0)
+        slots = OPTIMIZER_SLOTS[self.optimizer]
+        self.accumulates = M > 1 or replicas > 1
+        self.c_train = 4 * (1 + (1 if self.accumulates else 0) + slots + max(0, replicas - 2))
+        per_elem = PIPELINE_MIXED_ACTIVATION_BYTES if mixed else PIPELINE_ACTIVATION_BYTES
+        self.c_act = per_elem * m * (1 if self.recompute else M)
+        self.in_flight_examples = PIPELINE_INPUT_BATCHES * m * M * replicas  # global batches
+        self.label_examples = PIPELINE_INPUT_BATCHES * m * M  # one replica's batches
+
+        pp = [0] * (L + 1)
+        pt = [0] * (L + 1)
+        pa = [0] * (L + 1)
+        for i, layer in enumerate(layers):
+            pp[i + 1] = pp[i] + layer.params
+            pt[i + 1] = pt[i] + layer.trainable_params
+            pa[i + 1] = pa[i] + layer.output_elems
+        self._pp, self._pt, self._pa = pp, pt, pa
+
+        # X[b]: terms that grow with the end b; Y[a]: with the start a (subtracted)
+        cw, ct, ca = self.c_weight, self.c_train, self.c_act
+        x = [0.0] * (L + 1)
+        y = [0.0] * (L + 1)
+        for i in range(L + 1):
+            base = cw * pp[i] + ct * pt[i] + ca * pa[i]
+            x[i] = base + (self._grad_out(i) if i < L else self._labels())
+            y[i] = base - self._boundary_in(i) - self._grad_in(i) - (self._input_data() if i == 0
+                                                                      else 0)
+        self._x, self._y = x, y
+
+        # costs
+        if layer_costs is None:
+            per_layer: list[float] = [l.flops for l in layers]
+            self.cost_factor: float = 4 if self.recompute else 3
+            self.cost_unit = "FLOPs"
+        else:
+            per_layer = list(layer_costs)
+            if len(per_layer) != L:
+                raise SpecError("layer_costs", f"{len(per_layer)} values for {L} layers")
+            for c in per_layer:
+                if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) \
+                        or c < 0:
+                    raise SpecError("layer_costs", f"every cost must be a finite number >= 0, "
+                                     f"got {c!r}")
+            self.cost_factor = 4 / 3 if self.recompute else 1
+            self.cost_unit = "measured"
+        f = [0] * (L + 1)
+        for i, c in enumerate(per_layer):
+            f[i + 1] = f[i] + c
+        self._f = f
+
+    # -- boundary terms (functions of one end only)
+
+    def _in_elems(self, a: int) -> int:
+        return self.profile.input_elems if a == 0 else self.layers[a - 1].output_elems
+
+    def _boundary_in(self, a: int) -> float:
+        return 4 * self._in_elems(a) * self.microbatch * self.microbatches if a < self.L else 0
+
+    def _grad_in(self, a: int) -> float:
+        return 4 * self._in_elems(a) * self.microbatch if 0 < a < self.L else 0
+
+    def _grad_out(self, b: int) -> float:
+        return 4 * self.layers[b - 1].output_elems * self.microbatch if 0 < b < self.L else 0
+
+    def _input_data(self) -> float:
+        return self.in_flight_examples * 4 * self.profile.input_elems + self.data_bytes
+
+    def _labels(self) -> float:
+        return self.label_examples * self.label_bytes
+
+    # -- queries
+
+    def _check(self, first: int, last: int) -> None:
+        if not (0 <= first < last <= self.L):
+            raise ValueError(f"stage layers [{first}, {last}) must be a non-empty range of "
+                             f"0..{self.L}")
+
+    def memory(self, first: int, last: int) -> int:
+        """Estimated peak bytes of a task holding layers ``[first, last)``."""
+        self._check(first, last)
+        c = math.ceil(self._x[last] - self._y[first])
+        return c + FIXED_OVERHEAD + math.ceil(FRAGMENTATION * c)
+
+    def cost(self, first: int, last: int) -> float:
+        """Per-example training cost of layers ``[first, last)`` (see the module docstring)."""
+        self._check(first, last)
+        return (self._f[last] - self._f[first]) * self.cost_factor
+
+    def total_lower_bound(self, stages: int) -> float:
+        """A lower bound on the summed memory of any split into ``stages`` stages: the whole
+        model's terms, the cheapest cut's boundary terms for each cut, and each stage's fixed
+        overhead (every stage costs at least total(X[b] - Y[a]) >= (1 + FRAGMENTATION) x
+        (X[b] - Y[a]) + FIXED_OVERHEAD, and the X - Y differences telescope)."""
+        L = self.L
+        cut = min((self._x[c] - self._y[c] for c in range(1, L)), default=0.0)
+        raw = self._x[L] - self._y[0] + (stages - 1) * max(cut, 0.0)
+        return (1 + FRAGMENTATION) * raw + stages * FIXED_OVERHEAD
+
+    def breakdown(self, first: int, last: int) -> dict[str, int]:
+        """The memory terms of a stage (bytes, each rounded up; ``overhead`` takes the rounding
+        so that the terms add up to ``total``, which equals ``memory(first, last)``)."""
+        self._check(first, last)
+        params = self._pp[last] - self._pp[first]
+        train = self._pt[last] - self._pt[first]
+        acts = self._pa[last] - self._pa[first]
+        slots = OPTIMIZER_SLOTS[self.optimizer]
+        terms = {
+            "weights": self.c_weight * params,
+            "gradients": 4 * train,
+            "accumulator": 4 * train if self.accumulates else 0,
+            "optimizer_slots": 4 * slots * train,
+            "collective": 4 * train * max(0, self.replicas - 2),
+            "activations": math.ceil(self.c_act * acts),
+            "boundary_input": math.ceil(self._boundary_in(first)),
+            "boundary_gradients": math.ceil(self._grad_in(first) + self._grad_out(last)),
+            "input_data": math.ceil(self._input_data()) if first == 0 else 0,
+            "labels": math.ceil(self._labels()) if last == self.L else 0,
+        }
+        total = self.memory(first, last)
+        terms["overhead"] = total - sum(terms.values())
+        terms["total"] = total
+        return terms
+
+
+def stage_memory(profile: ModelProfile, first: int, last: int, *, microbatch: int,
+                 microbatches: int, optimizer: str = "adam", mixed_precision: str = "none",
+                 recompute: bool = False, stage_index: int | None = None,
+                 num_stages: int | None = None, replicas: int = 1, label_bytes: int = 8,
+                 data_bytes: int = 0) -> int:
+    """Bytes of a GPipe stage task holding ``profile.layers[first:last]`` (terms: module
+    docstring). Whether it is the first or last stage follows from the range (first == 0, last
+    == number of layers); ``stage_index`` and ``num_stages``, when given, are checked against
+    it. For many queries build a ``StageCostModel`` once."""
+    model = StageCostModel(profile, microbatch=microbatch, microbatches=microbatches,
+                           optimizer=optimizer, mixed_precision=mixed_precision,
+                           recompute=recompute, replicas=replicas, label_bytes=label_bytes,
+                           data_bytes=data_bytes)
+    model._check(first, last)
+    if stage_index is not None and (stage_index == 0) != (first == 0):
+        raise ValueError(f"stage_index {stage_index} does not match first layer {first}: "
+                         "stage 0 is the one that starts at layer 0")
+    if num_stages is not None and stage_index is not None \
+            and (stage_index == num_stages - 1) != (last == model.L):
+        raise ValueError(f"stage {stage_index} of {num_stages} does not match last layer {last}: "
+                         "the last stage is the one that ends at the last layer")
+    return model.memory(first, last)

@@ -1,0 +1,171 @@
+"""The ``Strategy`` interface: everything that differs between distribution strategies.
+
+A strategy owns, for its jobs:
+
+- ``fields`` and ``validate``: which strategy-specific spec fields it takes, and their checks;
+- ``plan``: the job plan (tasks, each task's estimate and budget), a pure function of the spec,
+  the workers offered and the model's profile;
+- ``lead`` and ``decide_on_end``: whose progress and result are the job's, and when the job has
+  succeeded (the success rule);
+- ``on_failure``: the failure policy, a pure function that returns a ``FailureDecision`` for the
+  coordinator to carry out (restarts plug in here);
+- ``task_section``: its part of the task contract (``strata.taskconfig``);
+- ``runner``: the task-side code that runs a task of a given role (imported lazily, so that the
+  coordinator, which also holds strategies, never imports TensorFlow).
+
+Strategies are found by name in the registry (``strata.strategies``); nothing outside a
+strategy's module and the registry branches on a strategy's name.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import enum
+from typing import TYPE_CHECKING, Callable, ClassVar, Mapping, Sequence
+
+from strata.memory import HEADROOM_FRACTION, HEADROOM_MIN, default_budget, format_size
+from strata.types import FailureKind, Job, JobPlan, Task, TaskPlan, TaskState, WorkerOffer
+
+if TYPE_CHECKING:
+    from strata.modelspec import ModelProfile
+    from strata.spec import JobSpec
+    from strata.taskconfig import StrategySection, TaskConfig
+    from strata.worker.common import Events
+
+    Runner = Callable[[TaskConfig, Events], int]
+
+
+# --- decisions -------------------------------------------------------------------------------
+
+class FailureAction(str, enum.Enum):
+    FAIL_JOB = "FAIL_JOB"      # stop the other tasks, the job ends FAILED
+    CONTINUE = "CONTINUE"      # the job carries on without the task
+
+
+@dataclasses.dataclass(frozen=True)
+class FailureDecision:
+    action: FailureAction
+    message: str
+
+
+@dataclasses.dataclass(frozen=True)
+class EndDecision:
+    """The job has succeeded. ``stop_others``: its remaining tasks (servers) are stopped, and
+    count as succeeded when they report being stopped."""
+
+    message: str
+    stop_others: bool = False
+
+
+def describe_failure(t: Task) -> str:
+    if t.failure == FailureKind.OOM:
+        return (f"out of memory: the task exceeded its memory slice of "
+                f"{format_size(t.memory_budget_bytes)} (peak seen {format_size(t.peak_memory_bytes)})"
+                + (f"; {t.message}" if t.message else ""))
+    if t.failure == FailureKind.EXIT_CODE:
+        return f"exited with code {t.exit_code}" + (f": {t.message}" if t.message else "")
+    return t.message or t.failure.value.lower()
+
+
+def success_message(job: Job) -> str:
+    acc = job.metrics.test_accuracy
+    return f"test accuracy {acc:.4f}" if acc is not None else "done"
+
+
+# --- plan helpers ----------------------------------------------------------------------------
+
+def budget_for(spec: JobSpec, estimate: int) -> int:
+    """A task's budget: ``memory.per_task_budget`` when the job sets one, else the estimate plus
+    headroom (``strata.memory.default_budget``)."""
+    return spec.memory.per_task_budget_bytes or default_budget(estimate)
+
+
+def offer_for_estimate(free_bytes: int) -> int:
+    """The largest estimate whose default budget fits ``free_bytes``."""
+    return max(0, min(int(free_bytes / (1 + HEADROOM_FRACTION)), free_bytes - HEADROOM_MIN))
+
+
+def too_big(tasks: Sequence[TaskPlan], workers: Sequence[WorkerOffer]) -> TaskPlan | None:
+    """The largest task no worker can hold, if any (with no workers: none, they may join)."""
+    if not workers:
+        return None
+    largest = max(w.bytes for w in workers)
+    worst = max(tasks, key=lambda t: t.memory_budget_bytes, default=None)
+    return worst if worst is not None and worst.memory_budget_bytes > largest else None
+
+
+# --- the interface ---------------------------------------------------------------------------
+
+class Strategy(abc.ABC):
+    #: the spec's ``strategy`` value
+    name: ClassVar[str]
+    #: one line for help texts and docs
+    summary: ClassVar[str] = ""
+    #: optional spec fields this strategy takes (dotted names); others must stay unset
+    fields: ClassVar[frozenset[str]] = frozenset()
+    #: the task whose progress and result are the job's
+    lead: ClassVar[tuple[str, int]] = ("chief", 0)
+    #: True: the lead drives the job, the other tasks serve it and are stopped when it succeeds;
+    #: False: every task trains, and the job succeeds when all of them have
+    lead_drives: ClassVar[bool] = True
+
+    # -- spec
+
+    def defaults(self) -> Mapping[str, int]:
+        """Defaults of strategy-specific integer fields, e.g. ``{"parameter_servers": 1}``."""
+        return {}
+
+    def validate(self, spec: JobSpec) -> None:
+        """Checks the strategy's own constraints on a parsed spec. Raises ``SpecError``."""
+
+    # -- plan
+
+    @abc.abstractmethod
+    def plan(self, spec: JobSpec, workers: Sequence[WorkerOffer],
+             profile: ModelProfile) -> JobPlan:
+        """The job's tasks and budgets against ``workers`` (whole budgets when admitting, free
+        ones for ``strata plan``). Pure. Raises ``SpecError`` for arguments it refuses."""
+
+    def describe_plan(self, spec: JobSpec, plan: JobPlan) -> str:
+        """The submit event's account of the plan."""
+        return f"{self.name}: {plan.summary}; tasks " + ", ".join(
+            f"{t.role}:{t.index} est {format_size(t.estimated_memory_bytes)} budget "
+            f"{format_size(t.memory_budget_bytes)}" for t in plan.tasks)
+
+    # -- lifecycle decisions (pure)
+
+    def is_lead(self, task: Task) -> bool:
+        return (task.role, task.index) == self.lead
+
+    def decide_on_end(self, job: Job, task: Task) -> EndDecision | None:
+        """Called when ``task`` reached a final state and the job is not final: whether the job
+        has now succeeded. Failures go through ``on_failure`` instead."""
+        if self.lead_drives:
+            if self.is_lead(task) and task.state == TaskState.SUCCEEDED:
+                return EndDecision(success_message(job), stop_others=True)
+            return None
+        if all(t.state == TaskState.SUCCEEDED for t in job.tasks):
+            return EndDecision(success_message(job))
+        return None
+
+    def stopped_counts_as_success(self, job: Job, task: Task) -> bool:
+        """A task stopped after its job succeeded (a server whose driver finished)."""
+        return self.lead_drives and not self.is_lead(task)
+
+    def on_failure(self, job: Job, task: Task) -> FailureDecision:
+        """The failure policy: what a failed task means for its job. The default fails the job;
+        strategies that can carry on without the task say so."""
+        return FailureDecision(FailureAction.FAIL_JOB,
+                               f"task {task.role}:{task.index} failed: {describe_failure(task)}")
+
+    # -- the task contract
+
+    def task_section(self, job: Job, task: Task) -> StrategySection:
+        """This strategy's section of ``task``'s ``TaskConfig`` (None: it needs none)."""
+        return None
+
+    @abc.abstractmethod
+    def runner(self, role: str) -> Runner:
+        """The function that runs a task of ``role`` in the task process. Imports its
+        TensorFlow code lazily. Raises ``TaskConfigError`` for a role it does not run."""

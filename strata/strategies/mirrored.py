@@ -1,0 +1,84 @@
+"""``multi_worker_mirrored``: data parallel with TensorFlow's ``MultiWorkerMirroredStrategy``.
+
+``workers`` identical tasks ``worker:i``, each holding the whole model and its shard of the
+data; gradients are all-reduced every step, so every replica ends with the same weights. The
+job succeeds when every task has its result; worker 0's progress and result are the job's.
+When the model fits no worker, the refusal says how deep a pipeline would have to be for its
+stages to fit. The runner is ``strata.worker.mirrored``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar, Sequence
+
+from strata.memory import estimate_task_memory, format_size, label_bytes_of
+from strata.strategies import register
+from strata.strategies.base import Strategy, budget_for, offer_for_estimate, too_big
+from strata.taskconfig import TaskConfigError
+from strata.types import JobPlan, TaskPlan, WorkerOffer
+
+if TYPE_CHECKING:
+    from strata.modelspec import ModelProfile
+    from strata.spec import JobSpec
+    from strata.strategies.base import Runner
+
+
+@register
+class MultiWorkerMirrored(Strategy):
+    name = "multi_worker_mirrored"
+    summary = "data parallel: identical replicas, gradients all-reduced every step"
+    lead: ClassVar[tuple[str, int]] = ("worker", 0)
+    lead_drives = False
+
+    def plan(self, spec: JobSpec, workers: Sequence[WorkerOffer],
+             profile: ModelProfile) -> JobPlan:
+        estimate = estimate_task_memory(spec.to_dict(), spec.per_replica_batch, profile,
+                                        collective=True).total
+        budget = budget_for(spec, estimate)
+        layers = tuple(layer.name for layer in profile.layers)
+        tasks = tuple(TaskPlan("worker", i, estimate, budget, layers=layers,
+                               last_layer=len(layers)) for i in range(spec.workers))
+        if too_big(tasks, workers) is None:
+            return JobPlan(self.name, True, "", tasks)
+        largest = max(w.bytes for w in workers)
+        reason = (f"fits no worker: each task needs {format_size(budget)} (estimate "
+                  f"{format_size(estimate)} plus headroom) but the largest worker budget is "
+                  f"{format_size(largest)}")
+        return JobPlan(self.name, False, reason + _pipeline_hint(spec, profile, workers), tasks)
+
+    def describe_plan(self, spec: JobSpec, plan: JobPlan) -> str:
+        t0 = plan.tasks[0]
+        return (f"{spec.workers} x {self.name} task(s), estimate "
+                f"{format_size(t0.estimated_memory_bytes)}, budget "
+                f"{format_size(t0.memory_budget_bytes)} each")
+
+    def runner(self, role: str) -> Runner:
+        if role != "worker":
+            raise TaskConfigError("role", f"a {self.name} job has worker tasks only, not {role!r}")
+        from strata.worker.mirrored import run
+
+        return run
+
+
+def _pipeline_hint(spec: JobSpec, profile: ModelProfile, workers: Sequence[WorkerOffer]) -> str:
+    """How deep a pipeline of this model would fit the largest worker, for the refusal."""
+    from strata.coordinator.planner import suggest_stages
+    from strata.strategies.pipeline import Pipeline
+
+    largest = offer_for_estimate(max(w.bytes for w in workers))
+    microbatches = max(spec.microbatches, 4)
+    if spec.data.batch_size % microbatches:
+        microbatches = 1
+    try:
+        k = suggest_stages(profile, largest, global_batch=spec.data.batch_size,
+                           microbatches=microbatches, optimizer=spec.training.optimizer.name,
+                           mixed_precision=spec.memory.mixed_precision,
+                           label_bytes=label_bytes_of(spec.to_dict(), profile), data_bytes=0)
+    except ValueError:
+        k = None
+    if k is None:
+        return ("; no pipeline split fits either (a single layer is too large for every "
+                f"worker; see `strata plan` with strategy: {Pipeline.name})")
+    enough = "" if k <= len(workers) else f" (the cluster has {len(workers)} workers now)"
+    return (f"; it fits as a pipeline: strategy: {Pipeline.name}, stages: {k}, microbatches: "
+            f"{microbatches}{enough}; `strata plan` shows the split")

@@ -1,0 +1,135 @@
+"""The task contract: what the coordinator tells one task process, as typed domain objects.
+
+On the wire it is the ``TaskConfig`` message of ``protos/strata.proto`` (``strata.convert`` maps
+between the two). The coordinator builds it from the stored plan (``Strategy.task_config``); the
+agent passes it through, adding only ``agent`` (``AgentSettings``: what the agent owns); the task
+process reads it once (``read_task_config``) and hands the typed object to its strategy's
+runner. Every default of the contract lives here, once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from strata.spec import JobSpec
+
+#: Bumped when a field of the contract changes meaning; a task refuses another version.
+TASK_CONFIG_VERSION = 1
+#: How often a task reports progress and allocator figures. Every report costs the agent and the
+#: coordinator a little CPU, and on a small host that is CPU the lockstep trainers do not get.
+REPORT_INTERVAL_S = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ParameterServerSection:
+    """parameter_server: the PS task holding each layer's variables, and each PS task's slice."""
+
+    placement: dict[str, int]
+    ps_budgets_bytes: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class StageAssignment:
+    """One (replica, stage) of a pipeline: the task that holds it and its layers
+    ``[first_layer, last_layer)`` of the model's profile."""
+
+    replica: int
+    stage: int
+    role: str
+    index: int
+    first_layer: int
+    last_layer: int
+    layers: tuple[str, ...]
+    estimated_memory_bytes: int = 0
+    memory_budget_bytes: int = 0
+
+    @property
+    def task_name(self) -> str:
+        return f"{self.role}:{self.index}"
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineSection:
+    """pipeline, hybrid: the stage layout (``stages`` x ``replicas`` assignments)."""
+
+    stages: int
+    replicas: int
+    microbatches: int
+    microbatch: int
+    layout: tuple[StageAssignment, ...]
+
+
+StrategySection = ParameterServerSection | PipelineSection | None
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentSettings:
+    """Filled by the agent alone: where outputs go, intra-op threads, the device as the task
+    sees it (``CPU`` or ``GPU:0``: the agent makes its one GPU the only visible one)."""
+
+    output_dir: str = ""
+    threads: int = 0
+    device: str = "CPU"
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskConfig:
+    job_id: str
+    role: str
+    index: int
+    spec: JobSpec
+    memory_budget_bytes: int = 0
+    report_interval_s: float = REPORT_INTERVAL_S
+    section: StrategySection = None
+    agent: AgentSettings = AgentSettings()
+    version: int = TASK_CONFIG_VERSION
+
+    @property
+    def task_name(self) -> str:
+        return f"{self.role}:{self.index}"
+
+
+class TaskConfigError(Exception):
+    """The task configuration cannot be read or run; ``field`` names what to fix."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+def read_task_config(path: str) -> TaskConfig:
+    """Reads a ``TaskConfig`` message from ``path``: binary protobuf as the agent writes it, or
+    its JSON form (``.json``: protobuf's JSON mapping, for hand-made configs and tests)."""
+    from google.protobuf import json_format
+
+    from strata import convert
+    from strata.errors import SpecError
+    from strata.protos import strata_pb2 as pb
+
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise TaskConfigError("--config", f"cannot read task config {path}: {e.strerror}") from None
+    msg = pb.TaskConfig()
+    try:
+        if path.endswith(".json"):
+            json_format.Parse(data.decode("utf-8"), msg)
+        else:
+            msg.ParseFromString(data)
+    except (json_format.ParseError, UnicodeDecodeError, ValueError) as e:
+        raise TaskConfigError("--config", f"{path} is not a TaskConfig message: {e}") from None
+    if msg.version != TASK_CONFIG_VERSION:
+        raise TaskConfigError("version", f"task config version {msg.version}; this task runner "
+                                         f"reads version {TASK_CONFIG_VERSION}")
+    try:
+        return convert.task_config_from_proto(msg)
+    except SpecError as e:
+        raise TaskConfigError(e.field, e.message) from None
+
+
+def write_task_config(path: str, config: TaskConfig) -> None:
+    from strata import convert
+
+    with open(path, "wb") as f:
+        f.write(convert.task_config_to_proto(config).SerializeToString())

@@ -1,0 +1,138 @@
+"""The ``multi_worker_mirrored`` runner: data parallel with ``MultiWorkerMirroredStrategy``.
+
+A custom training loop (Keras 3 ``model.fit`` does not work under the strategy): each worker
+reads its own shard of the training set, all workers run the same number of steps, gradients
+are all-reduced every step (``tf.nn.compute_average_loss`` over the global batch), so every
+worker ends with the same weights. Every worker evaluates the full test split locally; worker
+0 saves ``model.keras``. The result carries a SHA-256 of the final weights, so anyone can check
+that the replicas agree.
+
+Signals: during the cluster rendezvous (the strategy's constructor) TensorFlow's coordination
+service has its own SIGTERM handler and the GIL is held: only SIGKILL works there, so the agent
+stops a task with SIGTERM and then SIGKILL after a grace period.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Any, Callable
+
+from strata.taskconfig import TaskConfig, TaskConfigError
+from strata.worker.common import (
+    Events, cluster_from_tf_config, eval_sums, log,
+)
+from strata.worker.runner import TrainingRunner
+
+DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0   # STRATA_COLLECTIVE_TIMEOUT_S overrides
+
+
+class MirroredRunner(TrainingRunner):
+    def join(self) -> dict[str, Any]:
+        tf = self.tf
+        cluster, role, index = cluster_from_tf_config()
+        if (role, index) != (self.cfg.role, self.cfg.index):
+            raise TaskConfigError("TF_CONFIG", f"names task {role}:{index}, the task config "
+                                               f"{self.cfg.task_name}")
+        self.index = index
+        self.n_workers = len(cluster.get("worker", [])) or 1
+        if self.gb % self.n_workers:
+            raise TaskConfigError("data.batch_size", f"global batch {self.gb} is not divisible "
+                                                     f"by the {self.n_workers} workers")
+        timeout = float(os.environ.get("STRATA_COLLECTIVE_TIMEOUT_S", DEFAULT_COLLECTIVE_TIMEOUT_S))
+        options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=timeout)
+        self.strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+        self.n_replicas = self.strategy.num_replicas_in_sync
+        if self.gb % self.n_replicas:
+            raise TaskConfigError("data.batch_size", f"global batch {self.gb} is not divisible "
+                                                     f"by the {self.n_replicas} replicas")
+        self.per_replica = self.gb // self.n_replicas
+        return {"workers": self.n_workers, "replicas": self.n_replicas}
+
+    def build(self) -> None:
+        import keras
+
+        from strata.worker import data as wdata
+        from strata.worker import models as wmodels
+
+        tf, strategy, d = self.tf, self.strategy, self.data
+        assert d is not None
+        keras.utils.set_random_seed(self.seed)
+        with strategy.scope():
+            model, from_logits = wmodels.build_model(self.spec.model, self.mixed,
+                                                     sync_batchnorm=self.n_replicas > 1)
+            optimizer = wmodels.build_optimizer(self.spec.training.optimizer, self.mixed)
+            loss_fn = wmodels.build_loss(self.spec.training.loss, from_logits)
+        self.model, self.loss_fn = model, loss_fn
+        gb, seed, x_train, y_train = self.gb, self.seed, d.x_train, d.y_train
+
+        def dataset_fn(ctx: Any) -> Any:
+            wid, nw = ctx.input_pipeline_id, ctx.num_input_pipelines
+            x, y = wdata.shard(x_train, y_train, wid, nw)
+            return wdata.make_train_dataset(x, y, ctx.get_per_replica_batch_size(gb), seed + wid)
+
+        # the input pipeline (and its transient second copy of the shard while the iterator is
+        # created) comes before the optimizer slots exist, which keeps this start-up peak low
+        self.iterator = iter(strategy.distribute_datasets_from_function(dataset_fn))
+        with strategy.scope():
+            optimizer.build(model.trainable_variables)
+        variables = model.trainable_variables
+        scaled = self.mixed == "float16"
+
+        def step_fn(x: Any, y: Any) -> Any:
+            with tf.GradientTape() as tape:
+                out = model(x, training=True)
+                per_example = loss_fn(y, tf.cast(out, tf.float32))
+                loss = tf.nn.compute_average_loss(per_example, global_batch_size=gb)
+                loss_for_grad = optimizer.scale_loss(loss) if scaled else loss
+            grads = tape.gradient(loss_for_grad, variables)
+            optimizer.apply_gradients(zip(grads, variables))
+            return loss
+
+        @tf.function
+        def train_step(it: Any) -> Any:
+            per_replica_loss = strategy.run(step_fn, args=next(it))
+            return strategy.experimental_local_results(per_replica_loss)
+
+        @tf.function(reduce_retracing=True)
+        def eval_batch(x: Any, y: Any) -> Any:
+            out = tf.cast(model(x, training=False), tf.float32)
+            return eval_sums(tf, loss_fn, y, out, d.classify)
+
+        self._train_step, self._eval_batch = train_step, eval_batch
+        self.local_replicas = len(strategy.extended.worker_devices)
+        log(f"model {model.name}: {model.count_params():,} params, {self.per_replica} examples "
+            "per replica")
+
+    def train_step(self, step: int) -> Callable[[], float]:
+        local = self._train_step(self.iterator)
+        # this worker's replicas' share of the global mean, scaled back to a mean over the
+        # examples this worker saw (reading it waits for the step to finish)
+        return lambda: float(sum(float(t) for t in local)) * self.n_replicas / max(
+            1, self.local_replicas)
+
+    def eval_batch_size(self) -> int:
+        return max(1, self.per_replica)
+
+    def eval_batch(self, x: Any, y: Any) -> tuple[float, float]:
+        tf = self.tf
+        loss_sum, correct = self._eval_batch(tf.constant(x), tf.constant(y))
+        return float(loss_sum), float(correct)
+
+    def result_fields(self) -> dict[str, Any]:
+        import numpy as np
+
+        h = hashlib.sha256()
+        for w in self.model.weights:
+            h.update(np.ascontiguousarray(np.asarray(w.numpy(), dtype=np.float32)).tobytes())
+        model_path = None
+        if self.index == 0:
+            out_dir = self.cfg.agent.output_dir or os.getcwd()
+            os.makedirs(out_dir, exist_ok=True)
+            model_path = os.path.abspath(os.path.join(out_dir, "model.keras"))
+            self.model.save(model_path)
+        return {"weights_sha256": h.hexdigest(), "model_path": model_path}
+
+
+def run(cfg: TaskConfig, events: Events) -> int:
+    return MirroredRunner(cfg, events).run()

@@ -1,0 +1,216 @@
+"""The one skeleton every training task follows; each strategy supplies its steps.
+
+``TrainingRunner.run``: join the cluster (``join``), load the data (shared), build the model
+(``build``), train for the planned number of steps (``train``: by default one ``train_step`` per
+step, with progress and allocator figures reported every ``report_interval_s``), evaluate on
+the test split (``eval_batch`` over batches), report the result (``result_fields``), and leave
+through ``exit_task`` with the documented exit status (``strata.exitcodes``; errors become
+exit statuses in ``strata.worker.task``). Checkpoint and restore hooks belong here next.
+
+Subclasses: ``strata.worker.mirrored`` (multi_worker_mirrored), ``strata.worker.ps`` (the
+parameter_server chief), ``strata.worker.pipeline`` (the pipeline and hybrid driver).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable
+
+from strata.exitcodes import TASK_EXIT_OK
+from strata.modelspec import ModelProfile, ModelSpecError, profile_model
+from strata.taskconfig import TaskConfig, TaskConfigError
+from strata.worker.common import (
+    Events, configure_device, exit_task, format_mib, install_sigterm_handler, log,
+)
+
+
+@dataclasses.dataclass
+class Data:
+    """The job's data as a task holds it: NumPy arrays, targets shaped for the loss."""
+
+    x_train: Any
+    y_train: Any
+    x_test: Any
+    y_test: Any
+    classify: bool        # test accuracy is meaningful (class labels)
+    steps: int            # the planned number of training steps
+
+    @property
+    def n_train(self) -> int:
+        return int(self.x_train.shape[0])
+
+
+def load_data(cfg: TaskConfig, input_shape: tuple[int, ...],
+              output_shape: tuple[int, ...]) -> Data:
+    """Loads the spec's data for a model of these shapes. Raises ``TaskConfigError``."""
+    import numpy as np
+
+    from strata.worker import data as wdata
+
+    spec = cfg.spec
+    loss = spec.training.loss
+    field = "data.path" if spec.data.path else "data.source"
+    try:
+        splits = wdata.load_splits(spec.data, tuple(input_shape), tuple(output_shape))
+        y_train = wdata.prepare_targets(splits.y_train, loss, tuple(output_shape), field)
+        y_test = wdata.prepare_targets(splits.y_test, loss, tuple(output_shape), field)
+    except wdata.DataError as e:
+        raise TaskConfigError(e.field, e.message) from None
+    classify = loss in wdata.CLASSIFICATION_LOSSES or (
+        np.issubdtype(splits.y_test.dtype, np.integer) and splits.y_test.ndim == 1)
+    steps = wdata.total_steps(spec.training, splits.n_train, spec.data.batch_size)
+    return Data(splits.x_train, y_train, splits.x_test, y_test, bool(classify), steps)
+
+
+def check_data_available(cfg: TaskConfig) -> None:
+    """What can be checked before TensorFlow is imported (a bad config fails in milliseconds):
+    a data file's presence and arrays."""
+    if cfg.spec.data.path:
+        from strata.worker.data import DataError, load_npz_keys
+
+        try:
+            load_npz_keys(cfg.spec.data.path)
+        except DataError as e:
+            raise TaskConfigError(e.field, e.message) from None
+
+
+class Progress:
+    """Reports ``first_step`` once and ``progress`` (step, loss, examples/s, this process's
+    allocator figures) after the first and the last step and at most every ``interval`` s."""
+
+    def __init__(self, events: Events, memory: Callable[[], dict], total_steps: int,
+                 global_batch: int, interval: float, label: str = "mem"):
+        self.events, self.memory, self.total = events, memory, total_steps
+        self.gb, self.interval, self.label = global_batch, interval, label
+        self.t_start = time.time()
+        self.last_t, self.last_step, self.last_report = self.t_start, 0, self.t_start
+
+    def first_step(self) -> None:
+        self.events.emit("first_step", latency_s=time.time() - self.t_start)
+
+    def due(self, step: int) -> bool:
+        return step == 1 or step == self.total or time.time() - self.last_report >= self.interval
+
+    def report(self, step: int, loss: float) -> None:
+        now = time.time()
+        eps = (step - self.last_step) * self.gb / max(now - self.last_t, 1e-9)
+        m = self.memory()
+        self.events.emit("progress", step=step, total_steps=self.total, loss=loss,
+                         examples_per_sec=eps, memory=m)
+        log(f"step {step}/{self.total} loss {loss:.4f} {eps:,.0f} ex/s {self.label} "
+            f"{format_mib(m['current'])} (peak {format_mib(m['peak'])})")
+        self.last_t, self.last_step, self.last_report = now, step, now
+
+
+class TrainingRunner:
+    """Subclasses implement ``join``, ``build``, ``train_step`` (or ``train``), ``eval_batch``
+    and ``result_fields``; ``run`` is the order they happen in."""
+
+    #: how the allocator figures are labelled in the log (the chief's own, for drivers)
+    memory_label = "mem"
+
+    def __init__(self, cfg: TaskConfig, events: Events):
+        self.cfg = cfg
+        self.spec = cfg.spec
+        self.events = events
+        self.gb = cfg.spec.data.batch_size
+        self.mixed = cfg.spec.memory.mixed_precision
+        self.seed = cfg.spec.training.seed
+        try:
+            self.profile: ModelProfile = profile_model(cfg.spec.model)
+        except ModelSpecError as e:
+            raise TaskConfigError(e.field, e.message) from None
+        self.tf: Any = None
+        self.memory: Callable[[], dict] = lambda: {"current": 0, "peak": 0}
+        self.data: Data | None = None
+
+    # -- hooks
+
+    def setup_device(self) -> None:
+        """Imports TensorFlow and applies the device settings (before the runtime starts)."""
+        self.tf, self.memory = configure_device(self.cfg)
+
+    def join(self) -> dict[str, Any]:
+        """Joins the job's cluster; returns the ``started`` event's fields."""
+        raise NotImplementedError
+
+    def build(self) -> None:
+        """Builds the model, optimizer and input pipeline (``self.data`` is loaded)."""
+        raise NotImplementedError
+
+    def train_step(self, step: int) -> Callable[[], float]:
+        """Runs one step; returns a function that reads its loss (reading may wait for it)."""
+        raise NotImplementedError
+
+    def eval_batch_size(self) -> int:
+        return max(1, self.gb)
+
+    def eval_batch(self, x: Any, y: Any) -> tuple[float, float]:
+        """(summed loss, correct predictions) of one test batch."""
+        raise NotImplementedError
+
+    def result_fields(self) -> dict[str, Any]:
+        """The ``result`` event's strategy fields: ``weights_sha256``, ``model_path``, ..."""
+        raise NotImplementedError
+
+    # -- the skeleton
+
+    def train(self, steps: int) -> None:
+        progress = Progress(self.events, self.memory, steps, self.gb, self.cfg.report_interval_s,
+                            self.memory_label)
+        for step in range(1, steps + 1):
+            read_loss = self.train_step(step)
+            if step == 1:
+                progress.first_step()
+            if progress.due(step):
+                progress.report(step, read_loss())
+
+    def evaluate(self) -> tuple[float, float]:
+        assert self.data is not None
+        d = self.data
+        total_loss, total_correct = 0.0, 0.0
+        n_test = int(d.x_test.shape[0])
+        bs = self.eval_batch_size()
+        for i in range(0, n_test, bs):
+            loss_sum, correct = self.eval_batch(d.x_test[i:i + bs], d.y_test[i:i + bs])
+            total_loss += float(loss_sum)
+            total_correct += float(correct)
+        test_loss = total_loss / max(1, n_test)
+        test_acc = total_correct / max(1, n_test) if d.classify else 0.0
+        return test_loss, test_acc
+
+    def run(self) -> int:
+        t0 = time.time()
+        self.setup_device()
+        started = self.join()
+        install_sigterm_handler(self.events)
+        self.events.emit("started", **started)
+        log(f"started: {self.cfg.task_name} of job {self.cfg.job_id} ({self.spec.strategy}), "
+            f"device {self.cfg.agent.device}, threads {self.cfg.agent.threads or 'default'}, "
+            f"TF {self.tf.__version__} (import and join {time.time() - t0:.1f} s); "
+            + ", ".join(f"{k} {v}" for k, v in started.items()))
+        self.data = load_data(self.cfg, self.profile.input_shape, self.profile.output_shape)
+        self.build()
+        steps = self.data.steps
+        log(f"training: {self.profile.total_params:,} params, {steps} steps, global batch "
+            f"{self.gb}, {self.data.n_train} train / {self.data.x_test.shape[0]} test rows, "
+            f"mixed precision {self.mixed}")
+        t_train = time.time()
+        self.train(steps)
+        train_s = time.time() - t_train
+        test_loss, test_acc = self.evaluate()
+        fields = self.result_fields()
+        m = self.memory()
+        self.events.emit("result", test_accuracy=test_acc, test_loss=test_loss, memory=m,
+                         steps=steps, train_seconds=train_s, **fields)
+        digest = str(fields.get("weights_sha256") or "")
+        log(f"result: test accuracy {test_acc:.4f} test loss {test_loss:.4f} after {steps} "
+            f"steps ({train_s:.1f} s); peak memory {format_mib(m['peak'])}; weights "
+            f"{digest[:12]}" + (f"; saved {fields['model_path']}" if fields.get("model_path")
+                                else ""))
+        # Leave from here, not by returning: returning frees the strategy, its iterators and
+        # collective state, whose destructors talk to the cluster's coordination service. When
+        # a peer has already exited that blocks ~10 s before failing.
+        exit_task(TASK_EXIT_OK, self.events)
+        return TASK_EXIT_OK  # not reached
