@@ -243,9 +243,10 @@ def _layer_entries(model_spec: dict, mixed: str) -> list:
         out = []
         if len(shape) > 1:
             out.append(lambda: keras.layers.Flatten(name="flatten", dtype=policy))
-        for i, units in enumerate(b.get("hidden", [])):
+        for i, units in enumerate(b["hidden"]):
             out.append(lambda i=i, u=int(units): keras.layers.Dense(
-                u, activation="relu", name=f"hidden_{i}", dtype=policy))
+                u, activation="relu", name=f"hidden_{i}", kernel_initializer="he_uniform",
+                dtype=policy))  # as worker.models builds the builtin MLP
         out.append(lambda: keras.layers.Dense(int(b["classes"]), name="logits", dtype="float32"))
         return out
     try:
