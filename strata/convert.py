@@ -213,8 +213,7 @@ def task_config_to_proto(c: TaskConfig) -> pb.TaskConfig:
         version=c.version, job_id=c.job_id, role=c.role, index=c.index,
         spec=spec_to_proto(c.spec), memory_budget_bytes=c.memory_budget_bytes,
         report_interval_s=c.report_interval_s,
-        agent=pb.AgentSettings(output_dir=c.agent.output_dir, threads=c.agent.threads,
-                               device=c.agent.device))
+        agent=agent_settings_to_proto(c.agent))
     s = c.section
     if isinstance(s, ParameterServerSection):
         msg.ps_placement.CopyFrom(pb.ParameterServerConfig(
@@ -228,6 +227,19 @@ def task_config_to_proto(c: TaskConfig) -> pb.TaskConfig:
                 estimated_memory_bytes=a.estimated_memory_bytes,
                 memory_budget_bytes=a.memory_budget_bytes) for a in s.layout]))
     return msg
+
+
+def agent_settings_to_proto(a: AgentSettings) -> pb.AgentSettings:
+    return pb.AgentSettings(output_dir=a.output_dir, threads=a.threads, device=a.device)
+
+
+def with_agent_settings(m: pb.TaskConfig, a: AgentSettings) -> pb.TaskConfig:
+    """The agent's one change to a contract: its own settings. Everything else of the
+    coordinator's message passes through as it came (a copy, the original untouched)."""
+    out = pb.TaskConfig()
+    out.CopyFrom(m)
+    out.agent.CopyFrom(agent_settings_to_proto(a))
+    return out
 
 
 def task_config_from_proto(m: pb.TaskConfig) -> TaskConfig:

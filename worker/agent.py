@@ -27,6 +27,7 @@ import grpc
 from strata.protos import strata_pb2 as pb
 from strata.protos import strata_pb2_grpc as pb_grpc
 from strata import convert, exitcodes
+from strata.taskconfig import AgentSettings
 from strata.types import FailureKind, MemoryStatus, TaskReport, TaskState
 
 log = logging.getLogger("strata.worker")
@@ -105,9 +106,7 @@ class TaskProcess:
         os.makedirs(self.dir, exist_ok=True)
         # The contract passes through as the coordinator built it; the agent fills only its
         # own settings (the task sees the agent's one GPU as GPU:0: CUDA_VISIBLE_DEVICES below).
-        config = pb.TaskConfig()
-        config.CopyFrom(cmd.config)
-        config.agent.CopyFrom(pb.AgentSettings(
+        config = convert.with_agent_settings(cmd.config, AgentSettings(
             output_dir=os.path.abspath(self.output_dir), threads=self.agent.cfg.threads,
             device="GPU:0" if self.agent.cfg.device.startswith("GPU") else "CPU"))
         config_path = os.path.join(self.dir, "config.pb")
