@@ -79,18 +79,17 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def rpc(method: F) -> F:
     """Applies the error table to a handler: unary (a coroutine) or server streaming (an async
-    generator). ``context.abort``'s own exception passes through untouched."""
+    generator). ``context.abort``'s own exception (and cancellation, a BaseException) passes
+    through untouched."""
     if inspect.isasyncgenfunction(method):
         @functools.wraps(method)
         async def stream(self: Any, request: Any, context: Any) -> AsyncIterator[Any]:
             try:
                 async for item in method(self, request, context):
                     yield item
-            except asyncio.CancelledError:
+            except grpc.aio.AbortError:
                 raise
             except Exception as e:  # noqa: BLE001 - mapped to a status code
-                if isinstance(e, grpc.aio.AbortError):
-                    raise
                 await _abort(context, e)
         return stream  # type: ignore[return-value]
 
@@ -98,11 +97,9 @@ def rpc(method: F) -> F:
     async def unary(self: Any, request: Any, context: Any) -> Any:
         try:
             return await method(self, request, context)
-        except asyncio.CancelledError:
+        except grpc.aio.AbortError:
             raise
         except Exception as e:  # noqa: BLE001 - mapped to a status code
-            if isinstance(e, grpc.aio.AbortError):
-                raise
             await _abort(context, e)
     return unary  # type: ignore[return-value]
 

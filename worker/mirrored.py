@@ -22,7 +22,7 @@ from strata.taskconfig import TaskConfig, TaskConfigError
 from strata.worker.common import (
     Events, cluster_from_tf_config, eval_sums, log,
 )
-from strata.worker.runner import TrainingRunner
+from strata.worker.runner import TrainingRunner, gradient_step
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0   # STRATA_COLLECTIVE_TIMEOUT_S overrides
 
@@ -76,18 +76,9 @@ class MirroredRunner(TrainingRunner):
         self.iterator = iter(strategy.distribute_datasets_from_function(dataset_fn))
         with strategy.scope():
             optimizer.build(model.trainable_variables)
-        variables = model.trainable_variables
-        scaled = self.mixed == "float16"
-
-        def step_fn(x: Any, y: Any) -> Any:
-            with tf.GradientTape() as tape:
-                out = model(x, training=True)
-                per_example = loss_fn(y, tf.cast(out, tf.float32))
-                loss = tf.nn.compute_average_loss(per_example, global_batch_size=gb)
-                loss_for_grad = optimizer.scale_loss(loss) if scaled else loss
-            grads = tape.gradient(loss_for_grad, variables)
-            optimizer.apply_gradients(zip(grads, variables))
-            return loss
+        step_fn = gradient_step(
+            tf, model, optimizer, loss_fn, self.mixed,
+            lambda per_example: tf.nn.compute_average_loss(per_example, global_batch_size=gb))
 
         @tf.function
         def train_step(it: Any) -> Any:

@@ -59,7 +59,7 @@ from strata.taskconfig import ParameterServerSection, TaskConfig
 from strata.worker.common import (
     BadConfig, Events, cluster_from_tf_config, eval_sums, exit_task, format_mib, log,
 )
-from strata.worker.runner import Progress, TrainingRunner
+from strata.worker.runner import Progress, TrainingRunner, gradient_step
 
 DEFAULT_CONNECT_TIMEOUT_S = 120.0
 DEFAULT_UNREACHABLE_TIMEOUT_S = 60.0
@@ -363,8 +363,6 @@ class PsChiefRunner(TrainingRunner):
             return ds.prefetch(1)
 
         self.per_worker_iter = iter(self.coordinator.create_per_worker_dataset(dataset_fn))
-        variables = model.trainable_variables
-        scaled = self.mixed == "float16"
 
         # steps applied and the sum of their losses, kept on a PS task: a step returns nothing,
         # because a result left on a worker cannot be fetched once that worker dies
@@ -374,14 +372,8 @@ class PsChiefRunner(TrainingRunner):
             self.loss_sum = loss_sum = tf.Variable(0.0, dtype=tf.float64, trainable=False,
                                                    name="strata_loss_sum")
 
-        def step_fn(x: Any, y: Any) -> Any:
-            with tf.GradientTape() as tape:
-                out = model(x, training=True)
-                loss = tf.reduce_mean(loss_fn(y, tf.cast(out, tf.float32)))
-                loss_for_grad = optimizer.scale_loss(loss) if scaled else loss
-            grads = tape.gradient(loss_for_grad, variables)
-            optimizer.apply_gradients(zip(grads, variables))
-            return loss
+        # one step is one whole batch on one worker: the mean over that batch
+        step_fn = gradient_step(tf, model, optimizer, loss_fn, self.mixed, tf.reduce_mean)
 
         @tf.function
         def train_step(it: Any) -> None:

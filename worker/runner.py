@@ -75,6 +75,26 @@ def check_data_available(cfg: TaskConfig) -> None:
             raise TaskConfigError(e.field, e.message) from None
 
 
+def gradient_step(tf: Any, model: Any, optimizer: Any, loss_fn: Any, mixed: str,
+                  reduce: Callable[[Any], Any]) -> Callable[[Any, Any], Any]:
+    """One replica's training step: forward, ``reduce`` the float32 per-example losses to the
+    loss to differentiate (a mean over the global or the local batch), backward (scaled with
+    float16's loss scaling), apply. Returns the loss."""
+    variables = model.trainable_variables
+    scaled = mixed == "float16"
+
+    def step_fn(x: Any, y: Any) -> Any:
+        with tf.GradientTape() as tape:
+            out = model(x, training=True)
+            loss = reduce(loss_fn(y, tf.cast(out, tf.float32)))
+            loss_for_grad = optimizer.scale_loss(loss) if scaled else loss
+        grads = tape.gradient(loss_for_grad, variables)
+        optimizer.apply_gradients(zip(grads, variables))
+        return loss
+
+    return step_fn
+
+
 class Progress:
     """Reports ``first_step`` once and ``progress`` (step, loss, examples/s, this process's
     allocator figures) after the first and the last step and at most every ``interval`` s."""
