@@ -114,10 +114,11 @@ class SqliteStore(Store):
 
     def put_job(self, job: Job) -> None:
         m = dataclasses.asdict(job.metrics)
+        spec = json.dumps(job.spec.to_dict() if job.spec is not None else None)
         with self._lock:
             self._db.execute(
                 "INSERT OR REPLACE INTO jobs VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
-                (job.id, job.name, job.state.value, job.strategy, json.dumps(job.spec.to_dict() if job.spec is not None else None), job.message,
+                (job.id, job.name, job.state.value, job.strategy, spec, job.message,
                  job.restarts, job.created_at, job.finished_at, job.started_at,
                  job.estimated_memory_bytes, json.dumps(m)))
 

@@ -343,11 +343,14 @@ def _check_fields_used(raw: Mapping[str, Any], strategy: Any) -> None:
         node: Any = raw
         for part in field.split("."):
             node = node.get(part) if isinstance(node, Mapping) else None
+        if isinstance(node, str):
+            node = node.strip().lower()
         if node in (None, 0, False, "", "0", "false", "no") or field in strategy.fields:
             continue
         users = strategies.users_of(field)
         raise SpecError(field, f"applies to strategies {' and '.join(users)} only"
-                        if len(users) > 1 else f"applies to strategy {users[0]} only")
+                        if len(users) > 1 else f"applies to strategy {users[0]} only"
+                        if users else "applies to no strategy available here")
 
 
 def _int_list(d: Mapping[str, Any], key: str, field: str, default: list[int],
