@@ -12,6 +12,8 @@ $(BIN)/python:
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
 $(STAMP): pyproject.toml | $(BIN)/python
+	@# an older checkout installed itself as `strata` with top-level coordinator/worker/protos
+	-$(BIN)/pip uninstall --quiet --yes strata 2>/dev/null
 	$(BIN)/pip install --quiet -e '.[cpu]'
 	touch $@
 

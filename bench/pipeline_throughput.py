@@ -156,7 +156,7 @@ def launch_job(raw: dict, workdir: str, *, threads: int = 1,
     status, "spec": the normalized spec, "cpu_samples", "foreign_tasks"}."""
     import portpicker
 
-    spec = parse_job_spec(raw, plan_only=True).to_dict()
+    spec = parse_job_spec(raw).to_dict()
     section, layout = plan_layout(spec)
     S, R = section["stages"], section["replicas"]
     n_workers = S * R - 1
@@ -237,7 +237,7 @@ def launch_job(raw: dict, workdir: str, *, threads: int = 1,
 
 def foreign_tasks(own: set[int]) -> int:
     """Task processes of other jobs on this machine (a shared machine's noise): processes whose
-    command line runs ``worker.task`` or pytest and that are not ``own``."""
+    command line runs ``strata.worker.task`` or pytest and that are not ``own``."""
     n = 0
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) in own or int(entry) == os.getpid():
@@ -324,13 +324,14 @@ def plain_child(args: argparse.Namespace) -> int:
     import keras
 
     from strata.worker import data as wdata
+    from strata.spec import OptimizerSpec
     from strata.worker import models as wmodels
 
     raw = mlp_spec(hidden=[args.width] * args.depth, input_dim=args.input_dim, batch=args.batch)
-    spec = parse_job_spec(raw, plan_only=True).to_dict()
+    spec = parse_job_spec(raw).to_dict()
     keras.utils.set_random_seed(0)
     model, from_logits = wmodels.build_model(spec["model"], "none")
-    opt = wmodels.build_optimizer({"name": "adam"}, "none")
+    opt = wmodels.build_optimizer(OptimizerSpec("adam"), "none")
     loss_fn = wmodels.build_loss("sparse_categorical_crossentropy", from_logits)
     s = wdata.load_synthetic_splits((args.input_dim,), 10, 8192)
     it = iter(wdata.make_train_dataset(s.x_train, s.y_train, args.batch, 0))
@@ -393,7 +394,7 @@ def calibrate(args: argparse.Namespace) -> int:
     hidden = [1024] * 13
     spec = parse_job_spec(mlp_spec(hidden=hidden, source="digits", batch=CAL_BATCH, steps=6,
                                    strategy="multi_worker_mirrored", stages=0),
-                          plan_only=True).to_dict()
+                          ).to_dict()
     whole = estimate_task_memory(spec, CAL_BATCH).total
     print(f"model 64-[1024]x13-10 ({profile_model(spec['model']).total_params:,} params), digits, "
           f"global batch {CAL_BATCH}, Adam, 6 steps; data-parallel estimate of the whole model "

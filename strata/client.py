@@ -84,7 +84,8 @@ def _wrap(e: grpc.RpcError, address: str) -> CoordinatorError:
         trailing = getattr(e, "trailing_metadata", lambda: None)() or ()
         field = next((v for k, v in trailing if k == FIELD_METADATA_KEY), "")
         return JobRejected(code, message, field if isinstance(field, str) else "")
-    return _ERRORS.get(code, CoordinatorError)(code, message)
+    cls: type[CoordinatorError] = _ERRORS.get(code, CoordinatorError)
+    return cls(code, message)
 
 
 SpecInput = str | Mapping[str, Any] | JobSpec
@@ -120,7 +121,7 @@ class Client:
         self._channel = grpc.insecure_channel(self.address, options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
-        self._stub = pb_grpc.JobServiceStub(self._channel)
+        self._stub = pb_grpc.JobServiceStub(self._channel)  # type: ignore[no-untyped-call]
 
     def __enter__(self) -> "Client":
         return self

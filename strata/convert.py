@@ -59,6 +59,11 @@ def raw_spec_to_proto(raw: Mapping[str, Any]) -> pb.JobSpec:
     return msg
 
 
+def accepted_spec_from_proto(msg: pb.JobSpec) -> JobSpec:
+    """A spec the coordinator has accepted (in a ``Job``): decoded, not validated again."""
+    return JobSpec.from_dict(message_to_dict(msg))
+
+
 def spec_from_proto(msg: pb.JobSpec) -> JobSpec:
     """Parses a JobSpec message: the one validation path (``parse_job_spec``) over the fields
     that are set. Raises ``SpecError`` naming the field."""
@@ -130,7 +135,8 @@ def job_from_proto(m: pb.Job) -> Job:
     mm = m.metrics
     return Job(
         id=m.id, name=m.name, state=JobState(pb.JobState.Name(m.state)), strategy=m.strategy,
-        spec=spec_from_proto(m.spec) if m.HasField("spec") else None, message=m.message,
+        spec=accepted_spec_from_proto(m.spec) if m.HasField("spec") else None,
+        message=m.message,
         restarts=m.restarts,
         created_at=m.created_at, finished_at=m.finished_at, started_at=m.started_at,
         estimated_memory_bytes=m.estimated_memory_bytes,

@@ -17,6 +17,20 @@ from strata.client import Client
 
 START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 20.0
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec (Linux): SIGTERM it when the thread that started it dies, so
+    a test run or `strata up` killed without its clean-up never leaves a cluster running (the
+    agents stop their task processes on SIGTERM). Elsewhere a no-op."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
 
 
 class LocalCluster:
@@ -48,7 +62,8 @@ class LocalCluster:
         try:
             return subprocess.Popen([sys.executable, "-m", "strata.cli", *args], stdout=out,
                                     stderr=subprocess.STDOUT if out else None,
-                                    stdin=subprocess.DEVNULL, start_new_session=True, env=env)
+                                    stdin=subprocess.DEVNULL, start_new_session=True, env=env,
+                                    preexec_fn=_die_with_parent)
         finally:
             if out is not None:
                 out.close()

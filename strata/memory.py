@@ -127,7 +127,7 @@ def _get(d: Any, *keys: str, default: Any = None) -> Any:
     return default if d is None else d
 
 
-def estimate_task_memory(spec: dict, per_replica_batch: int, profile: ModelProfile | None = None,
+def estimate_task_memory(spec: dict[str, Any], per_replica_batch: int, profile: ModelProfile | None = None,
                          *, train_examples: int | None = None,
                          collective: bool = True) -> MemoryEstimate:
     """Estimates the peak memory of one data-parallel training task of ``spec`` (a normalized
@@ -168,7 +168,7 @@ def estimate_task_memory(spec: dict, per_replica_batch: int, profile: ModelProfi
                           collective=collective_bytes)
 
 
-def _data_shape(spec: dict, profile: ModelProfile, train_examples: int | None
+def _data_shape(spec: dict[str, Any], profile: ModelProfile, train_examples: int | None
                 ) -> tuple[int, int, int]:
     """(training rows, bytes per feature row, bytes per label) of the job's data."""
     loss = _get(spec, "training", "loss", default="sparse_categorical_crossentropy")
@@ -184,7 +184,7 @@ def _data_shape(spec: dict, profile: ModelProfile, train_examples: int | None
     return n_train, 4 * profile.input_elems, label_bytes
 
 
-def dataset_bytes(spec: dict, profile: ModelProfile | None = None, *, shards: int = 1,
+def dataset_bytes(spec: dict[str, Any], profile: ModelProfile | None = None, *, shards: int = 1,
                   train_examples: int | None = None) -> int:
     """Bytes of one of ``shards`` equal shards of the training set held as tensors (features
     and labels, each rounded as the BFC allocator rounds a large chunk)."""
@@ -195,7 +195,7 @@ def dataset_bytes(spec: dict, profile: ModelProfile | None = None, *, shards: in
     return _bfc_round(rows * feat_bytes) + _bfc_round(rows * label_bytes)
 
 
-def label_bytes_of(spec: dict, profile: ModelProfile) -> int:
+def label_bytes_of(spec: dict[str, Any], profile: ModelProfile) -> int:
     return _data_shape(spec, profile, None)[2]
 
 

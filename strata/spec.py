@@ -99,20 +99,31 @@ class JobSpec:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "JobSpec":
-        """The inverse of ``to_dict`` for a mapping it produced (the store's copy of an accepted
-        spec): rebuilds the object without validating again, so a rule added later never makes
-        an accepted job unreadable."""
-        t = d["training"]
+        """An accepted spec from its normalized mapping (``to_dict``; the store's copy, or a
+        message from the coordinator, where protobuf leaves out fields at their zero value):
+        rebuilt without validating again, so a rule added later, or a strategy this side does
+        not know, never makes an accepted job unreadable. Missing fields take their zero value."""
+        def sub(name: str) -> Mapping[str, Any]:
+            v = d.get(name)
+            return v if isinstance(v, Mapping) else {}
+
+        def fill(kind: Any, m: Mapping[str, Any]) -> Any:
+            names = {f.name for f in dataclasses.fields(kind)}
+            return kind(**{k: v for k, v in m.items() if k in names})
+
+        t = sub("training")
         return cls(
-            name=d["name"], strategy=d["strategy"], workers=d["workers"],
-            parameter_servers=d["parameter_servers"], stages=d["stages"],
-            microbatches=d["microbatches"], model=d["model"], data=DataSpec(**d["data"]),
-            training=TrainingSpec(epochs=t["epochs"], steps=t["steps"],
-                                  optimizer=OptimizerSpec(**t["optimizer"]), loss=t["loss"],
-                                  seed=t["seed"]),
-            memory=MemorySpec(**d["memory"]),
-            checkpoint_every_steps=d["checkpoint"]["every_steps"],
-            max_restarts=d["restart"]["max_restarts"])
+            name=str(d.get("name", "")), strategy=str(d.get("strategy", "")),
+            workers=int(d.get("workers", 0)), parameter_servers=int(d.get("parameter_servers", 0)),
+            stages=int(d.get("stages", 0)), microbatches=int(d.get("microbatches", 0)),
+            model=json.loads(json.dumps(dict(sub("model")))), data=fill(DataSpec, sub("data")),
+            training=TrainingSpec(
+                epochs=int(t.get("epochs", 0)), steps=int(t.get("steps", 0)),
+                optimizer=fill(OptimizerSpec, t.get("optimizer") or {}),
+                loss=str(t.get("loss") or TrainingSpec.loss), seed=int(t.get("seed", 0))),
+            memory=fill(MemorySpec, sub("memory")),
+            checkpoint_every_steps=int(sub("checkpoint").get("every_steps", 0)),
+            max_restarts=int(sub("restart").get("max_restarts", 0)))
 
     @property
     def per_replica_batch(self) -> int:
@@ -223,7 +234,6 @@ def parse_job_spec(raw: Any) -> JobSpec:
 
     strategy_name = raw.get("strategy")
     strategy = strategies.get(strategies.DEFAULT if strategy_name in (None, "") else strategy_name)
-    _check_fields_used(raw, strategy)
     workers = _int(raw, "workers", "workers", 1, lo=1, hi=MAX_TASKS)
     defaults = strategy.defaults()
     parameter_servers = _int(raw, "parameter_servers", "parameter_servers",
@@ -326,31 +336,26 @@ def parse_job_spec(raw: Any) -> JobSpec:
         checkpoint_every_steps=_int(c, "every_steps", "checkpoint.every_steps", 0, hi=1 << 40),
         max_restarts=_int(r, "max_restarts", "restart.max_restarts", 0, hi=1000),
     )
+    _check_strategy_fields(spec, strategy)
     strategy.validate(spec)
     _check_model(spec)
     return spec
 
 
-# Optional fields that only some strategies take (each strategy lists its own in ``fields``):
-# set to anything but their zero value for another strategy, they are refused, never ignored.
-_STRATEGY_FIELDS = ("parameter_servers", "stages", "memory.recompute")
-
-
-def _check_fields_used(raw: Mapping[str, Any], strategy: Any) -> None:
+def _check_strategy_fields(spec: JobSpec, strategy: Any) -> None:
+    """Optional fields that only some strategies take (each lists its own in ``fields``): set
+    to anything but their zero value for another strategy, they are refused, never ignored."""
     from strata import strategies
 
-    for field in _STRATEGY_FIELDS:
-        node: Any = raw
+    for field in strategies.all_fields():
+        value: Any = spec
         for part in field.split("."):
-            node = node.get(part) if isinstance(node, Mapping) else None
-        if isinstance(node, str):
-            node = node.strip().lower()
-        if node in (None, 0, False, "", "0", "false", "no") or field in strategy.fields:
+            value = getattr(value, part)
+        if not value or field in strategy.fields:
             continue
         users = strategies.users_of(field)
         raise SpecError(field, f"applies to strategies {' and '.join(users)} only"
-                        if len(users) > 1 else f"applies to strategy {users[0]} only"
-                        if users else "applies to no strategy available here")
+                        if len(users) > 1 else f"applies to strategy {users[0]} only")
 
 
 def _int_list(d: Mapping[str, Any], key: str, field: str, default: list[int],
@@ -374,7 +379,7 @@ def _check_model(spec: JobSpec) -> None:
     from strata.modelspec import ModelSpecError, profile_model
 
     try:
-        profile = profile_model(spec.model)
+        profile = profile_model(dict(spec.model))
     except ModelSpecError as e:
         raise SpecError(e.field, e.message) from None
     if spec.data.source == "digits":
@@ -395,7 +400,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     """Applies ``--set KEY=VALUE`` overrides (dotted keys, YAML-typed values) to a spec mapping."""
     import yaml
 
-    out = json.loads(json.dumps(raw))
+    out: dict[str, Any] = json.loads(json.dumps(raw))
     for item in overrides:
         if "=" not in item:
             raise SpecError(item, "--set takes KEY=VALUE, e.g. --set training.epochs=3")

@@ -183,7 +183,7 @@ class StageCostModel:
                                      f"got {c!r}")
             self.cost_factor = 4 / 3 if self.recompute else 1
             self.cost_unit = "measured"
-        f = [0] * (L + 1)
+        f: list[float] = [0.0] * (L + 1)
         for i, c in enumerate(per_layer):
             f[i + 1] = f[i] + c
         self._f = f

@@ -1,7 +1,8 @@
 """The task contract: what the coordinator tells one task process, as typed domain objects.
 
 On the wire it is the ``TaskConfig`` message of ``protos/strata.proto`` (``strata.convert`` maps
-between the two). The coordinator builds it from the stored plan (``Strategy.task_config``); the
+between the two). The coordinator builds it from the stored plan (``Coordinator.task_config``, with the
+strategy's ``task_section``); the
 agent passes it through, adding only ``agent`` (``AgentSettings``: what the agent owns); the task
 process reads it once (``read_task_config``) and hands the typed object to its strategy's
 runner. Every default of the contract lives here, once.

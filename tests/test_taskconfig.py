@@ -73,3 +73,20 @@ def test_unreadable_configs_name_the_field(tmp_path, body, field):
     with pytest.raises(TaskConfigError) as e:
         read_task_config(str(tmp_path / "missing.pb"))
     assert e.value.field == "--config"
+
+
+@pytest.mark.parametrize("raw", [
+    {"name": "a", "model": {"builtin": {"hidden": [8]}}},
+    {"name": "b", "strategy": "parameter_server", "parameter_servers": 2, "workers": 3,
+     "data": {"source": "synthetic", "examples": 512, "batch_size": 96},
+     "training": {"optimizer": {"name": "sgd", "learning_rate": 0.1}, "steps": 7, "seed": 3},
+     "memory": {"per_task_budget": "64MiB", "mixed_precision": "bfloat16"},
+     "model": {"builtin": {"hidden": [8, 4]}}},
+    {"name": "c", "strategy": "hybrid", "workers": 2, "stages": 2, "microbatches": 4,
+     "memory": {"recompute": True}, "checkpoint": {"every_steps": 5},
+     "restart": {"max_restarts": 2}, "model": {"builtin": {"hidden": [8, 8]}}},
+])
+def test_an_accepted_spec_decodes_without_validation(raw):
+    spec = parse_job_spec(raw)
+    assert convert.accepted_spec_from_proto(convert.spec_to_proto(spec)) == spec
+    assert convert.spec_from_proto(convert.spec_to_proto(spec)) == spec

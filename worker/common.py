@@ -2,9 +2,8 @@
 the agent, logs, the exit path, the parent watchdogs, SIGTERM handling, error summaries, and the
 device set-up (memory budget, threads) done right after TensorFlow is imported.
 
-Runners (``worker.task`` for multi_worker_mirrored, ``worker.ps`` for parameter_server chiefs,
-``worker.pipeline`` for pipeline and hybrid drivers, ``worker.server`` for the plain
-``tf.distribute.Server`` tasks) import from here, never from each other.
+Runners (``strata.worker.runner``'s skeleton and each strategy's ``mirrored``, ``ps``,
+``pipeline``; ``server`` for the plain ``tf.distribute.Server`` tasks) import from here.
 """
 
 from __future__ import annotations
@@ -20,10 +19,6 @@ from typing import Any
 
 from strata.exitcodes import TASK_EXIT_ERROR
 from strata.taskconfig import TaskConfig, TaskConfigError
-
-
-#: The task configuration cannot be run; ``field`` names the offending field (exit 76).
-BadConfig = TaskConfigError
 
 
 # --------------------------------------------------------------------------------------------
@@ -212,7 +207,7 @@ def summarize_error(exc: BaseException, limit: int = 600) -> str:
 
 
 def cluster_from_tf_config() -> tuple[dict[str, list[str]], str, int]:
-    """``(cluster, role, index)`` from ``TF_CONFIG``; BadConfig when it is missing, malformed, or
+    """``(cluster, role, index)`` from ``TF_CONFIG``; TaskConfigError when it is missing, malformed, or
     does not list this task."""
     raw = os.environ.get("TF_CONFIG", "")
     try:
@@ -220,9 +215,9 @@ def cluster_from_tf_config() -> tuple[dict[str, list[str]], str, int]:
         cluster = {str(k): [str(a) for a in v] for k, v in tc["cluster"].items()}
         role, index = str(tc["task"]["type"]), int(tc["task"]["index"])
     except (ValueError, KeyError, TypeError, AttributeError):
-        raise BadConfig("TF_CONFIG", "needs cluster and task.type/task.index") from None
+        raise TaskConfigError("TF_CONFIG", "needs cluster and task.type/task.index") from None
     if role not in cluster or not 0 <= index < len(cluster[role]):
-        raise BadConfig("TF_CONFIG", f"task {role}:{index} is not in the cluster")
+        raise TaskConfigError("TF_CONFIG", f"task {role}:{index} is not in the cluster")
     return cluster, role, index
 
 

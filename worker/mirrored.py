@@ -28,17 +28,21 @@ DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0   # STRATA_COLLECTIVE_TIMEOUT_S overrides
 
 
 class MirroredRunner(TrainingRunner):
-    def join(self) -> dict[str, Any]:
-        tf = self.tf
-        cluster, role, index = cluster_from_tf_config()
-        if (role, index) != (self.cfg.role, self.cfg.index):
-            raise TaskConfigError("TF_CONFIG", f"names task {role}:{index}, the task config "
-                                               f"{self.cfg.task_name}")
-        self.index = index
-        self.n_workers = len(cluster.get("worker", [])) or 1
+    def check(self) -> None:
+        # without TF_CONFIG the strategy runs this process as the only worker
+        self.index, self.n_workers = self.cfg.index, 1
+        if os.environ.get("TF_CONFIG"):
+            cluster, role, index = cluster_from_tf_config()
+            if (role, index) != (self.cfg.role, self.cfg.index):
+                log(f"warning: TF_CONFIG names task {role}:{index}, the task config "
+                    f"{self.cfg.task_name}; using TF_CONFIG's")
+            self.index, self.n_workers = index, len(cluster.get("worker", [])) or 1
         if self.gb % self.n_workers:
             raise TaskConfigError("data.batch_size", f"global batch {self.gb} is not divisible "
                                                      f"by the {self.n_workers} workers")
+
+    def join(self) -> dict[str, Any]:
+        tf = self.tf
         timeout = float(os.environ.get("STRATA_COLLECTIVE_TIMEOUT_S", DEFAULT_COLLECTIVE_TIMEOUT_S))
         options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=timeout)
         self.strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)

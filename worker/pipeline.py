@@ -1,10 +1,11 @@
 """The driver of ``pipeline`` and ``hybrid`` jobs: GPipe model parallelism over TensorFlow's own
-distributed runtime, run by the job's chief task (``worker.task`` dispatches here).
+distributed runtime, run by the job's chief task (the ``pipeline`` and ``hybrid`` strategies'
+runner for role ``chief``; ``PipelineDriver`` follows ``strata.worker.runner``'s skeleton).
 
 Tasks and placement
 -------------------
 A job of ``S`` stages and ``R`` replicas (``pipeline``: R = 1) has ``R x S`` stage tasks. The
-task config's ``pipeline.layout`` says which task holds replica r's stage s and its layers
+task config's ``stage_layout`` says which task holds replica r's stage s and its layers
 ``[first_layer, last_layer)`` (indices into ``strata.modelspec.profile_model``'s layers, as
 ``coordinator.planner`` split them). Replica 0's stage 0 is this process, the chief
 (``/job:chief/replica:0/task:0``); every other stage is a ``worker:K`` task running
@@ -91,14 +92,14 @@ gradients of all stages are finite.
 
 Events and result
 -----------------
-As ``worker.task``: ``started`` (cluster connected), ``first_step``, ``progress`` (the global
+As every training runner: ``started`` (cluster connected), ``first_step``, ``progress`` (the global
 mean loss, examples/s, this chief's allocator memory), ``result`` (test accuracy and loss over
 the full test split, evaluated through replica 0's pipeline; ``weights_sha256`` over replica
-0's weights in layer order as float32 bytes, like ``worker.task``; ``replica_weights_sha256``;
+0's weights in layer order as float32 bytes, like ``strata.worker.mirrored``; ``replica_weights_sha256``;
 ``model_path`` is None: no stage task holds the whole model and gathering it on the chief
 would defeat the point, so the trained model is not saved in this release), then
-``exit_task(0)``. Config problems raise ``BadConfig``; an out-of-memory op on any stage
-reaches the chief as ``ResourceExhaustedError`` (checked), which ``worker.task`` reports as
+``exit_task(0)``. Config problems raise ``TaskConfigError``; an out-of-memory op on any stage
+reaches the chief as ``ResourceExhaustedError`` (checked), which ``strata.worker.task`` reports as
 kind ``oom``.
 """
 
@@ -113,9 +114,9 @@ from dataclasses import dataclass
 
 from typing import Any, Callable
 
-from strata.taskconfig import PipelineSection, StageAssignment, TaskConfig
+from strata.taskconfig import PipelineSection, StageAssignment, TaskConfig, TaskConfigError
 from strata.worker.common import (
-    BadConfig, Events, cluster_from_tf_config, eval_sums, format_mib, log,
+    Events, cluster_from_tf_config, eval_sums, format_mib, log,
 )
 from strata.worker.runner import TrainingRunner
 
@@ -144,68 +145,68 @@ class Layout:
 def parse_layout(cfg: TaskConfig, layer_names: list[str]) -> Layout:
     """The contract's pipeline section, checked against the spec and the model's layers (the
     one check on this side: a layout that does not match the model would train the wrong
-    thing). Raises ``BadConfig``."""
+    thing). Raises ``TaskConfigError``."""
     spec = cfg.spec
     p = cfg.section
     if not isinstance(p, PipelineSection):
-        raise BadConfig("stage_layout", "the chief of a pipeline or hybrid job needs the pipeline "
+        raise TaskConfigError("stage_layout", "the chief of a pipeline or hybrid job needs the pipeline "
                                     "section (stages, replicas, microbatches, layout)")
     for k in ("stages", "replicas", "microbatches", "microbatch"):
         if getattr(p, k) < 1:
-            raise BadConfig(f"pipeline.{k}", f"must be a positive integer, got {getattr(p, k)!r}")
+            raise TaskConfigError(f"stage_layout.{k}", f"must be a positive integer, got {getattr(p, k)!r}")
     S, R, M, m = p.stages, p.replicas, p.microbatches, p.microbatch
     if spec.workers != R:
-        raise BadConfig("pipeline.replicas", f"{R} replicas, the spec has {spec.workers} workers")
+        raise TaskConfigError("stage_layout.replicas", f"{R} replicas, the spec has {spec.workers} workers")
     if spec.microbatches != M:
-        raise BadConfig("pipeline.microbatches", f"{M} differs from the spec's {spec.microbatches}")
+        raise TaskConfigError("stage_layout.microbatches", f"{M} differs from the spec's {spec.microbatches}")
     gb = spec.data.batch_size
     if m * M * R != gb:
-        raise BadConfig("pipeline.microbatch", f"{R} replicas x {M} micro-batches x {m} rows = "
+        raise TaskConfigError("stage_layout.microbatch", f"{R} replicas x {M} micro-batches x {m} rows = "
                                                f"{R * M * m}, not the global batch {gb}")
     L = len(layer_names)
     if S > L:
-        raise BadConfig("pipeline.stages", f"{S} stages for a model of {L} layers")
+        raise TaskConfigError("stage_layout.stages", f"{S} stages for a model of {L} layers")
     if len(p.layout) != R * S:
-        raise BadConfig("pipeline.layout", f"needs {R * S} entries ({R} replicas x {S} stages), "
+        raise TaskConfigError("stage_layout.layout", f"needs {R * S} entries ({R} replicas x {S} stages), "
                                            f"got {len(p.layout)}")
     places: dict = {}
     tasks_seen: set = set()
     for e in p.layout:
         r, s = e.replica, e.stage
         if not (0 <= r < R and 0 <= s < S):
-            raise BadConfig("pipeline.layout", f"entry has replica {r!r} stage {s!r}; replicas run "
+            raise TaskConfigError("stage_layout.layout", f"entry has replica {r!r} stage {s!r}; replicas run "
                                                f"0..{R - 1}, stages 0..{S - 1}")
         if (r, s) in places:
-            raise BadConfig("pipeline.layout", f"replica {r} stage {s} appears twice")
+            raise TaskConfigError("stage_layout.layout", f"replica {r} stage {s} appears twice")
         task = e.task_name
         if (r, s) == (0, 0) and task != "chief:0":
-            raise BadConfig("pipeline.layout", f"replica 0 stage 0 must be the chief (chief:0), "
+            raise TaskConfigError("stage_layout.layout", f"replica 0 stage 0 must be the chief (chief:0), "
                                                f"got {task!r}")
         if (r, s) != (0, 0) and e.role != "worker":
-            raise BadConfig("pipeline.layout", f"replica {r} stage {s} must be a worker task, "
+            raise TaskConfigError("stage_layout.layout", f"replica {r} stage {s} must be a worker task, "
                                                f"got {task!r}")
         if task in tasks_seen:
-            raise BadConfig("pipeline.layout", f"task {task} holds two stages")
+            raise TaskConfigError("stage_layout.layout", f"task {task} holds two stages")
         tasks_seen.add(task)
         a, b = e.first_layer, e.last_layer
         if not 0 <= a < b <= L:
-            raise BadConfig("pipeline.layout", f"replica {r} stage {s}: layers [{a!r}, {b!r}) are "
+            raise TaskConfigError("stage_layout.layout", f"replica {r} stage {s}: layers [{a!r}, {b!r}) are "
                                                f"not a non-empty range of 0..{L}")
         if tuple(e.layers) != tuple(layer_names[a:b]):
-            raise BadConfig("pipeline.layout", f"replica {r} stage {s}: layers {list(e.layers)} "
+            raise TaskConfigError("stage_layout.layout", f"replica {r} stage {s}: layers {list(e.layers)} "
                                                f"are not the model's layers {a}..{b - 1} "
                                                f"{layer_names[a:b]}")
         places[(r, s)] = e
     for r in range(R):
         if places[(r, 0)].first_layer != 0 or places[(r, S - 1)].last_layer != L:
-            raise BadConfig("pipeline.layout", f"replica {r}'s stages must cover layers 0..{L - 1}")
+            raise TaskConfigError("stage_layout.layout", f"replica {r}'s stages must cover layers 0..{L - 1}")
         for s in range(S):
             here, base = places[(r, s)], places[(0, s)]
             if (here.first_layer, here.last_layer) != (base.first_layer, base.last_layer):
-                raise BadConfig("pipeline.layout", f"stage {s} has different layers on replica {r} "
+                raise TaskConfigError("stage_layout.layout", f"stage {s} has different layers on replica {r} "
                                                    "and replica 0")
             if s + 1 < S and here.last_layer != places[(r, s + 1)].first_layer:
-                raise BadConfig("pipeline.layout", f"replica {r}: stage {s + 1} does not start "
+                raise TaskConfigError("stage_layout.layout", f"replica {r}: stage {s + 1} does not start "
                                                    f"where stage {s} ends")
     return Layout(S, R, M, m, places)
 
@@ -213,11 +214,11 @@ def parse_layout(cfg: TaskConfig, layer_names: list[str]) -> Layout:
 def read_cluster(layout: Layout) -> dict[str, list[str]]:
     cluster, role, index = cluster_from_tf_config()
     if (role, index) != ("chief", 0) or len(cluster.get("chief", [])) != 1:
-        raise BadConfig("TF_CONFIG", f"the pipeline driver must be the one chief task (chief:0), "
+        raise TaskConfigError("TF_CONFIG", f"the pipeline driver must be the one chief task (chief:0), "
                                      f"TF_CONFIG says {role}:{index}")
     for pl in layout.places.values():
         if pl.index >= len(cluster.get(pl.role, [])):
-            raise BadConfig("TF_CONFIG", f"stage task {pl.task_name} (replica {pl.replica} stage "
+            raise TaskConfigError("TF_CONFIG", f"stage task {pl.task_name} (replica {pl.replica} stage "
                                          f"{pl.stage}) is not in the cluster")
     return cluster
 
@@ -260,7 +261,7 @@ def _layer_entries(model_spec: dict, mixed: str) -> list:
         else:
             chain, _ = _functional_chain(cfg)
     except ModelSpecError as e:
-        raise BadConfig(e.field, e.message) from None
+        raise TaskConfigError(e.field, e.message) from None
     out = []
     for entry in chain:
         if entry.get("class_name") == "InputLayer":
@@ -272,11 +273,11 @@ def _layer_entries(model_spec: dict, mixed: str) -> list:
             try:
                 layer = keras.saving.deserialize_keras_object(d, safe_mode=True)
             except Exception as e:  # Keras raises ValueError/TypeError for what it refuses
-                raise BadConfig("model.keras_json", f"Keras cannot build layer "
+                raise TaskConfigError("model.keras_json", f"Keras cannot build layer "
                                                     f"{d.get('config', {}).get('name')!r}: "
                                                     f"{type(e).__name__}: {e}") from None
             if not isinstance(layer, keras.layers.Layer):
-                raise BadConfig("model.keras_json", f"{d.get('class_name')} is not a layer")
+                raise TaskConfigError("model.keras_json", f"{d.get('class_name')} is not a layer")
             return layer
         out.append(make)
     return out
@@ -377,11 +378,13 @@ def connect(tf, cluster: dict, layout: Layout, timeout_s: float) -> float:
 class PipelineDriver(TrainingRunner):
     memory_label = "mem"
 
-    def join(self) -> dict[str, Any]:
-        tf, cfg = self.tf, self.cfg
+    def check(self) -> None:
         self.layer_names = [l.name for l in self.profile.layers]
-        self.layout = layout = parse_layout(cfg, self.layer_names)
-        cluster = read_cluster(layout)
+        self.layout = parse_layout(self.cfg, self.layer_names)
+        self.cluster = read_cluster(self.layout)
+
+    def join(self) -> dict[str, Any]:
+        tf, cfg, layout, cluster = self.tf, self.cfg, self.layout, self.cluster
         timeout = float(os.environ.get("STRATA_PIPELINE_CONNECT_TIMEOUT_S", CONNECT_TIMEOUT_S))
         waited = connect(tf, cluster, layout, timeout)
         kind = "GPU" if cfg.agent.device.startswith("GPU") else "CPU"
@@ -409,7 +412,7 @@ class PipelineDriver(TrainingRunner):
         keras.utils.set_random_seed(seed)
         factories = _layer_entries(spec.model, mixed)
         if len(factories) != len(layer_names):
-            raise BadConfig("model", f"the model has {len(factories)} layers, its profile "
+            raise TaskConfigError("model", f"the model has {len(factories)} layers, its profile "
                                      f"{len(layer_names)}")
         stages: list[list[Stage]] = []
         for r in range(R):
@@ -422,7 +425,7 @@ class PipelineDriver(TrainingRunner):
                     layers = [factories[i]() for i in range(pl.first_layer, pl.last_layer)]
                     for layer, want in zip(layers, pl.layers):
                         if layer.name != want:
-                            raise BadConfig("pipeline.layout", f"layer {layer.name!r} is where the "
+                            raise TaskConfigError("stage_layout.layout", f"layer {layer.name!r} is where the "
                                                                f"layout has {want!r}")
                         h = layer(h, training=False)  # builds it here: its variables live on dev
                 row.append(Stage(pl, dev, layers))
@@ -729,8 +732,8 @@ def _from_logits(model_spec: dict) -> bool:
 
 
 def _digest(tf, np, row: list[Stage]) -> str:
-    """SHA-256 over the replica's weights in layer order as float32 bytes (as worker.task
-    hashes ``model.weights``). Remote weights come over in chunks so the chief never holds a
+    """SHA-256 over the replica's weights in layer order as float32 bytes (as
+    ``strata.worker.mirrored`` hashes ``model.weights``). Remote weights come over in chunks so the chief never holds a
     whole remote kernel."""
     h = hashlib.sha256()
     for st in row:

@@ -1,10 +1,10 @@
 """The chief of a ``parameter_server`` job: asynchronous training with TensorFlow's
-``ParameterServerStrategy`` and ``ClusterCoordinator`` (``worker.task`` dispatches role
+``ParameterServerStrategy`` and ``ClusterCoordinator`` (the strategy's runner for role
 ``chief`` here; the job's ``worker`` and ``ps`` tasks are plain ``worker.server`` processes).
 
 Placement. ``ParameterServerStrategy``'s ``variable_partitioner`` does not reach Keras 3
 variables (each Keras variable wraps one whole ``tf.Variable``, placed round-robin), so Strata
-places whole layers: the config's ``parameter_server.placement`` maps each layer with variables
+places whole layers: the contract's ``ps_placement`` maps each layer with variables
 to a PS task (``strata.psplan`` balances them against the PS memory slices). The model is built
 under a ``tf.variable_creator_scope`` that sets ``colocate_with`` (what
 ``strategy.extended.colocate_vars_with`` does) to a scalar anchor variable already on the chosen
@@ -37,7 +37,7 @@ Evaluation runs on the chief (the whole test split in batches of ``min(data.batc
 ``model.keras`` (saved when two copies of the weights fit in what is left of the chief's
 budget).
 
-Events as ``worker.task``: ``started`` (the coordinator connected to the cluster),
+Events as every training runner (``strata.worker.runner``): ``started`` (the coordinator connected to the cluster),
 ``first_step``, ``progress`` (``step`` = steps applied, ``loss`` = mean loss of the steps since
 the previous report, ``memory`` = the chief's own allocator, near zero while training),
 ``result``, or ``error`` before a failing exit.
@@ -55,9 +55,9 @@ from typing import Any
 
 from strata.exitcodes import TASK_EXIT_ERROR
 from strata.spec import JobSpec
-from strata.taskconfig import ParameterServerSection, TaskConfig
+from strata.taskconfig import ParameterServerSection, TaskConfig, TaskConfigError
 from strata.worker.common import (
-    BadConfig, Events, cluster_from_tf_config, eval_sums, exit_task, format_mib, log,
+    Events, cluster_from_tf_config, eval_sums, exit_task, format_mib, log,
 )
 from strata.worker.runner import Progress, TrainingRunner, gradient_step
 
@@ -74,12 +74,12 @@ EVAL_BATCH_MAX = 256  # the chief evaluates in batches of at most this many rows
 def _ps_cluster() -> dict[str, list[str]]:
     cluster, role, index = cluster_from_tf_config()
     if role != "chief" or index != 0 or len(cluster.get("chief", [])) != 1:
-        raise BadConfig("TF_CONFIG", f"the parameter_server driver runs as chief:0 of a cluster "
+        raise TaskConfigError("TF_CONFIG", f"the parameter_server driver runs as chief:0 of a cluster "
                                      f"with one chief, not {role}:{index}")
     if not cluster.get("worker"):
-        raise BadConfig("TF_CONFIG", "a parameter_server job needs at least one worker task")
+        raise TaskConfigError("TF_CONFIG", "a parameter_server job needs at least one worker task")
     if not cluster.get("ps"):
-        raise BadConfig("TF_CONFIG", "a parameter_server job needs at least one ps task")
+        raise TaskConfigError("TF_CONFIG", "a parameter_server job needs at least one ps task")
     return cluster
 
 
@@ -174,12 +174,12 @@ class Watchdog(threading.Thread):
 def _placement_from_config(cfg: TaskConfig, profile, num_ps: int) -> dict[str, int]:
     section = cfg.section
     if not isinstance(section, ParameterServerSection):
-        raise BadConfig("ps_placement", "the chief of a parameter_server job needs the "
+        raise TaskConfigError("ps_placement", "the chief of a parameter_server job needs the "
                                             "layer placement section")
     out = {}
     for name, k in section.placement.items():
         if not 0 <= k < num_ps:
-            raise BadConfig("parameter_server.placement",
+            raise TaskConfigError("ps_placement",
                             f"layer {name!r} -> {k!r}: not a PS index of the {num_ps} ps tasks")
         out[str(name)] = int(k)
     # fail before connecting when the placement does not match the model's layers (checked
@@ -187,7 +187,7 @@ def _placement_from_config(cfg: TaskConfig, profile, num_ps: int) -> dict[str, i
     with_params = {l.name for l in profile.layers if l.params > 0}
     missing, extra = sorted(with_params - set(out)), sorted(set(out) - with_params)
     if missing or extra:
-        raise BadConfig("parameter_server.placement",
+        raise TaskConfigError("ps_placement",
                         "does not match the model's layers with parameters"
                         + (f"; no PS for {', '.join(missing)}" if missing else "")
                         + (f"; unknown or parameter-free {', '.join(extra)}" if extra else ""))
@@ -201,7 +201,7 @@ def _task_of(tf, device: str) -> tuple[str | None, int | None]:
 
 def _check_placement(tf, model, placement: dict[str, int], slot_log: list,
                      num_ps: int) -> dict[int, int]:
-    """Raises BadConfig unless every model variable lives on its layer's PS task and every
+    """Raises TaskConfigError unless every model variable lives on its layer's PS task and every
     optimizer slot on its variable's task. Returns the bytes of variables per PS task."""
     problems: list[str] = []
     per_ps = {k: 0 for k in range(num_ps)}
@@ -243,7 +243,7 @@ def _check_placement(tf, model, placement: dict[str, int], slot_log: list,
         elif task is not None:
             per_ps[task] += n
     if problems:
-        raise BadConfig("parameter_server.placement", "the layer placement was not honoured: "
+        raise TaskConfigError("ps_placement", "the layer placement was not honoured: "
                         + "; ".join(problems[:8]) + (" ..." if len(problems) > 8 else ""))
     return per_ps
 
@@ -256,7 +256,7 @@ def _build_placed(tf, strategy, spec: JobSpec, mixed: str, placement: dict[str, 
     try:
         from keras.src.backend.common.name_scope import current_path
     except ImportError:  # pragma: no cover - a Keras that moved its name scopes
-        raise BadConfig("strategy", "this Keras version does not expose the layer name scope "
+        raise TaskConfigError("strategy", "this Keras version does not expose the layer name scope "
                                     "that parameter_server placement needs") from None
 
     loss_name = spec.training.loss
@@ -271,7 +271,7 @@ def _build_placed(tf, strategy, spec: JobSpec, mixed: str, placement: dict[str, 
             if job == "ps" and task is not None:
                 anchors.setdefault(task, a)
         if len(anchors) != num_ps:
-            raise BadConfig("parameter_server.placement", f"could not place an anchor variable "
+            raise TaskConfigError("ps_placement", f"could not place an anchor variable "
                                                           f"on each of the {num_ps} ps tasks")
 
         def place(next_creator, **kwargs):
@@ -288,7 +288,7 @@ def _build_placed(tf, strategy, spec: JobSpec, mixed: str, placement: dict[str, 
             optimizer = wmodels.build_optimizer(spec.training.optimizer, mixed)
             loss_fn = wmodels.build_loss(loss_name, from_logits)
         except ModelSpecError as e:
-            raise BadConfig(e.field, e.message) from None
+            raise TaskConfigError(e.field, e.message) from None
 
         slot_log: list = []
 
@@ -310,14 +310,16 @@ def _build_placed(tf, strategy, spec: JobSpec, mixed: str, placement: dict[str, 
 class PsChiefRunner(TrainingRunner):
     memory_label = "chief mem"
 
-    def join(self) -> dict[str, Any]:
-        tf, cfg = self.tf, self.cfg
+    def check(self) -> None:
         self.cluster = cluster = _ps_cluster()
         self.n_workers, self.num_ps = len(cluster["worker"]), len(cluster["ps"])
         if self.spec.workers != self.n_workers:
             log(f"warning: spec has {self.spec.workers} workers, TF_CONFIG {self.n_workers}; "
                 "using TF_CONFIG's")
-        self.placement = _placement_from_config(cfg, self.profile, self.num_ps)
+        self.placement = _placement_from_config(self.cfg, self.profile, self.num_ps)
+
+    def join(self) -> dict[str, Any]:
+        tf, cluster = self.tf, self.cluster
         self.watchdog = Watchdog(
             cluster, self.events,
             connect_s=float(os.environ.get("STRATA_PS_CONNECT_TIMEOUT_S",

@@ -147,6 +147,10 @@ class TrainingRunner:
 
     # -- hooks
 
+    def check(self) -> None:
+        """What can be checked before TensorFlow is imported (the contract against the model
+        and ``TF_CONFIG``), so a bad config fails in milliseconds. Raises TaskConfigError."""
+
     def setup_device(self) -> None:
         """Imports TensorFlow and applies the device settings (before the runtime starts)."""
         self.tf, self.memory = configure_device(self.cfg)
@@ -202,6 +206,7 @@ class TrainingRunner:
 
     def run(self) -> int:
         t0 = time.time()
+        self.check()
         self.setup_device()
         started = self.join()
         install_sigterm_handler(self.events)
@@ -211,7 +216,10 @@ class TrainingRunner:
             f"TF {self.tf.__version__} (import and join {time.time() - t0:.1f} s); "
             + ", ".join(f"{k} {v}" for k, v in started.items()))
         self.data = load_data(self.cfg, self.profile.input_shape, self.profile.output_shape)
-        self.build()
+        try:
+            self.build()
+        except ModelSpecError as e:  # a model Keras refuses to build, optimizer, loss
+            raise TaskConfigError(e.field, e.message) from None
         steps = self.data.steps
         log(f"training: {self.profile.total_params:,} params, {steps} steps, global batch "
             f"{self.gb}, {self.data.n_train} train / {self.data.x_test.shape[0]} test rows, "

@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
         code = run_task(args.config, events)
     except TaskConfigError as e:
         log(f"bad config: {e}")
-        events.emit("error", kind="bad_config", message=str(e))
+        events.emit("error", kind="bad_config", message=str(e), field=e.field)
         code = TASK_EXIT_BAD_CONFIG
     except BaseException as e:  # noqa: BLE001 - every failure must become an event and a code
         if is_oom(e):

@@ -59,6 +59,12 @@ def names() -> list[str]:
     return list(_REGISTRY)
 
 
+def all_fields() -> list[str]:
+    """Every strategy-specific spec field (dotted, as ``JobSpec`` attributes), in a fixed order."""
+    _load()
+    return sorted({f for s in _REGISTRY.values() for f in s.fields})
+
+
 def users_of(field: str) -> list[str]:
     """The strategies that take the optional spec field ``field``."""
     _load()
@@ -73,10 +79,15 @@ def _load() -> None:
     if _loaded:
         return
     _loaded = True
-    # the built-in strategies, in the order users read them
-    from strata.strategies import mirrored, parameter_server, pipeline, hybrid  # noqa: F401,I001
-
+    import importlib
+    import pkgutil
     from importlib.metadata import entry_points
 
+    # the built-in strategies first, in the order users read them; then any other module of
+    # this package (a strategy added as one file), then installed ones (entry points)
+    first = ["mirrored", "parameter_server", "pipeline", "hybrid"]
+    found = [m.name for m in pkgutil.iter_modules(__path__) if m.name != "base"]
+    for name in first + sorted(set(found) - set(first)):
+        importlib.import_module(f"{__name__}.{name}")
     for ep in entry_points(group="strata.strategies"):
         ep.load()  # its module registers itself
