@@ -172,7 +172,8 @@ class Reconciliation:
     lost: list[tuple[Job, Task]] = dataclasses.field(default_factory=list)   # it no longer runs
 
 
-def reconcile(worker: str, reports: Iterable[TaskReport], jobs: Mapping[str, Job]) -> Reconciliation:
+def reconcile(worker: str, reports: Iterable[TaskReport],
+              jobs: Mapping[str, Job]) -> Reconciliation:
     out = Reconciliation()
     reported = {r.key: r for r in reports}
 

@@ -30,7 +30,7 @@ from strata.errors import InfeasibleError, InvalidTransition, NotFoundError, Spe
 from strata.memory import format_size
 from strata.modelspec import ModelSpecError, profile_model
 from strata.spec import JobSpec, parse_job_spec
-from strata.strategies import FailureAction
+from strata.strategies import FailureAction, describe_failure
 from strata.taskconfig import REPORT_INTERVAL_S, TaskConfig
 from strata.tfconfig import build_tf_config
 from strata.types import (
@@ -422,8 +422,6 @@ class Coordinator:
 
     def _fail_task(self, job: Job, task: Task, failure: FailureKind, message: str,
                    exit_code: int = 0) -> None:
-        from strata.strategies import describe_failure
-
         self._set_task_state(task, TaskState.FAILED)
         task.failure = failure
         task.exit_code = exit_code
