@@ -27,7 +27,10 @@ from strata.coordinator.logs import JobLogs
 from strata.coordinator.placement import Capacity, TaskDemand, place
 from strata.coordinator.store import Store, WorkerRecord
 from strata.errors import InfeasibleError, InvalidTransition, NotFoundError, SpecError
+from strata.measured import apply_measured, task_kind
 from strata.memory import format_size
+from strata.oom import describe as describe_oom
+from strata.oom import needed_bytes
 from strata.modelspec import ModelSpecError, profile_model
 from strata.spec import JobSpec, parse_job_spec
 from strata.strategies import FailureAction, describe_failure
@@ -59,11 +62,13 @@ class PreparedJob:
     plan: JobPlan
 
 
-def prepare(spec: JobSpec | Mapping[str, Any], workers: Sequence[WorkerOffer] = ()) -> PreparedJob:
+def prepare(spec: JobSpec | Mapping[str, Any], workers: Sequence[WorkerOffer] = (),
+            measured: Mapping[str, int] | None = None) -> PreparedJob:
     """Validates a spec (unless already parsed) and has its strategy plan the tasks against
-    ``workers`` (a snapshot: see ``Coordinator.worker_offers``). Pure and possibly slow (it
-    profiles the model and may run the stage planner), so the service runs it off the event
-    loop. Raises SpecError naming the field."""
+    ``workers`` (a snapshot: see ``Coordinator.worker_offers``), with estimates raised to what
+    earlier runs ``measured`` (``strata.measured``). Pure and possibly slow (it profiles the
+    model and may run the stage planner), so the service runs it off the event loop. Raises
+    SpecError naming the field."""
     if not isinstance(spec, JobSpec):
         spec = parse_job_spec(spec)
     try:
@@ -71,6 +76,7 @@ def prepare(spec: JobSpec | Mapping[str, Any], workers: Sequence[WorkerOffer] = 
     except ModelSpecError as e:
         raise SpecError(e.field, e.message) from None
     plan = strategies.get(spec.strategy).plan(spec, list(workers), profile)
+    plan = apply_measured(spec, plan, measured or {}, list(workers))
     for t in plan.tasks:
         need = max(t.estimated_memory_bytes, t.memory_budget_bytes)
         if need > MAX_TASK_BYTES:
@@ -94,6 +100,8 @@ class Coordinator:
         self._scheduled_at: dict[str, float] = {}  # job id -> when it was placed (this process)
         self.clock = clock
         self.jobs: dict[str, Job] = {j.id: j for j in store.load_jobs()}
+        #: task kind -> bytes it was measured to need (``strata.measured``)
+        self.measured: dict[str, int] = store.load_measured()
         self.agents = Agents(store.load_workers(), clock())
         self.workers = self.agents.workers
         self._signals: dict[str, asyncio.Event] = {}
@@ -158,7 +166,7 @@ class Coordinator:
 
     def submit(self, spec: JobSpec | Mapping[str, Any] | PreparedJob) -> Job:
         prepared = (spec if isinstance(spec, PreparedJob)
-                    else prepare(spec, workers=self.worker_offers(free=False)))
+                    else prepare(spec, self.worker_offers(free=False), self.measured))
         spec, plan = prepared.spec, prepared.plan
         if not plan.feasible:
             budgets = [w.record.budget_bytes for w in self.agents.values() if not w.lost]
@@ -237,7 +245,7 @@ class Coordinator:
     def plan(self, spec: JobSpec | Mapping[str, Any] | PreparedJob) -> Plan:
         """What the coordinator would run now, on the free budgets of the connected workers."""
         prepared = (spec if isinstance(spec, PreparedJob)
-                    else prepare(spec, workers=self.worker_offers(True)))
+                    else prepare(spec, self.worker_offers(True), self.measured))
         spec, plan = prepared.spec, prepared.plan
         placement = place([TaskDemand(t.role, t.index, t.memory_budget_bytes) for t in plan.tasks],
                           self._capacities()) if plan.feasible else None
@@ -401,12 +409,18 @@ class Coordinator:
                                     message="stopped after the job succeeded")
         if r.state != task.state and r.state != TaskState.PENDING:
             if r.state == TaskState.FAILED:
+                if r.failure == FailureKind.OOM:
+                    self._fail_oom(job, task, r)
+                    return
                 self._fail_task(job, task, r.failure, r.message, exit_code=r.exit_code)
                 return
             if can_transition(task.state, r.state):
                 self._set_task_state(task, r.state)
                 task.exit_code = r.exit_code
-                task.message = r.message
+                if task.failure != FailureKind.OOM:  # keep the account of an OOM it caused
+                    task.message = r.message
+                if task.state.final:
+                    self._remember_peak(job, task)
                 self.store.put_tasks([task])
                 self._after_task_change(job, task)
                 return
@@ -420,6 +434,47 @@ class Coordinator:
             self.store.put_tasks([task])
         self._notify(job.id)
 
+    def _remember_peak(self, job: Job, task: Task, needed: int = 0) -> None:
+        """Keeps what a task of this kind was seen to need (``strata.measured``): its peak, or
+        for an out-of-memory failure the lower bound on its need."""
+        need = max(needed, task.peak_memory_bytes)
+        if job.spec is None or need <= 0:
+            return
+        kind = task_kind(job.spec, task.role, task.index, task.first_layer, task.last_layer)
+        if need > self.measured.get(kind, 0):
+            self.measured[kind] = need
+            self.store.put_measured(kind, need, job.id, self.clock())
+
+    def _fail_oom(self, job: Job, reporter: Task, r: TaskReport) -> None:
+        """An out-of-memory failure, blamed on the task whose device ran out (in pipeline and
+        parameter-server jobs the driver runs ops on other tasks, and the error reaches it),
+        described with that task's budget, peak and the allocation that failed, and what would
+        fit; the task's need is kept for the next plan of this job."""
+        strategy = strategies.get(job.strategy)
+        culprit = reporter
+        if r.oom is not None and r.oom.task:
+            role, _, index = r.oom.task.partition(":")
+            found = self._task(job.id, role, int(index)) if index.isdigit() else None
+            if found is not None:
+                culprit = found
+        name = f"{culprit.role}:{culprit.index}"
+        reporter_name = f"{reporter.role}:{reporter.index}"
+        text = describe_oom(name, strategy.where(job, culprit), culprit.memory_budget_bytes,
+                            culprit.estimated_memory_bytes, culprit.peak_memory_bytes, r.oom,
+                            strategy.oom_levers(job, culprit), reporter=reporter_name)
+        alloc = r.oom.allocation_bytes if r.oom is not None else 0
+        self._remember_peak(job, culprit, needed_bytes(
+            culprit.memory_budget_bytes, culprit.peak_memory_bytes, alloc))
+        if culprit is not reporter:
+            culprit.failure = FailureKind.OOM
+            culprit.message = text
+            self.store.put_tasks([culprit])
+            text_for_reporter = f"an op it ran on {name} failed there: {text}"
+        else:
+            text_for_reporter = text
+        self._fail_task(job, reporter, FailureKind.OOM, text_for_reporter,
+                        exit_code=r.exit_code)
+
     def _fail_task(self, job: Job, task: Task, failure: FailureKind, message: str,
                    exit_code: int = 0) -> None:
         self._set_task_state(task, TaskState.FAILED)
@@ -431,6 +486,8 @@ class Coordinator:
                                  f"({failure.value}): {describe_failure(task)}")
         if job.state.final:
             return
+        # the policy judges the process that died (a driver that failed on another task's
+        # device is still a dead driver); ``blame`` only names where memory ran out
         decision = strategies.get(job.strategy).on_failure(job, task)
         if decision.action == FailureAction.CONTINUE:
             self._event(job, "message", decision.message)

@@ -119,7 +119,8 @@ class JobServicer(pb_grpc.JobServiceServicer):
     async def SubmitJob(self, request: pb.SubmitJobRequest, context: Any) -> pb.Job:
         spec = convert.spec_from_proto(request.spec)
         # Planning profiles the model and may run the stage planner: kept off the event loop.
-        prepared = await asyncio.to_thread(prepare, spec, self.coord.worker_offers(free=False))
+        prepared = await asyncio.to_thread(prepare, spec, self.coord.worker_offers(free=False),
+                                           dict(self.coord.measured))
         return convert.job_to_proto(self.coord.submit(prepared), with_spec=False)
 
     @rpc
@@ -157,7 +158,8 @@ class JobServicer(pb_grpc.JobServiceServicer):
     @rpc
     async def PlanJob(self, request: pb.PlanJobRequest, context: Any) -> pb.Plan:
         spec = convert.spec_from_proto(request.spec)
-        prepared = await asyncio.to_thread(prepare, spec, self.coord.worker_offers(free=True))
+        prepared = await asyncio.to_thread(prepare, spec, self.coord.worker_offers(free=True),
+                                           dict(self.coord.measured))
         return convert.plan_to_proto(self.coord.plan(prepared))
 
     @rpc

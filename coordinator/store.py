@@ -65,6 +65,13 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def load_workers(self) -> list[WorkerRecord]: ...
 
+    def put_measured(self, kind: str, needed_bytes: int, job_id: str, time: float) -> None:
+        """Keeps the memory a kind of task was measured to need (``strata.measured``), when
+        larger than what is kept. A store that keeps none plans from estimates alone."""
+
+    def load_measured(self) -> dict[str, int]:
+        return {}
+
     def close(self) -> None:
         pass
 
@@ -86,6 +93,9 @@ CREATE TABLE IF NOT EXISTS events (
 );
 CREATE TABLE IF NOT EXISTS workers (
   name TEXT PRIMARY KEY, body TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS measured_memory (
+  kind TEXT PRIMARY KEY, bytes INTEGER NOT NULL, job_id TEXT NOT NULL, time REAL NOT NULL
 );
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
@@ -184,6 +194,19 @@ class SqliteStore(Store):
         with self._lock:
             rows = self._db.execute("SELECT body FROM workers ORDER BY name").fetchall()
         return [WorkerRecord(**json.loads(b)) for (b,) in rows]
+
+    def put_measured(self, kind: str, needed_bytes: int, job_id: str, time: float) -> None:
+        with self._lock:
+            self._db.execute(
+                "INSERT INTO measured_memory VALUES (?,?,?,?) ON CONFLICT(kind) DO UPDATE SET "
+                "bytes=excluded.bytes, job_id=excluded.job_id, time=excluded.time "
+                "WHERE excluded.bytes > measured_memory.bytes",
+                (kind, int(needed_bytes), job_id, time))
+
+    def load_measured(self) -> dict[str, int]:
+        with self._lock:
+            rows = self._db.execute("SELECT kind, bytes FROM measured_memory").fetchall()
+        return {str(k): int(b) for k, b in rows}
 
     def close(self) -> None:
         with self._lock:

@@ -432,7 +432,7 @@ class ListWorkersResponse(_message.Message):
     def __init__(self, workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ...) -> None: ...
 
 class TaskStatus(_message.Message):
-    __slots__ = ("job_id", "role", "index", "state", "failure", "exit_code", "message", "in_use_bytes", "peak_bytes", "step", "total_steps", "loss", "examples_per_sec", "has_result", "test_accuracy", "test_loss", "weights_sha256", "model_path", "first_step_time", "attempt", "replica_weights_sha256")
+    __slots__ = ("job_id", "role", "index", "state", "failure", "exit_code", "message", "in_use_bytes", "peak_bytes", "step", "total_steps", "loss", "examples_per_sec", "has_result", "test_accuracy", "test_loss", "weights_sha256", "model_path", "first_step_time", "attempt", "replica_weights_sha256", "oom")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -454,6 +454,7 @@ class TaskStatus(_message.Message):
     FIRST_STEP_TIME_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     REPLICA_WEIGHTS_SHA256_FIELD_NUMBER: _ClassVar[int]
+    OOM_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     role: str
     index: int
@@ -475,7 +476,22 @@ class TaskStatus(_message.Message):
     first_step_time: float
     attempt: int
     replica_weights_sha256: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, job_id: _Optional[str] = ..., role: _Optional[str] = ..., index: _Optional[int] = ..., state: _Optional[_Union[TaskState, str]] = ..., failure: _Optional[_Union[FailureKind, str]] = ..., exit_code: _Optional[int] = ..., message: _Optional[str] = ..., in_use_bytes: _Optional[int] = ..., peak_bytes: _Optional[int] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., loss: _Optional[float] = ..., examples_per_sec: _Optional[float] = ..., has_result: _Optional[bool] = ..., test_accuracy: _Optional[float] = ..., test_loss: _Optional[float] = ..., weights_sha256: _Optional[str] = ..., model_path: _Optional[str] = ..., first_step_time: _Optional[float] = ..., attempt: _Optional[int] = ..., replica_weights_sha256: _Optional[_Iterable[str]] = ...) -> None: ...
+    oom: OutOfMemory
+    def __init__(self, job_id: _Optional[str] = ..., role: _Optional[str] = ..., index: _Optional[int] = ..., state: _Optional[_Union[TaskState, str]] = ..., failure: _Optional[_Union[FailureKind, str]] = ..., exit_code: _Optional[int] = ..., message: _Optional[str] = ..., in_use_bytes: _Optional[int] = ..., peak_bytes: _Optional[int] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., loss: _Optional[float] = ..., examples_per_sec: _Optional[float] = ..., has_result: _Optional[bool] = ..., test_accuracy: _Optional[float] = ..., test_loss: _Optional[float] = ..., weights_sha256: _Optional[str] = ..., model_path: _Optional[str] = ..., first_step_time: _Optional[float] = ..., attempt: _Optional[int] = ..., replica_weights_sha256: _Optional[_Iterable[str]] = ..., oom: _Optional[_Union[OutOfMemory, _Mapping]] = ...) -> None: ...
+
+class OutOfMemory(_message.Message):
+    __slots__ = ("task", "allocation_bytes", "shape", "dtype", "op")
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATION_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    task: str
+    allocation_bytes: int
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    op: str
+    def __init__(self, task: _Optional[str] = ..., allocation_bytes: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., op: _Optional[str] = ...) -> None: ...
 
 class RegisterAgentRequest(_message.Message):
     __slots__ = ("name", "host", "device", "budget_bytes", "free_ports", "tasks", "work_dir", "pid")

@@ -13,6 +13,7 @@ from strata.spec import JobSpec, parse_job_spec
 from strata.taskconfig import (
     AgentSettings, ParameterServerSection, PipelineSection, StageAssignment, TaskConfig,
 )
+from strata.oom import OutOfMemory
 from strata.types import (
     FailureKind, Job, JobEvent, JobMetrics, JobState, MemoryStatus, Plan, Task, TaskPlan,
     TaskReport, TaskState, WorkerInfo, WorkerState, WorkerTask,
@@ -299,6 +300,9 @@ def report_to_proto(r: TaskReport) -> pb.TaskStatus:
         has_result=r.test_accuracy is not None, test_accuracy=r.test_accuracy or 0.0,
         test_loss=r.test_loss or 0.0, weights_sha256=r.weights_sha256, model_path=r.model_path,
         first_step_time=r.first_step_time, replica_weights_sha256=r.replica_weights_sha256,
+        oom=pb.OutOfMemory(task=r.oom.task, allocation_bytes=r.oom.allocation_bytes,
+                           shape=list(r.oom.shape), dtype=r.oom.dtype, op=r.oom.op)
+        if r.oom is not None else None,
     )
 
 
@@ -313,4 +317,7 @@ def report_from_proto(m: pb.TaskStatus) -> TaskReport:
         test_loss=m.test_loss if m.has_result else None, weights_sha256=m.weights_sha256,
         model_path=m.model_path, first_step_time=m.first_step_time,
         replica_weights_sha256=list(m.replica_weights_sha256),
+        oom=OutOfMemory(task=m.oom.task[:64], allocation_bytes=max(0, m.oom.allocation_bytes),
+                        shape=tuple(m.oom.shape)[:16], dtype=m.oom.dtype[:32], op=m.oom.op[:200])
+        if m.HasField("oom") else None,
     )

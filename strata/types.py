@@ -12,6 +12,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from strata.oom import OutOfMemory
     from strata.spec import JobSpec
 
 
@@ -315,6 +316,7 @@ class TaskReport:
     model_path: str = ""
     first_step_time: float = 0.0
     replica_weights_sha256: list[str] = dataclasses.field(default_factory=list)
+    oom: OutOfMemory | None = None
 
     @property
     def key(self) -> tuple[str, str, int]:

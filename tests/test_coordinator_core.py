@@ -353,9 +353,46 @@ def test_every_example_plans_on_four_agents(env, name):
     """The shipped example specs parse and fit the clusters their comments name."""
     coord, *_ = env
     for n in "abcd":
-        register(coord, n, budget=88 << 20)
+        register(coord, n, budget=96 << 20)
     raw = load_spec_file(os.path.join(ROOT, "examples", name))
     plan = coord.plan(raw)
     assert plan.feasible, plan.reason
     job = coord.submit(raw)
     assert job.state == JobState.PENDING
+
+
+def test_remote_oom_is_blamed_on_the_stage_and_the_next_plan_uses_its_need(env):
+    from strata.oom import OutOfMemory
+
+    coord, *_ = env
+    sessions = {n: register(coord, n) for n in ("a", "b")}
+    job = coord.submit(PIPE)
+    coord.tick()
+    start_all(coord, sessions, job)
+    c, w = (next(t for t in job.tasks if t.role == r) for r in ("chief", "worker"))
+    coord.report(w.worker, sessions[w.worker], TaskReport(job.id, "worker", 0, TaskState.RUNNING,
+                                                          attempt=w.attempt, peak_bytes=9 << 20))
+    oom = OutOfMemory(task="worker:0", allocation_bytes=4 << 20, shape=(1024, 1024),
+                      dtype="float32", op="adam/Sub_3")
+    coord.report(c.worker, sessions[c.worker], TaskReport(
+        job.id, "chief", 0, TaskState.FAILED, attempt=c.attempt, failure=FailureKind.OOM,
+        exit_code=75, message="out of memory", oom=oom))
+    assert job.state == JobState.FAILED
+    # the job's message names the stage that ran out, its budget, peak and allocation
+    assert "task worker:0 (stage 1, layers" in job.message
+    assert f"budget {w.memory_budget_bytes >> 20} MiB" in job.message
+    assert "peak reached 9 MiB" in job.message and "adam/Sub_3" in job.message
+    assert "what would fit" in job.message and "reported by chief:0" in job.message
+    assert w.failure == FailureKind.OOM and "ran out of memory" in w.message
+    # the agent's later report that it stopped the server keeps the account
+    coord.report(w.worker, sessions[w.worker], TaskReport(job.id, "worker", 0,
+                                                          TaskState.CANCELLED, attempt=w.attempt))
+    assert "ran out of memory" in w.message
+    # the same job again plans the stage above the budget that failed, and so does a
+    # coordinator restarted on the same state
+    again = coord.submit(PIPE)
+    w2 = next(t for t in again.tasks if t.role == "worker")
+    assert w2.estimated_memory_bytes >= w.memory_budget_bytes + (2 << 20)
+    assert w2.memory_budget_bytes > w2.estimated_memory_bytes
+    restarted = Coordinator(coord.store, coord.state_dir, clock=coord.clock)
+    assert restarted.measured == coord.measured

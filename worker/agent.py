@@ -28,6 +28,7 @@ from strata.protos import strata_pb2 as pb
 from strata.protos import strata_pb2_grpc as pb_grpc
 from strata import convert, exitcodes
 from strata.taskconfig import AgentSettings
+from strata.oom import OutOfMemory
 from strata.types import FailureKind, MemoryStatus, TaskReport, TaskState
 
 log = logging.getLogger("strata.worker")
@@ -218,6 +219,13 @@ class TaskProcess:
         elif kind == "error":
             self.error_kind = str(ev.get("kind", "error"))
             s.message = str(ev.get("message", ""))[:2000]
+            oom = ev.get("oom")
+            if isinstance(oom, dict):
+                s.oom = OutOfMemory(
+                    task=str(oom.get("task") or "")[:64],
+                    allocation_bytes=max(0, int(oom.get("allocation_bytes") or 0)),
+                    shape=tuple(int(d) for d in (oom.get("shape") or ())[:16]),
+                    dtype=str(oom.get("dtype") or "")[:32], op=str(oom.get("op") or "")[:200])
         else:
             return
         self.agent.report(self)

@@ -191,6 +191,33 @@ def is_oom(exc: BaseException) -> bool:
     return False
 
 
+def oom_text(exc: BaseException) -> str:
+    """The text of the ResourceExhaustedError in ``exc``'s chain (it names the allocation)."""
+    tf = sys.modules.get("tensorflow")
+    seen = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if tf is not None and isinstance(e, tf.errors.ResourceExhaustedError):
+            return str(e)
+        e = e.__cause__ or e.__context__
+    return str(exc)
+
+
+def allocator_figures() -> dict[str, int]:
+    """``{current, peak}`` of this process's device allocator (GPU:0 when a GPU is visible,
+    else CPU:0), without touching a device that is not initialised; zeros when unreadable."""
+    tf = sys.modules.get("tensorflow")
+    if tf is None:
+        return {"current": 0, "peak": 0}
+    try:
+        device = "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
+        info = tf.config.experimental.get_memory_info(device)
+        return {"current": int(info.get("current", 0)), "peak": int(info.get("peak", 0))}
+    except Exception:  # noqa: BLE001 - a report must never fail the failure path
+        return {"current": 0, "peak": 0}
+
+
 _NOISE = ("File ", "Detected at node", "[[", "Graph execution error", "The error could be from",
           "Additional GRPC error", ":UNKNOWN:", "WARNING")
 

@@ -21,14 +21,16 @@ if its parent (the agent) dies, so no TensorFlow process is left orphaned.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import traceback
 
+from strata.oom import parse_oom
 from strata.exitcodes import TASK_EXIT_BAD_CONFIG, TASK_EXIT_ERROR, TASK_EXIT_OOM
 from strata.taskconfig import TaskConfigError, read_task_config
 from strata.worker.common import (
-    Events, exit_task, install_sigterm_handler, is_oom, log, prepare_environment,
-    start_parent_watchdog, summarize_error,
+    Events, allocator_figures, exit_task, install_sigterm_handler, is_oom, log, oom_text,
+    prepare_environment, start_parent_watchdog, summarize_error,
 )
 
 
@@ -66,7 +68,11 @@ def main(argv: list[str] | None = None) -> None:
             budget = f"{limit} MiB" if limit else "its memory budget"
             msg = f"out of memory: the task exceeded {budget}: {summarize_error(e)}"
             log(msg)
-            events.emit("error", kind="oom", message=msg)
+            # the allocator's figures are still readable: a task that fails before its first
+            # progress report still tells the peak it reached
+            oom = parse_oom(oom_text(e))
+            events.emit("error", kind="oom", message=msg, memory=allocator_figures(),
+                        oom=dataclasses.asdict(oom) if oom else None)
             code = TASK_EXIT_OOM
         elif isinstance(e, KeyboardInterrupt):
             events.emit("error", kind="error", message="interrupted")

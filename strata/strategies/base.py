@@ -60,6 +60,8 @@ class EndDecision:
 
 def describe_failure(t: Task) -> str:
     if t.failure == FailureKind.OOM:
+        if "ran out of memory" in t.message:  # the coordinator's account (strata.oom.describe)
+            return t.message
         return (f"out of memory: the task exceeded its memory slice of "
                 f"{format_size(t.memory_budget_bytes)} (peak seen {format_size(t.peak_memory_bytes)})"
                 + (f"; {t.message}" if t.message else ""))
@@ -158,6 +160,18 @@ class Strategy(abc.ABC):
         strategies that can carry on without the task say so."""
         return FailureDecision(FailureAction.FAIL_JOB,
                                f"task {task.role}:{task.index} failed: {describe_failure(task)}")
+
+    # -- out of memory
+
+    def where(self, job: Job, task: Task) -> str:
+        """Where ``task`` sits in its job, for messages: e.g. " (stage 1 of replica 0)"."""
+        return ""
+
+    def oom_levers(self, job: Job, task: Task) -> list[str]:
+        """What, besides a larger budget, would make ``task`` fit (for an OOM report)."""
+        assert job.spec is not None
+        b = job.spec.data.batch_size
+        return [f"a smaller batch (data.batch_size: {b // 2})"] if b > 1 else []
 
     # -- the task contract
 

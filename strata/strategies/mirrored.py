@@ -15,7 +15,7 @@ from strata.memory import estimate_task_memory, format_size, label_bytes_of
 from strata.strategies import register
 from strata.strategies.base import Strategy, budget_for, offer_for_estimate, too_big
 from strata.taskconfig import TaskConfigError
-from strata.types import JobPlan, TaskPlan, WorkerOffer
+from strata.types import Job, JobPlan, Task, TaskPlan, WorkerOffer
 
 if TYPE_CHECKING:
     from strata.modelspec import ModelProfile
@@ -51,6 +51,14 @@ class MultiWorkerMirrored(Strategy):
         return (f"{spec.workers} x {self.name} task(s), estimate "
                 f"{format_size(t0.estimated_memory_bytes)}, budget "
                 f"{format_size(t0.memory_budget_bytes)} each")
+
+    def oom_levers(self, job: Job, task: Task) -> list[str]:
+        assert job.spec is not None
+        w = job.spec.workers
+        return [f"more workers, so each replica takes a smaller share of the batch (workers: "
+                f"{2 * w}, data.batch_size unchanged)",
+                "a pipeline, whose stages each hold part of the model (strategy: pipeline)"
+                ] + super().oom_levers(job, task)
 
     def runner(self, role: str) -> Runner:
         if role != "worker":

@@ -89,6 +89,14 @@ class ParameterServer(Strategy):
         return FailureDecision(FailureAction.FAIL_JOB,
                                f"task {task.role}:{task.index} failed: {describe_failure(task)}")
 
+    def oom_levers(self, job: Job, task: Task) -> list[str]:
+        assert job.spec is not None
+        if task.role == "ps":
+            return [f"more parameter servers, so each holds fewer layers (parameter_servers: "
+                    f"{job.spec.parameter_servers + 1})",
+                    "an optimizer with fewer slots per parameter (training.optimizer.name: sgd)"]
+        return super().oom_levers(job, task)
+
     def task_section(self, job: Job, task: Task) -> ParameterServerSection:
         ps = sorted((t for t in job.tasks if t.role == "ps"), key=lambda t: t.index)
         return ParameterServerSection(
