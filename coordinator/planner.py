@@ -59,7 +59,9 @@ class WorkerSlot:
 @dataclass(frozen=True)
 class PlannedStage:
     """One task of the plan: replica ``replica`` of stage ``index`` (layers
-    ``[first_layer, last_layer)``) on ``worker``. ``memory_bytes`` is the stage's estimate,
+    ``[first_layer, last_layer)``) on ``worker``. ``memory_bytes`` is the stage's demand in
+    the search (``StageCostModel.memory``), ``estimate_bytes`` its estimate
+    (``StageCostModel.estimate``, at most the demand: the figure its budget comes from),
     ``cost`` its per-example training cost (FLOPs or the measured unit)."""
 
     index: int
@@ -71,6 +73,7 @@ class PlannedStage:
     cost: float
     replica: int = 0
     worker_free_bytes: int = 0
+    estimate_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -881,7 +884,7 @@ def _plan(model: StageCostModel, workers: list[WorkerSlot], stages: int) -> Pipe
         for r in range(R):
             w = assignment[(s, r)]
             out.append(PlannedStage(s, w.name, a, b, names, demands[s], model.cost(a, b), r,
-                                    w.free_bytes))
+                                    w.free_bytes, model.estimate(a, b)))
     bottleneck = search.bottleneck(split)
     lower = bottleneck if search.exact else min(bottleneck, search.lower_bound())
     return PipelinePlan(True, "", tuple(out), bottleneck, R, model.microbatch,

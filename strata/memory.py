@@ -49,6 +49,12 @@ Terms (bytes, per task):
   ``memory.per_task_budget``. The start-up moment when the input pipeline is created holds
   the shard twice (weights are the only other thing allocated then); when that is larger
   than the training peak the difference is added to ``data``.
+- ``collective``: the packed all-reduce buffer, plus half the way to the next power of two
+  for one large chunk (see ``data``; measured in the comment where it is computed).
+- ``workspace``: the largest transient beyond the activations: the im2col buffer of a
+  Conv2D layer's CPU kernels during the backward pass (``conv_workspace_bytes``; up to about
+  30 MiB whatever the batch), or the optimizer update's temporaries after it, when the
+  activations are gone (``UPDATE_TEMPORARIES`` x the largest variable), whichever is larger.
 - ``overhead``: 1 MiB fixed (tf.data and collective runtime buffers, the first-step tracing
   temporaries) plus 5% of everything else for BFC chunk rounding (allocation sizes are
   rounded up to bins and big tensors can get whole regions).
@@ -65,7 +71,9 @@ from strata.modelspec import ModelProfile, profile_model
 
 __all__ = [
     "MemoryEstimate", "estimate_task_memory", "default_budget", "parse_size", "format_size",
-    "OPTIMIZER_SLOTS",
+    "OPTIMIZER_SLOTS", "conv_workspace_bytes", "largest_workspace", "update_transient_bytes",
+    "layer_workspaces",
+    "UPDATE_TEMPORARIES",
 ]
 
 KiB = 1 << 10
@@ -101,11 +109,12 @@ class MemoryEstimate:
     data: int
     overhead: int
     collective: int = 0
+    workspace: int = 0
 
     @property
     def total(self) -> int:
         return (self.weights + self.gradients + self.optimizer_slots + self.activations
-                + self.data + self.overhead + self.collective)
+                + self.data + self.overhead + self.collective + self.workspace)
 
     def as_dict(self) -> dict[str, int]:
         d = asdict(self)
@@ -146,7 +155,14 @@ def estimate_task_memory(spec: dict[str, Any], per_replica_batch: int, profile: 
     weights = 4 * params + (2 * params if mixed else 0)
     gradients = 4 * trainable
     slots = 4 * trainable * OPTIMIZER_SLOTS.get(optimizer, 2)
-    collective_bytes = 4 * trainable if collective else 0
+    # the all-reduce packs every gradient into one buffer, which the BFC allocator must find
+    # as one chunk. Its regions grow by doubling and a chunk is not split when the rest is
+    # small, so a large pack often costs more than its size: a 1024-8192-10 model (32.3 MiB
+    # pack) failed allocating it at a 157 MiB limit with 96 MiB in use, and ran at 165 MiB,
+    # its peak 107-134 MiB depending on the limit. Counted: the pack plus half the way to the
+    # next power of two.
+    pack = 4 * trainable
+    collective_bytes = pack + (_bfc_round(pack) - pack) // 2 if collective else 0
 
     per_elem = MIXED_ACTIVATION_BYTES if mixed else ACTIVATION_FACTOR * 4
     activations = int(math.ceil(per_elem * b * profile.activation_elems))
@@ -157,7 +173,11 @@ def estimate_task_memory(spec: dict[str, Any], per_replica_batch: int, profile: 
     inflight = int(math.ceil(INPUT_BATCHES_IN_FLIGHT * b * (feat_bytes + label_bytes)))
     data = shard + inflight
 
-    train_peak = weights + gradients + slots + collective_bytes + activations + data
+    # transients: a convolution's workspace during the backward pass (on top of the
+    # activations), or the optimizer update's temporaries after it (activations freed)
+    update = max((update_transient_bytes(l, optimizer) for l in profile.layers), default=0)
+    workspace = max(largest_workspace(profile), update - activations, 0)
+    train_peak = weights + gradients + slots + collective_bytes + activations + data + workspace
     startup_peak = 4 * params + 2 * shard
     if startup_peak > train_peak:
         data += startup_peak - train_peak
@@ -165,7 +185,7 @@ def estimate_task_memory(spec: dict[str, Any], per_replica_batch: int, profile: 
     overhead = FIXED_OVERHEAD + int(math.ceil(FRAGMENTATION * train_peak))
     return MemoryEstimate(weights=weights, gradients=gradients, optimizer_slots=slots,
                           activations=activations, data=data, overhead=overhead,
-                          collective=collective_bytes)
+                          collective=collective_bytes, workspace=workspace)
 
 
 def _data_shape(spec: dict[str, Any], profile: ModelProfile, train_examples: int | None
@@ -197,6 +217,75 @@ def dataset_bytes(spec: dict[str, Any], profile: ModelProfile | None = None, *, 
 
 def label_bytes_of(spec: dict[str, Any], profile: ModelProfile) -> int:
     return _data_shape(spec, profile, None)[2]
+
+
+CONV_WORKING_SET = 30 * MiB    # TensorFlow's CPU convolution kernels' target working set
+
+
+def conv_workspace_bytes(layer: Any) -> int:
+    """The im2col buffer a Conv2D layer's CPU kernels allocate (0 for other layers).
+
+    TensorFlow's CPU convolution and its gradients unfold input patches into a buffer of
+    ``shard x output positions x patch`` elements, where the shard (images per chunk) is
+    chosen so that one unit of work (the patches, the filter and the output of one image) fills
+    a target working set of 30 MiB: ``shard = ceil((30 MiB / dtype) / (P x K + K x C + P x C))``
+    for ``P`` output positions, ``K = kh x kw x c_in`` and ``C`` filters. The buffer has that
+    size whatever the batch (measured: a 24x24x64 output of a 3x3x32 filter failed allocating
+    ``shape[36,576,288]`` float at per-replica batch 16 and 128, and ``[72,576,288]`` in
+    bfloat16: the same bytes), and it lives only while the op runs: it is a transient that
+    counts once per task, the largest one, not once per layer."""
+    shape = tuple(getattr(layer, "output_shape", ()) or ())
+    if getattr(layer, "kind", "") != "Conv2D" or len(shape) != 3:
+        return 0
+    oh, ow, oc = (int(d) for d in shape)
+    positions = max(1, oh * ow)
+    oc = max(1, oc)
+    patch = max(1, int(layer.trainable_params) // oc)
+    unit = positions * patch + patch * oc + positions * oc
+    shard = -(-(CONV_WORKING_SET // 4) // unit)
+    return shard * positions * patch * 4
+
+
+#: the optimizer update's temporaries, in sizes of the largest variable it updates: the update
+#: runs after the backward pass (activations freed) and builds expressions of gradient-sized
+#: temporaries per variable, two variables at a time (two inter-op threads). Measured on
+#: the memory zoo: a 1536 x 1536 kernel's Adam update failed allocating its ``adam/Sub_10``
+#: temporary; one 1024 x 8192 layer's Adam step peaked 1.2 kernel sizes above the rest.
+UPDATE_TEMPORARIES = {"adam": 1.25, "adamw": 1.25, "rmsprop": 1.0, "adagrad": 1.0, "sgd": 0.5}
+
+
+def largest_variable_bytes(layer: Any) -> int:
+    """Bytes of a layer's largest trainable variable (its kernel: the parameters less the
+    bias, ``output_shape[-1]``, for Dense and Conv2D; all of them otherwise), float32."""
+    trainable = int(getattr(layer, "trainable_params", 0))
+    shape = tuple(getattr(layer, "output_shape", ()) or ())
+    if getattr(layer, "kind", "") in ("Dense", "Conv2D") and shape:
+        return 4 * max(0, trainable - int(shape[-1]))
+    return 4 * trainable
+
+
+def update_transient_bytes(layer: Any, optimizer: str) -> int:
+    """The optimizer update's temporaries while it updates ``layer``'s variables."""
+    u = UPDATE_TEMPORARIES.get(str(optimizer).lower(), 1.25)
+    return int(math.ceil(u * largest_variable_bytes(layer)))
+
+
+def layer_workspaces(profile: ModelProfile) -> list[int]:
+    """Per layer: the convolution workspaces its backward pass may hold at once. A Conv2D
+    layer's filter gradient and input gradient are separate ops that both unfold patches and
+    can run at the same time (two inter-op threads); the model's first layer needs no input
+    gradient. (Measured: a 28x28 conv 32-64 model peaked one 22.8 MiB workspace above the
+    estimate that counted one.)"""
+    out = []
+    for i, layer in enumerate(profile.layers):
+        ws = conv_workspace_bytes(layer)
+        out.append(ws if i == 0 else 2 * ws)
+    return out
+
+
+def largest_workspace(profile: ModelProfile) -> int:
+    """The most convolution workspace one backward pass holds at once (``layer_workspaces``)."""
+    return max(layer_workspaces(profile), default=0)
 
 
 def default_budget(estimate: MemoryEstimate | int) -> int:

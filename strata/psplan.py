@@ -39,9 +39,10 @@ Terms (bytes):
 
 - A layer's share of its PS task: its variables as float32 (mixed precision keeps float32
   variables) times ``1 + slots`` (``OPTIMIZER_SLOTS``: adam/adamw 2, rmsprop/adagrad 1, sgd 0),
-  where a tensor of 1 MiB or more counts as the next power of two (the BFC allocator gives a
-  big tensor a power-of-two chunk and does not split it; a layer's biggest tensor is its
-  kernel: its parameters minus the bias, ``output_shape[-1]``, for Dense and Conv2D), plus
+  where a tensor of 1 MiB or more counts half the way to the next power of two (the BFC
+  allocator may give a big tensor a power-of-two chunk and not split it; a layer's biggest
+  tensor is its kernel: its parameters minus the bias, ``output_shape[-1]``, for Dense and
+  Conv2D; counting the whole way overstated the 9 x 1536 MLP's PS task 1.8 times), plus
   its updates in flight: ``a + b x workers`` gradient-sized buffers (the gradients that have
   arrived, the optimizer's temporaries, copies made when an update meets a worker's read);
   with slots a = 1.5, b = 2.5; SGD a = 1.7, b = 0.3. Non-trainable variables (BatchNorm
@@ -50,7 +51,8 @@ Terms (bytes):
   16-bit casts), one gradient per trainable parameter, activations (7.2 bytes per layer
   output element and example in float32, 12 with bfloat16/float16 on CPU), ``data_bytes``
   (the training set: every worker holds all of it, embedded in its input pipeline) and 4.8
-  input batches in flight; then 1 MiB + 5%. The slopes match strata.memory's
+  input batches in flight, the largest convolution workspace
+  (``strata.memory.conv_workspace_bytes``); then 1 MiB + 5%. The slopes match strata.memory's
   data-parallel estimate; the same code runs the step.
 - The chief: it only evaluates (the test split in batches of at most 256 rows, reading the
   variables from the PS tasks), hashes and saves the weights: a copy of the weights (+2
@@ -63,7 +65,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from strata.memory import format_size
+from strata.memory import format_size, largest_variable_bytes, largest_workspace
 from strata.modelspec import LayerProfile, ModelProfile
 
 __all__ = ["PsPlan", "plan_parameter_servers", "layer_share_bytes", "OPTIMIZER_SLOTS"]
@@ -113,6 +115,12 @@ def _bfc_round(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+def _half_rounding(n: int) -> int:
+    """What a tensor of ``n`` bytes costs beyond its size when it takes a chunk of its own:
+    half the way to the next power of two from 1 MiB (see ``strata.memory``, collective)."""
+    return (_bfc_round(n) - n) // 2
+
+
 def _slots(optimizer: str) -> int:
     return OPTIMIZER_SLOTS.get(str(optimizer).lower(), 2)
 
@@ -123,7 +131,7 @@ def _stored_bytes(layer: LayerProfile, slots: int) -> int:
     biggest = trainable
     if layer.kind in ("Dense", "Conv2D") and layer.output_shape:
         biggest = max(0, trainable - int(layer.output_shape[-1]))
-    per_copy = _bfc_round(4 * biggest) + 4 * (trainable - biggest)
+    per_copy = 4 * trainable + _half_rounding(4 * biggest)
     return per_copy * (1 + slots) + 4 * layer.non_trainable_params
 
 
@@ -178,12 +186,18 @@ def plan_parameter_servers(profile: ModelProfile, *, num_ps: int, workers: int, 
     worker = (4 * params + (2 * params if mixed else 0) + 4 * profile.trainable_params
               + act * b * profile.activation_elems + max(0, int(data_bytes))
               + WORKER_INPUT_BATCHES * b * (4 * profile.input_elems + label_bytes))
+    worker += largest_workspace(profile)
     worker_bytes = WORKER_FIXED + int(math.ceil(worker * (1 + FRAGMENTATION)))
 
     eb = min(b, EVAL_BATCH_MAX)
     cact = CHIEF_MIXED_ACTIVATION_BYTES if mixed else CHIEF_ACTIVATION_BYTES
     chief = (4 * params + (2 * params if mixed else 0)
              + eb * (4 * profile.input_elems + cact * profile.activation_elems))
+    chief += largest_workspace(profile)  # the evaluation's forward convolutions
+    # the weights it copies from the PS tasks are large tensors each in its own chunk: half
+    # the way to a power of two each (the 9 x 1536 MLP's chief, nine 9 MiB kernels, peaked
+    # 18 MiB above the plain sum; the digits MLP's 2 MiB kernel costs nothing more)
+    chief += sum(_half_rounding(largest_variable_bytes(l)) for l in profile.layers)
     chief_bytes = CHIEF_FIXED + int(math.ceil(chief * (1 + FRAGMENTATION)))
 
     feasible, reason = True, ""

@@ -20,10 +20,17 @@ micro-batches, ``R`` the replicas and the stage's layers [first, last):
   the M micro-batches' gradients (M > 1; with M = 1 the one gradient is used as it is), or,
   with replicas, a gradient received from another replica;
 - optimizer slots: ``OPTIMIZER_SLOTS[optimizer]`` x 4 bytes per trainable parameter;
-- collective (R > 2): every replica's task of a stage receives the other ``R - 1`` replicas'
-  accumulated gradients and sums them into its own accumulator once the micro-batches'
-  gradients are gone. The first received one takes the place counted under gradients (M > 1)
-  or accumulator (M = 1), so ``R - 2`` more gradient sizes (none for two replicas);
+- collective (R > 1): every replica's task of a stage receives the other ``R - 1`` replicas'
+  accumulated gradients and sums them into its own accumulator: ``R - 1`` more gradient
+  sizes. (Earlier calibrations counted ``R - 2``, taking the first received gradient to reuse
+  the micro-batches' place; the memory zoo (``bench/memory_zoo.py``) measured replica 1's
+  tasks of a 2 x 2 hybrid job at 1.1-1.25 x that estimate and one ran out of memory, so the
+  buffers do coexist.)
+- transient: the largest convolution workspace of the stage's layers
+  (``strata.memory.conv_workspace_bytes``) or optimizer-update temporaries
+  (``strata.memory.update_transient_bytes``), bounded from one end for the planner's search
+  (``memory``); ``estimate`` takes the exact maximum, and the larger of the backward pass and
+  the optimizer step (when the activations are gone), for the budgets;
 - activations: ``PIPELINE_ACTIVATION_BYTES`` (``PIPELINE_MIXED_ACTIVATION_BYTES`` with mixed
   precision) per output element of the stage's layers per example, x m x M: GPipe keeps every
   micro-batch's activations until its backward pass. With ``recompute`` only ONE micro-batch's
@@ -75,7 +82,9 @@ from strata.errors import SpecError
 import math
 from typing import Sequence
 
-from strata.memory import FIXED_OVERHEAD, FRAGMENTATION, OPTIMIZER_SLOTS
+from strata.memory import (
+    FIXED_OVERHEAD, FRAGMENTATION, OPTIMIZER_SLOTS, layer_workspaces, update_transient_bytes,
+)
 from strata.modelspec import ModelProfile
 
 __all__ = [
@@ -141,7 +150,7 @@ class StageCostModel:
         self.c_weight = 4 + (2 if mixed else 0)
         slots = OPTIMIZER_SLOTS[self.optimizer]
         self.accumulates = M > 1 or replicas > 1
-        self.c_train = 4 * (1 + (1 if self.accumulates else 0) + slots + max(0, replicas - 2))
+        self.c_train = 4 * (1 + (1 if self.accumulates else 0) + slots + max(0, replicas - 1))
         per_elem = PIPELINE_MIXED_ACTIVATION_BYTES if mixed else PIPELINE_ACTIVATION_BYTES
         self.c_act = per_elem * m * (1 if self.recompute else M)
         self.in_flight_examples = PIPELINE_INPUT_BATCHES * m * M * replicas  # global batches
@@ -165,6 +174,42 @@ class StageCostModel:
             x[i] = base + (self._grad_out(i) if i < L else self._labels())
             y[i] = base - self._boundary_in(i) - self._grad_in(i) - (self._input_data() if i == 0
                                                                       else 0)
+        # Transients: a convolution's workspace (backward pass, on top of the activations) or
+        # the optimizer update's temporaries (after it, activations freed), each the largest
+        # over the stage's layers. A max over the range is not a prefix-sum difference, so the
+        # planner's search (``memory``) bounds it from one end: "the largest of the layers from
+        # a on" and "of the layers before b" both bound it and each depends on one end only;
+        # the one that overstates less on this model is folded into Y (or X). ``estimate``, the
+        # figure budgets come from, takes the exact range maximum and the larger of the two
+        # phases, and is never above ``memory``.
+        self._x0, self._y0 = list(x), list(y)
+        self._ws = layer_workspaces(profile)
+        self._upd = [update_transient_bytes(layer, self.optimizer) for layer in layers]
+        # per layer: what the stage's peak can exceed the backward-pass terms by when the
+        # layer's transient is the stage's largest. The update's temporaries come when the
+        # layer's own activations (part of those terms) are freed, so only their excess over
+        # them counts: static + U_j <= backward terms - acts_j + U_j.
+        t = [max(w, u - int(self.c_act * layer.output_elems), 0)
+             for w, u, layer in zip(self._ws, self._upd, layers)]
+        self.transient_from = [0] * (L + 1)   # per start a: the transient memory() counts
+        self.transient_to = [0] * (L + 1)     # per end b
+        if any(t):
+            suf = [0] * (L + 1)
+            for i in range(L - 1, -1, -1):
+                suf[i] = max(suf[i + 1], t[i])
+            pre = [0] * (L + 1)
+            for i in range(L):
+                pre[i + 1] = max(pre[i], t[i])
+            over_suf = sum(suf[i] - t[i] for i in range(L))
+            over_pre = sum(pre[i + 1] - t[i] for i in range(L))
+            if over_suf <= over_pre:
+                self.transient_from = suf
+                for i in range(L):
+                    y[i] -= suf[i]
+            else:
+                self.transient_to = pre
+                for i in range(1, L + 1):
+                    x[i] += pre[i]
         self._x, self._y = x, y
 
         # costs
@@ -216,9 +261,27 @@ class StageCostModel:
                              f"0..{self.L}")
 
     def memory(self, first: int, last: int) -> int:
-        """Estimated peak bytes of a task holding layers ``[first, last)``."""
+        """The planner's demand for a task holding layers ``[first, last)``: the estimate with
+        its transient bounded from one end (separable; see ``__init__``), never below
+        ``estimate(first, last)``."""
         self._check(first, last)
         c = math.ceil(self._x[last] - self._y[first])
+        return c + FIXED_OVERHEAD + math.ceil(FRAGMENTATION * c)
+
+    def estimate(self, first: int, last: int) -> int:
+        """Estimated peak bytes of a task holding layers ``[first, last)``: the larger of the
+        backward pass (every term, plus the largest convolution workspace) and the optimizer
+        step (weights, gradients, accumulators, slots and the data held, plus the update's
+        temporaries of the stage's largest variable)."""
+        self._check(first, last)
+        a, b = first, last
+        ws = max(self._ws[a:b])
+        upd = max(self._upd[a:b])
+        backward = self._x0[b] - self._y0[a] + ws
+        static = (self.c_weight * (self._pp[b] - self._pp[a])
+                  + self.c_train * (self._pt[b] - self._pt[a])
+                  + (self._input_data() if a == 0 else 0) + (self._labels() if b == self.L else 0))
+        c = math.ceil(max(backward, static + upd))
         return c + FIXED_OVERHEAD + math.ceil(FRAGMENTATION * c)
 
     def cost(self, first: int, last: int) -> float:
@@ -249,12 +312,13 @@ class StageCostModel:
             "gradients": 4 * train,
             "accumulator": 4 * train if self.accumulates else 0,
             "optimizer_slots": 4 * slots * train,
-            "collective": 4 * train * max(0, self.replicas - 2),
+            "collective": 4 * train * max(0, self.replicas - 1),
             "activations": math.ceil(self.c_act * acts),
             "boundary_input": math.ceil(self._boundary_in(first)),
             "boundary_gradients": math.ceil(self._grad_in(first) + self._grad_out(last)),
             "input_data": math.ceil(self._input_data()) if first == 0 else 0,
             "labels": math.ceil(self._labels()) if last == self.L else 0,
+            "transient": self.transient_from[first] + self.transient_to[last],
         }
         total = self.memory(first, last)
         terms["overhead"] = total - sum(terms.values())

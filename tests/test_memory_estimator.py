@@ -98,7 +98,9 @@ def test_estimate_terms_for_the_seed_mlp():
     params = 1_462_538
     assert isinstance(e, MemoryEstimate)
     assert e.weights == 4 * params and e.gradients == 4 * params
-    assert e.optimizer_slots == 2 * 4 * params and e.collective == 4 * params
+    # the packed all-reduce buffer is one large BFC chunk: half the way to a power of two
+    assert e.optimizer_slots == 2 * 4 * params
+    assert e.collective == 4 * params + ((8 << 20) - 4 * params) // 2
     assert e.activations > 0 and e.data > 0 and e.overhead >= MiB
     d = e.as_dict()
     assert d["total"] == e.total == sum(v for k, v in d.items() if k != "total")

@@ -21,7 +21,7 @@ MiB = 1 << 20
 AGENTS = 4
 # Sized so that the deep model's data-parallel estimate is more than 3x one agent's budget
 # while its four pipeline stages each fit one agent.
-AGENT_BUDGET_MIB = 88
+AGENT_BUDGET_MIB = 96
 JOB_TIMEOUT_S = 420
 
 # 64 -> 1024 x 13 -> 10: 12.7 M parameters; a 4-stage split puts three 1024x1024 layers on

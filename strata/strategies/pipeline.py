@@ -69,7 +69,8 @@ class Pipeline(Strategy):
         for s in sorted(p.stages, key=lambda s: (s.replica, s.index)):
             k = s.replica * S + s.index
             role, index = ("chief", 0) if k == 0 else ("worker", k - 1)
-            tasks.append(TaskPlan(role, index, s.memory_bytes, budget_for(spec, s.memory_bytes),
+            tasks.append(TaskPlan(role, index, s.estimate_bytes,
+                                  budget_for(spec, s.estimate_bytes),
                                   stage=s.index, replica=s.replica, first_layer=s.first_layer,
                                   last_layer=s.last_layer, layers=tuple(s.layer_names),
                                   worker=s.worker))
@@ -94,6 +95,25 @@ class Pipeline(Strategy):
         return f"{self.name}: {plan.summary}; tasks " + ", ".join(
             f"{t.role}:{t.index}{where(t)} est {format_size(t.estimated_memory_bytes)} budget "
             f"{format_size(t.memory_budget_bytes)}" for t in plan.tasks)
+
+    def where(self, job: Job, task: Task) -> str:
+        assert job.spec is not None
+        replica = f" of replica {task.replica}" if job.spec.workers > 1 else ""
+        return f" (stage {task.stage}{replica}, layers {task.first_layer}-{task.last_layer - 1})"
+
+    def oom_levers(self, job: Job, task: Task) -> list[str]:
+        assert job.spec is not None
+        spec = job.spec
+        stages = 1 + max(t.stage for t in job.tasks)
+        levers = [f"more stages, so each holds fewer layers (stages: {stages + 1})"]
+        m = spec.microbatches
+        if not spec.memory.recompute:
+            levers.append("recomputation, which keeps one micro-batch's activations instead "
+                          "of all (memory.recompute: true)")
+        # GPipe keeps every micro-batch's activations: smaller ones help only with recompute
+        elif spec.data.batch_size % (2 * m * spec.workers) == 0:
+            levers.append(f"more, smaller micro-batches (microbatches: {2 * m})")
+        return levers + super().oom_levers(job, task)
 
     def task_section(self, job: Job, task: Task) -> PipelineSection:
         assert job.spec is not None
