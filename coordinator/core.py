@@ -77,6 +77,20 @@ def prepare(spec: JobSpec | Mapping[str, Any], workers: Sequence[WorkerOffer] = 
         raise SpecError(e.field, e.message) from None
     plan = strategies.get(spec.strategy).plan(spec, list(workers), profile)
     plan = apply_measured(spec, plan, measured or {}, list(workers))
+    offered = {w.name: w.bytes for w in workers}
+    if plan.feasible and any(t.worker in offered and t.memory_budget_bytes > offered[t.worker]
+                             for t in plan.tasks):
+        # a planner fitted estimates to these workers; a budget's room for the task's largest
+        # allocation can outgrow the worker chosen: the job must still be placeable as a whole
+        placed = place([TaskDemand(t.role, t.index, t.memory_budget_bytes) for t in plan.tasks],
+                       [Capacity(w.name, w.bytes, w.bytes) for w in workers])
+        if not placed.placed:
+            worst = max(plan.tasks, key=lambda t: t.memory_budget_bytes)
+            plan = dataclasses.replace(plan, feasible=False, reason=(
+                f"the tasks' budgets (estimates plus headroom, with room for each task's largest "
+                f"tensor) do not fit the workers together; the largest is "
+                f"{worst.role}:{worst.index}'s {format_size(worst.memory_budget_bytes)}: add "
+                "workers or larger ones, or use more stages"))
     for t in plan.tasks:
         need = max(t.estimated_memory_bytes, t.memory_budget_bytes)
         if need > MAX_TASK_BYTES:

@@ -98,9 +98,9 @@ def test_estimate_terms_for_the_seed_mlp():
     params = 1_462_538
     assert isinstance(e, MemoryEstimate)
     assert e.weights == 4 * params and e.gradients == 4 * params
-    # the packed all-reduce buffer is one large BFC chunk: half the way to a power of two
-    assert e.optimizer_slots == 2 * 4 * params
-    assert e.collective == 4 * params + ((8 << 20) - 4 * params) // 2
+    # the packed all-reduce buffer: every gradient in one chunk, the task's largest allocation
+    assert e.optimizer_slots == 2 * 4 * params and e.collective == 4 * params
+    assert e.largest_alloc == 4 * params
     assert e.activations > 0 and e.data > 0 and e.overhead >= MiB
     d = e.as_dict()
     assert d["total"] == e.total == sum(v for k, v in d.items() if k != "total")
@@ -238,3 +238,19 @@ def test_estimate_matches_measured_peaks(tmp_path):
         assert abs(err) <= 0.15, report
         assert all(p <= default_budget(est) for p in peaks), report
     print("\n".join(report))
+
+
+def test_budget_leaves_room_for_the_largest_allocation():
+    from strata.memory import LARGEST_ALLOC_ROOM, MiB, default_budget
+
+    # usually 25% of the estimate covers it
+    assert default_budget(400 * MiB, 72 * MiB) == default_budget(400 * MiB) == 500 * MiB
+    # one tensor that dominates the task gets room of its own
+    assert default_budget(128 * MiB, 32 * MiB) == 128 * MiB + int(LARGEST_ALLOC_ROOM * 32 * MiB)
+    # the estimate carries its largest allocation
+    spec = make_spec()
+    spec["model"]["builtin"].update(input_shape=[1024], hidden=[8192])
+    spec["training"]["optimizer"]["name"] = "sgd"
+    e = estimate_task_memory(spec, 256)
+    assert e.largest_alloc == e.collective
+    assert default_budget(e) == default_budget(e.total, e.largest_alloc) > default_budget(e.total)

@@ -24,7 +24,9 @@ import dataclasses
 import enum
 from typing import TYPE_CHECKING, Callable, ClassVar, Mapping, Sequence
 
-from strata.memory import HEADROOM_FRACTION, HEADROOM_MIN, default_budget, format_size
+from strata.memory import (
+    HEADROOM_FRACTION, HEADROOM_MIN, default_budget, format_size, largest_variable_bytes,
+)
 from strata.types import FailureKind, Job, JobPlan, Task, TaskPlan, TaskState, WorkerOffer
 
 if TYPE_CHECKING:
@@ -77,10 +79,16 @@ def success_message(job: Job) -> str:
 
 # --- plan helpers ----------------------------------------------------------------------------
 
-def budget_for(spec: JobSpec, estimate: int) -> int:
+def budget_for(spec: JobSpec, estimate: int, largest_alloc: int = 0) -> int:
     """A task's budget: ``memory.per_task_budget`` when the job sets one, else the estimate plus
-    headroom (``strata.memory.default_budget``)."""
-    return spec.memory.per_task_budget_bytes or default_budget(estimate)
+    headroom, with room for its largest single allocation (``strata.memory.default_budget``)."""
+    return spec.memory.per_task_budget_bytes or default_budget(estimate, largest_alloc)
+
+
+def largest_variable(profile: ModelProfile, first: int = 0, last: int | None = None) -> int:
+    """Bytes of the largest trainable variable of layers ``[first, last)``."""
+    layers = profile.layers[first:last]
+    return max((largest_variable_bytes(layer) for layer in layers), default=0)
 
 
 def offer_for_estimate(free_bytes: int) -> int:

@@ -32,9 +32,10 @@ class MultiWorkerMirrored(Strategy):
 
     def plan(self, spec: JobSpec, workers: Sequence[WorkerOffer],
              profile: ModelProfile) -> JobPlan:
-        estimate = estimate_task_memory(spec.to_dict(), spec.per_replica_batch, profile,
-                                        collective=True).total
-        budget = budget_for(spec, estimate)
+        e = estimate_task_memory(spec.to_dict(), spec.per_replica_batch, profile,
+                                 collective=True)
+        estimate = e.total
+        budget = budget_for(spec, estimate, e.largest_alloc)
         layers = tuple(layer.name for layer in profile.layers)
         tasks = tuple(TaskPlan("worker", i, estimate, budget, layers=layers,
                                last_layer=len(layers)) for i in range(spec.workers))

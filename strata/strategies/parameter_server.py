@@ -14,9 +14,11 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 
 from strata.errors import SpecError
 from strata.memory import dataset_bytes, format_size
+from strata.memory import largest_variable_bytes
 from strata.strategies import register
 from strata.strategies.base import (
-    FailureAction, FailureDecision, Strategy, budget_for, describe_failure, too_big,
+    FailureAction, FailureDecision, Strategy, budget_for, describe_failure, largest_variable,
+    too_big,
 )
 from strata.taskconfig import ParameterServerSection, TaskConfigError
 from strata.types import Job, JobPlan, Task, TaskPlan, WorkerOffer
@@ -54,10 +56,14 @@ class ParameterServer(Strategy):
         for layer in profile.layers:
             if layer.name in p.placement:
                 by_ps.setdefault(p.placement[layer.name], []).append(layer.name)
-        tasks = [TaskPlan("chief", 0, p.chief_bytes, budget_for(spec, p.chief_bytes))]
-        tasks += [TaskPlan("worker", i, p.worker_bytes, budget_for(spec, p.worker_bytes))
+        big = largest_variable(profile)
+        ps_big = {j: max((largest_variable_bytes(l) for l in profile.layers
+                          if p.placement.get(l.name) == j), default=0)
+                  for j in range(spec.parameter_servers)}
+        tasks = [TaskPlan("chief", 0, p.chief_bytes, budget_for(spec, p.chief_bytes, big))]
+        tasks += [TaskPlan("worker", i, p.worker_bytes, budget_for(spec, p.worker_bytes, big))
                   for i in range(spec.workers)]
-        tasks += [TaskPlan("ps", j, p.ps_bytes[j], budget_for(spec, p.ps_bytes[j]),
+        tasks += [TaskPlan("ps", j, p.ps_bytes[j], budget_for(spec, p.ps_bytes[j], ps_big[j]),
                            layers=tuple(by_ps.get(j, ())))
                   for j in range(spec.parameter_servers)]
         summary = (f"1 chief, {spec.workers} worker(s), {spec.parameter_servers} parameter "
