@@ -500,8 +500,8 @@ class Coordinator:
                                  f"({failure.value}): {describe_failure(task)}")
         if job.state.final:
             return
-        # the policy judges the process that died (a driver that failed on another task's
-        # device is still a dead driver); ``blame`` only names where memory ran out
+        # the policy judges the process that died: a driver that failed on another task's
+        # device is still a dead driver (``_fail_oom`` names where memory ran out)
         decision = strategies.get(job.strategy).on_failure(job, task)
         if decision.action == FailureAction.CONTINUE:
             self._event(job, "message", decision.message)

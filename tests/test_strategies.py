@@ -19,7 +19,7 @@ pytestmark = pytest.mark.integration  # starts coordinator, agent or TensorFlow 
 
 MiB = 1 << 20
 AGENTS = 4
-# Sized so that the deep model's data-parallel estimate is more than 3x one agent's budget
+# Sized so that the deep model's data-parallel estimate is more than 2.5x one agent's budget
 # while its four pipeline stages each fit one agent.
 AGENT_BUDGET_MIB = 96
 JOB_TIMEOUT_S = 420
@@ -138,7 +138,7 @@ def test_deep_model_is_refused_as_mirrored_with_a_pipeline_suggestion(client):
     plan = client.plan(mirrored)
     assert not plan.feasible
     estimate = plan.tasks[0].estimated_memory_bytes
-    assert estimate >= 3 * AGENT_BUDGET_MIB * MiB, estimate / MiB
+    assert estimate >= 2.5 * AGENT_BUDGET_MIB * MiB, estimate / MiB
     with pytest.raises(Infeasible) as e:
         client.submit(mirrored)
     assert "strategy: pipeline, stages: 4" in e.value.message, e.value.message
