@@ -183,7 +183,13 @@ class StageCostModel:
         # figure budgets come from, takes the exact range maximum and the larger of the two
         # phases, and is never above ``memory``.
         self._x0, self._y0 = list(x), list(y)
-        self._ws = layer_workspaces(profile)
+        # a layer that shrinks its input (pooling) makes, in its backward pass, a gradient of
+        # its input's size per micro-batch besides the boundary terms: measured, a 2 x 2 max
+        # pool of a 24x24x64 map failed allocating that gradient ([64, 24, 24, 64],
+        # MaxPoolGrad) 14 MiB above its stage's estimate
+        self._ws = [w + (4 * self._in_elems(i) * m if self._in_elems(i) >= 2 * layer.output_elems
+                         else 0)
+                    for i, (w, layer) in enumerate(zip(layer_workspaces(profile), layers))]
         self._upd = [update_transient_bytes(layer, self.optimizer) for layer in layers]
         # per layer: what the stage's peak can exceed the backward-pass terms by when the
         # layer's transient is the stage's largest. The update's temporaries come when the
