@@ -52,3 +52,30 @@ def test_needed_bytes_is_above_the_failed_budget():
     assert needed_bytes(100 * MiB, 90 * MiB, 20 * MiB) == 110 * MiB
     assert needed_bytes(100 * MiB, 0, 8 * MiB) == 104 * MiB
     assert needed_bytes(100 * MiB, 99 * MiB, 0) == 100 * MiB
+
+
+def test_a_crash_at_the_budget_is_classified_out_of_memory():
+    import signal
+
+    from strata.types import FailureKind, TaskState
+    from strata.worker.agent import classify_exit
+
+    def tail():
+        return "log tail"
+
+    kw = dict(stopped=False, has_result=False, error_kind="", message="", budget=64 * MiB,
+              log_tail=tail)
+    state, failure, code, msg = classify_exit(-signal.SIGSEGV, peak=59 * MiB, **kw)
+    assert (state, failure) == (TaskState.FAILED, FailureKind.OOM)
+    assert "SIGSEGV" in msg and "92% of its 64 MiB budget" in msg
+    # far from its budget a crash is a crash
+    _, failure, _, msg = classify_exit(-signal.SIGSEGV, peak=20 * MiB, **kw)
+    assert failure == FailureKind.SIGNAL and msg == "killed by SIGSEGV"
+    # a SIGKILL is someone else's doing, whatever the peak
+    _, failure, _, msg = classify_exit(-signal.SIGKILL, peak=63 * MiB, **kw)
+    assert failure == FailureKind.SIGNAL and "OOM killer" in msg
+    # the task's own report wins; a stop is a stop
+    assert classify_exit(75, peak=0, **kw)[1] == FailureKind.OOM
+    assert classify_exit(-signal.SIGTERM, peak=63 * MiB, **dict(kw, stopped=True))[0] \
+        == TaskState.CANCELLED
+    assert classify_exit(1, peak=0, **kw)[3] == "log tail"

@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import threading
+from typing import Callable
 import time
 
 import grpc
@@ -32,6 +33,10 @@ from strata.oom import OutOfMemory
 from strata.types import FailureKind, MemoryStatus, TaskReport, TaskState
 
 log = logging.getLogger("strata.worker")
+
+#: a task that crashes (SIGSEGV, SIGABRT, SIGBUS) with its allocator peak this close to its
+#: budget is reported out of memory
+NEAR_BUDGET = 0.9
 
 RPC_TIMEOUT_S = 5.0
 STOP_GRACE_S = 5.0
@@ -68,6 +73,36 @@ class AgentConfig:
     host: str = ""
     threads: int = 0
     python: str = sys.executable
+
+
+def classify_exit(code: int, *, stopped: bool, has_result: bool, error_kind: str, message: str,
+                  peak: int, budget: int, log_tail: Callable[[], str]
+                  ) -> tuple[TaskState, FailureKind, int, str]:
+    """How a task process ended: ``(state, failure, exit code, message)`` from its exit status,
+    the error event it sent (``error_kind``, ``message``) and its allocator figures."""
+    if stopped:
+        return TaskState.CANCELLED, FailureKind.NONE, code, "stopped"
+    if code == 0 and has_result:
+        return TaskState.SUCCEEDED, FailureKind.NONE, 0, ""
+    if code == exitcodes.TASK_EXIT_OOM or error_kind == "oom":
+        return TaskState.FAILED, FailureKind.OOM, code, message
+    if code == exitcodes.TASK_EXIT_BAD_CONFIG or error_kind == "bad_config":
+        return TaskState.FAILED, FailureKind.BAD_CONFIG, code, message
+    if code < 0:
+        sig = -code
+        name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else str(sig)
+        if sig in (signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS) and budget \
+                and peak >= NEAR_BUDGET * budget:
+            # seen: a stage server died by SIGSEGV with its peak at 92% of its budget, an
+            # allocation failing where TensorFlow does not raise ResourceExhaustedError
+            return (TaskState.FAILED, FailureKind.OOM, code,
+                    f"killed by {name} with its allocator peak at {peak / budget:.0%} of its "
+                    f"{budget >> 20} MiB budget: out of memory where TensorFlow raised no error")
+        hint = " (SIGKILL from outside: possibly the kernel's OOM killer)" if sig == 9 else ""
+        return TaskState.FAILED, FailureKind.SIGNAL, code, f"killed by {name}{hint}"
+    if code == 0:
+        return TaskState.FAILED, FailureKind.EXIT_CODE, 0, "exited without a result"
+    return TaskState.FAILED, FailureKind.EXIT_CODE, code, message or log_tail()
 
 
 class TaskProcess:
@@ -237,23 +272,10 @@ class TaskProcess:
             if t is not threading.current_thread():
                 t.join(timeout=5.0)
         self.agent.flush_logs(self)
-        if self.stop_requested:
-            self._finish(TaskState.CANCELLED, FailureKind.NONE, code, "stopped")
-        elif code == 0 and self.status.test_accuracy is not None:
-            self._finish(TaskState.SUCCEEDED, FailureKind.NONE, 0, "")
-        elif code == exitcodes.TASK_EXIT_OOM or self.error_kind == "oom":
-            self._finish(TaskState.FAILED, FailureKind.OOM, code, self.status.message)
-        elif code == exitcodes.TASK_EXIT_BAD_CONFIG or self.error_kind == "bad_config":
-            self._finish(TaskState.FAILED, FailureKind.BAD_CONFIG, code, self.status.message)
-        elif code < 0:
-            name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(-code)
-            hint = " (SIGKILL from outside: possibly the kernel's OOM killer)" if -code == 9 else ""
-            self._finish(TaskState.FAILED, FailureKind.SIGNAL, code, f"killed by {name}{hint}")
-        elif code == 0:
-            self._finish(TaskState.FAILED, FailureKind.EXIT_CODE, 0, "exited without a result")
-        else:
-            self._finish(TaskState.FAILED, FailureKind.EXIT_CODE, code,
-                         self.status.message or self._log_tail())
+        self._finish(*classify_exit(
+            code, stopped=self.stop_requested, has_result=self.status.test_accuracy is not None,
+            error_kind=self.error_kind, message=self.status.message,
+            peak=self.status.peak_bytes, budget=self.budget, log_tail=self._log_tail))
 
     def _log_tail(self) -> str:
         try:
