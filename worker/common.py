@@ -177,31 +177,28 @@ def install_sigterm_handler(events: Events) -> None:
 # training
 
 
-def is_oom(exc: BaseException) -> bool:
+def _resource_exhausted(exc: BaseException) -> BaseException | None:
+    """The ResourceExhaustedError in ``exc``'s chain of causes, if any."""
     tf = sys.modules.get("tensorflow")
     if tf is None:
-        return False
+        return None
     seen = set()
     e: BaseException | None = exc
     while e is not None and id(e) not in seen:
         seen.add(id(e))
         if isinstance(e, tf.errors.ResourceExhaustedError):
-            return True
+            return e
         e = e.__cause__ or e.__context__
-    return False
+    return None
+
+
+def is_oom(exc: BaseException) -> bool:
+    return _resource_exhausted(exc) is not None
 
 
 def oom_text(exc: BaseException) -> str:
     """The text of the ResourceExhaustedError in ``exc``'s chain (it names the allocation)."""
-    tf = sys.modules.get("tensorflow")
-    seen = set()
-    e: BaseException | None = exc
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if tf is not None and isinstance(e, tf.errors.ResourceExhaustedError):
-            return str(e)
-        e = e.__cause__ or e.__context__
-    return str(exc)
+    return str(_resource_exhausted(exc) or exc)
 
 
 def allocator_figures() -> dict[str, int]:
