@@ -72,16 +72,18 @@ LOST: WorkerState
 DRAINING: WorkerState
 
 class BuiltinModel(_message.Message):
-    __slots__ = ("kind", "input_shape", "hidden", "classes")
+    __slots__ = ("kind", "input_shape", "hidden", "classes", "no_hidden")
     KIND_FIELD_NUMBER: _ClassVar[int]
     INPUT_SHAPE_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     CLASSES_FIELD_NUMBER: _ClassVar[int]
+    NO_HIDDEN_FIELD_NUMBER: _ClassVar[int]
     kind: str
     input_shape: _containers.RepeatedScalarFieldContainer[int]
     hidden: _containers.RepeatedScalarFieldContainer[int]
     classes: int
-    def __init__(self, kind: _Optional[str] = ..., input_shape: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Iterable[int]] = ..., classes: _Optional[int] = ...) -> None: ...
+    no_hidden: bool
+    def __init__(self, kind: _Optional[str] = ..., input_shape: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Iterable[int]] = ..., classes: _Optional[int] = ..., no_hidden: _Optional[bool] = ...) -> None: ...
 
 class ModelSpec(_message.Message):
     __slots__ = ("keras_json", "builtin")

@@ -49,6 +49,7 @@ def spec_to_proto(spec: JobSpec) -> pb.JobSpec:
     """A parsed spec to its message (every field set: the normalized spec)."""
     msg = pb.JobSpec()
     json_format.ParseDict(spec.to_dict(), msg)
+    _mark_empty_lists(spec.to_dict(), msg)
     return msg
 
 
@@ -57,18 +58,36 @@ def raw_spec_to_proto(raw: Mapping[str, Any]) -> pb.JobSpec:
     a client would refuse); unknown fields raise ``json_format.ParseError``."""
     msg = pb.JobSpec()
     json_format.ParseDict(dict(raw), msg)
+    _mark_empty_lists(raw, msg)
     return msg
+
+
+def _mark_empty_lists(raw: Mapping[str, Any], msg: pb.JobSpec) -> None:
+    # an empty repeated field is indistinguishable from an unset one on the wire; the lists
+    # whose emptiness means something carry a presence flag (BuiltinModel.no_hidden)
+    model = raw.get("model")
+    builtin = model.get("builtin") if isinstance(model, Mapping) else None
+    if isinstance(builtin, Mapping) and builtin.get("hidden") == []:
+        msg.model.builtin.no_hidden = True
+
+
+def _spec_dict(msg: pb.JobSpec) -> dict[str, Any]:
+    d = message_to_dict(msg)
+    builtin = d.get("model", {}).get("builtin")
+    if isinstance(builtin, dict) and builtin.pop("no_hidden", False):
+        builtin.setdefault("hidden", [])
+    return d
 
 
 def accepted_spec_from_proto(msg: pb.JobSpec) -> JobSpec:
     """A spec the coordinator has accepted (in a ``Job``): decoded, not validated again."""
-    return JobSpec.from_dict(message_to_dict(msg))
+    return JobSpec.from_dict(_spec_dict(msg))
 
 
 def spec_from_proto(msg: pb.JobSpec) -> JobSpec:
     """Parses a JobSpec message: the one validation path (``parse_job_spec``) over the fields
     that are set. Raises ``SpecError`` naming the field."""
-    return parse_job_spec(message_to_dict(msg))
+    return parse_job_spec(_spec_dict(msg))
 
 
 # --- jobs -------------------------------------------------------------------------------------

@@ -105,3 +105,18 @@ def test_overrides_typed_values():
     assert spec["training"]["epochs"] == 3 and spec["memory"]["recompute"] is False
     with pytest.raises(SpecError):
         apply_overrides({}, ["noequals"])
+
+
+def test_empty_hidden_list_survives_the_wire():
+    # proto3 drops an empty repeated field: `hidden: []` (a linear model) must not come back
+    # as the default [1024, 512, 256]
+    from strata.convert import accepted_spec_from_proto, raw_spec_to_proto, spec_from_proto, spec_to_proto
+
+    raw = {"name": "linear", "strategy": "multi_worker_mirrored",
+           "model": {"builtin": {"kind": "mlp", "input_shape": [64], "hidden": [], "classes": 10}}}
+    parsed = spec_from_proto(raw_spec_to_proto(raw))
+    assert parsed.to_dict()["model"]["builtin"]["hidden"] == []
+    again = accepted_spec_from_proto(spec_to_proto(parsed))
+    assert again.to_dict()["model"]["builtin"]["hidden"] == []
+    unset = dict(raw, model={"builtin": {"kind": "mlp", "input_shape": [64], "classes": 10}})
+    assert spec_from_proto(raw_spec_to_proto(unset)).to_dict()["model"]["builtin"]["hidden"] == [1024, 512, 256]
