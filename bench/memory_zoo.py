@@ -9,7 +9,10 @@ real task processes with the BFC allocator limited to the budget Strata assigns 
 the job runs ``--steps`` steps and its evaluation, and every task reports its allocator peak.
 A row records, per task: the estimate, the assigned budget, the measured peak, and
 ``peak / estimate``. ``over`` marks a task whose peak exceeded its budget or that ran out of
-memory. The run appends to ``--out`` (JSON lines) and skips rows already there, so it can be
+memory. Jobs run with ``memory.profile: false`` (the estimators' figures); ``--profile`` runs
+them with ``memory.profile: true`` instead (a probe run measures each job first and the row's
+estimates are the probe's peaks; the probe's own tasks, with the estimators' figures, are in
+the row's ``probe``). The run appends to ``--out`` (JSON lines) and skips rows already there, so it can be
 interrupted and resumed; ``--table`` prints the Markdown table of what is in ``--out``.
 
 Configurations per model and strategy: per-task batch small / large, float32 / bfloat16, Adam /
@@ -145,7 +148,7 @@ HALF_CONFIGS = [(0, "none", "adam"), (1, "none", "sgd"), (0, "bfloat16", "sgd"),
 
 
 def job_spec(model: Model, strategy: str, batch_index: int, precision: str, optimizer: str,
-             steps: int, model_section: dict[str, Any]) -> dict[str, Any]:
+             steps: int, model_section: dict[str, Any], profile: bool = False) -> dict[str, Any]:
     extra = dict(STRATEGIES[strategy])
     per_task = model.batches[batch_index]
     # the per-task batch: a data-parallel replica's batch, a pipeline replica's batch
@@ -163,7 +166,8 @@ def job_spec(model: Model, strategy: str, batch_index: int, precision: str, opti
         # parameter-server steps are asynchronous: enough of them that every worker runs some
         "training": {"steps": steps * 4 if strategy == "parameter_server" else steps,
                      "optimizer": {"name": optimizer, "learning_rate": 0.001}},
-        "memory": {"mixed_precision": precision},
+        # the estimators' own figures unless asked: memory.profile would replace them
+        "memory": {"mixed_precision": precision, "profile": "true" if profile else "false"},
     }
 
 
@@ -172,7 +176,7 @@ def row_key(r: dict[str, Any]) -> tuple:
 
 
 def run_rows(models: list[Model], strategies: list[str], configs: list[tuple], out: str,
-             steps: int, agents: int, budget: str, timeout: float) -> None:
+             steps: int, agents: int, budget: str, timeout: float, profile: bool = False) -> None:
     """Every (model, strategy, configuration) not yet in ``out``, on a fresh local cluster."""
     from strata.local import LocalCluster
 
@@ -187,13 +191,22 @@ def run_rows(models: list[Model], strategies: list[str], configs: list[tuple], o
         return
     with LocalCluster(workers=agents, memory_budget=budget, threads=1) as cluster, \
             cluster.client() as client:
-        run_with_client(client, todo, out, steps, timeout)
+        run_with_client(client, todo, out, steps, timeout, profile=profile)
+
+
+def _task_rows(job: Any) -> list[dict[str, Any]]:
+    return [{"task": f"{t.role}:{t.index}", "stage": t.stage, "replica": t.replica,
+             "estimate": t.estimated_memory_bytes, "budget": t.memory_budget_bytes,
+             "peak": t.peak_memory_bytes, "state": t.state.value,
+             "failure": t.failure.value, "message": t.message[:300]} for t in job.tasks]
 
 
 def run_with_client(client: Any, rows: list[tuple[str, str, tuple]], out: str, steps: int,
-                    timeout: float) -> None:
+                    timeout: float, profile: bool = False) -> None:
     """Runs ``rows`` (model name, strategy, (batch index, precision, optimizer)) one job at a
-    time through ``client`` and appends each result to ``out``."""
+    time through ``client`` and appends each result to ``out``. With ``profile`` the jobs ask
+    for ``memory.profile`` (a probe run measures them first; the row's estimates are then the
+    probe's peaks, and ``probe`` records the probe's own tasks: the estimators' figures)."""
     from strata.client import CoordinatorError
 
     by_name = {m.name: m for m in ZOO}
@@ -203,7 +216,7 @@ def run_with_client(client: Any, rows: list[tuple[str, str, tuple]], out: str, s
         m = by_name[name]
         if name not in sections:
             sections[name] = m.make()
-        spec = job_spec(m, strategy, bi, precision, optimizer, steps, sections[name])
+        spec = job_spec(m, strategy, bi, precision, optimizer, steps, sections[name], profile)
         row: dict[str, Any] = {"model": name, "strategy": strategy, "batch": m.batches[bi],
                                "precision": precision, "optimizer": optimizer}
         t0 = time.time()
@@ -218,12 +231,13 @@ def run_with_client(client: Any, rows: list[tuple[str, str, tuple]], out: str, s
         except CoordinatorError as e:
             row.update(state="REFUSED", message=str(e))
         else:
-            row.update(state=job.state.value, message=job.message, tasks=[
-                {"task": f"{t.role}:{t.index}", "stage": t.stage, "replica": t.replica,
-                 "estimate": t.estimated_memory_bytes, "budget": t.memory_budget_bytes,
-                 "peak": t.peak_memory_bytes, "state": t.state.value,
-                 "failure": t.failure.value, "message": t.message[:300]}
-                for t in job.tasks])
+            row.update(state=job.state.value, message=job.message, tasks=_task_rows(job))
+            if profile:
+                probes = [j for j in client.jobs() if j.name == f"{spec['name']}-probe"
+                          and j.created_at <= job.created_at]
+                if probes:
+                    probe = client.get(max(probes, key=lambda j: j.created_at).id)
+                    row["probe"] = {"state": probe.state.value, "tasks": _task_rows(probe)}
         row["seconds"] = round(time.time() - t0, 1)
         with open(out, "a") as f:
             f.write(json.dumps(row) + "\n")
@@ -317,6 +331,8 @@ def main() -> None:
     p.add_argument("--agent-budget", default="6GiB")
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--table", action="store_true", help="print the table of --out and exit")
+    p.add_argument("--profile", action="store_true",
+                   help="jobs ask for memory.profile (a probe run measures them first)")
     a = p.parse_args()
     if a.table:
         print(table(a.out))
@@ -330,7 +346,8 @@ def main() -> None:
     if set(strategies) - set(STRATEGIES):
         p.error(f"--strategies: known are {list(STRATEGIES)}")
     configs = ALL_CONFIGS if a.configs == "all" else HALF_CONFIGS
-    run_rows(models, strategies, configs, a.out, a.steps, a.agents, a.agent_budget, a.timeout)
+    run_rows(models, strategies, configs, a.out, a.steps, a.agents, a.agent_budget, a.timeout,
+             a.profile)
 
 
 if __name__ == "__main__":

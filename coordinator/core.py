@@ -27,7 +27,7 @@ from strata.coordinator.logs import JobLogs
 from strata.coordinator.placement import Capacity, TaskDemand, place
 from strata.coordinator.store import Store, WorkerRecord
 from strata.errors import InfeasibleError, InvalidTransition, NotFoundError, SpecError
-from strata.measured import apply_measured, task_kind
+from strata.measured import apply_measured, measured_kinds, task_kind
 from strata.memory import format_size
 from strata.oom import describe as describe_oom
 from strata.oom import needed_bytes
@@ -54,6 +54,13 @@ MAX_TASK_BYTES = 1 << 50
 # A stop for a task of a finished job is repeated at most this often while the agent still
 # reports the task running (the first stop may have been lost on a reconnect).
 STOP_RESEND_INTERVAL_S = 5.0
+# ``memory.profile: auto`` probes jobs whose largest task estimate is at least this. A probe costs
+# one more start of the job's processes (about 8 s on 2 cores: TensorFlow's import, the
+# rendezvous, tracing) and saves what the estimate overstates; under this size a task's budget
+# is dominated by the 16 MiB floor of the headroom and the estimators' error is a few MiB.
+PROBE_FROM_BYTES = 64 << 20
+# how long a job waits, after its probe ended, for the probe's remaining tasks to report their end
+PROBE_SETTLE_S = 30.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,12 +70,13 @@ class PreparedJob:
 
 
 def prepare(spec: JobSpec | Mapping[str, Any], workers: Sequence[WorkerOffer] = (),
-            measured: Mapping[str, int] | None = None) -> PreparedJob:
+            measured: Mapping[str, int] | None = None, *, probed: bool = False) -> PreparedJob:
     """Validates a spec (unless already parsed) and has its strategy plan the tasks against
     ``workers`` (a snapshot: see ``Coordinator.worker_offers``), with estimates raised to what
-    earlier runs ``measured`` (``strata.measured``). Pure and possibly slow (it profiles the
-    model and may run the stage planner), so the service runs it off the event loop. Raises
-    SpecError naming the field."""
+    earlier runs ``measured`` (``strata.measured``), or with ``probed`` set to it (a probe run
+    of this plan just measured it). Pure and possibly slow (it profiles the model and may run
+    the stage planner), so the service runs it off the event loop. Raises SpecError naming the
+    field."""
     if not isinstance(spec, JobSpec):
         spec = parse_job_spec(spec)
     try:
@@ -76,7 +84,7 @@ def prepare(spec: JobSpec | Mapping[str, Any], workers: Sequence[WorkerOffer] = 
     except ModelSpecError as e:
         raise SpecError(e.field, e.message) from None
     plan = strategies.get(spec.strategy).plan(spec, list(workers), profile)
-    plan = apply_measured(spec, plan, measured or {}, list(workers))
+    plan = apply_measured(spec, plan, measured or {}, list(workers), lower=probed)
     offered = {w.name: w.bytes for w in workers}
     if plan.feasible and any(t.worker in offered and t.memory_budget_bytes > offered[t.worker]
                              for t in plan.tasks):
@@ -98,6 +106,29 @@ def prepare(spec: JobSpec | Mapping[str, Any], workers: Sequence[WorkerOffer] = 
             raise SpecError(field, f"task {t.role}:{t.index} would need {format_size(need)}, "
                                    "beyond any machine")
     return PreparedJob(spec=spec, plan=plan)
+
+
+def wants_probe(spec: JobSpec, plan: JobPlan) -> bool:
+    """``memory.profile``: ``true`` always probes a job not measured yet, ``false`` never;
+    ``auto`` probes when the job's budgets come from the estimates (no fixed
+    ``memory.per_task_budget``) and its largest task estimate is ``PROBE_FROM_BYTES`` or more."""
+    if spec.memory.profile == "true":
+        return True
+    if spec.memory.profile == "false" or spec.memory.per_task_budget:
+        return False
+    return plan.largest_estimate >= PROBE_FROM_BYTES
+
+
+def probe_spec(spec: JobSpec) -> JobSpec:
+    """The probe run of ``spec`` (``memory.profile``): the same job, memory-wise (the same
+    ``strata.measured`` fingerprint), for ``probe_steps`` steps and its evaluation."""
+    steps = strategies.get(spec.strategy).probe_steps(spec)
+    if spec.training.steps:
+        steps = min(steps, spec.training.steps)
+    return dataclasses.replace(
+        spec, name=f"{spec.name}-probe",
+        training=dataclasses.replace(spec.training, steps=steps, epochs=0),
+        memory=dataclasses.replace(spec.memory, profile="false"))
 
 
 class Coordinator:
@@ -123,6 +154,9 @@ class Coordinator:
         self._metrics_saved: dict[str, float] = {}
         self._stops_sent: dict[tuple[str, str, str, int], float] = {}
         self._stopping = False
+        #: job id -> its memory probe's job id (``memory.profile``), while the job waits for it.
+        #: Not persisted: after a coordinator restart a waiting job runs on its estimates.
+        self._probe_of: dict[str, str] = {}
 
     # --- notifications ------------------------------------------------------------------------
 
@@ -187,6 +221,22 @@ class Coordinator:
             raise InfeasibleError(f"job {spec.name!r} cannot run on this cluster: {plan.reason}",
                                   estimate_bytes=plan.largest_estimate,
                                   largest_budget_bytes=max(budgets, default=0))
+        if not wants_probe(spec, plan) or measured_kinds(spec, self.measured):
+            return self._add_job(spec, plan)
+        # memory.profile: a short run of the same plan measures every task first; the job
+        # waits for it, then is planned with what it measured (``_after_probe``)
+        probing = probe_spec(spec)
+        probe = self._add_job(probing, plan, note=f"memory probe of job {spec.name!r}")
+        job = self._add_job(spec, plan)
+        self._probe_of[job.id] = probe.id
+        job.message = f"waiting for its memory probe {probe.id}"
+        self.store.put_job(job)
+        self._event(job, "message", f"memory.profile: probe job {probe.id} runs "
+                                    f"{probing.training.steps} steps of this plan to measure each "
+                                    "task's peak; the job is planned with those figures")
+        return job
+
+    def _add_job(self, spec: JobSpec, plan: JobPlan, note: str = "") -> Job:
         now = self.clock()
         job_id = f"{spec.name}-{secrets.token_hex(3)}"
         while job_id in self.jobs:
@@ -202,7 +252,7 @@ class Coordinator:
         self.store.put_tasks(job.tasks)
         self.jobs[job_id] = job  # only once stored: a failed write leaves no phantom job
         what = strategies.get(spec.strategy).describe_plan(spec, plan)
-        self._event(job, "state", f"PENDING: submitted; {what}")
+        self._event(job, "state", f"PENDING: submitted{'; ' + note if note else ''}; {what}")
         low = [t for t in plan.tasks if t.memory_budget_bytes < t.estimated_memory_bytes]
         if spec.memory.per_task_budget and low:
             self._event(job, "message", f"warning: memory.per_task_budget "
@@ -227,6 +277,9 @@ class Coordinator:
         if job.state.final:
             raise InvalidTransition("job", job.state.value, JobState.CANCELLED.value)
         self._stop_job(job, JobState.CANCELLED, "cancelled by user")
+        probe = self.jobs.get(self._probe_of.pop(job.id, ""))
+        if probe is not None and not probe.state.final:
+            self._stop_job(probe, JobState.CANCELLED, f"job {job.id} it measured was cancelled")
         return job
 
     def _stop_job(self, job: Job, target: JobState, message: str) -> None:
@@ -548,6 +601,8 @@ class Coordinator:
             self._mark_lost(w)
         for job in sorted(self.jobs.values(), key=lambda j: (j.created_at, j.id)):
             if job.state == JobState.PENDING:
+                if job.id in self._probe_of and not self._after_probe(job):
+                    continue
                 self._try_schedule(job)
             elif job.state == JobState.SCHEDULED:
                 # Tasks that never all reach RUNNING (a peer that cannot start, a rendezvous that
@@ -558,6 +613,64 @@ class Coordinator:
                             if t.state != TaskState.RUNNING]
                     self._stop_job(job, JobState.FAILED, f"tasks did not start within "
                                                          f"{self.start_timeout_s:g} s: {', '.join(slow)}")
+
+    def _after_probe(self, job: Job) -> bool:
+        """Whether ``job`` may be scheduled: its memory probe has ended and the job's tasks now
+        carry what the probe measured (estimates set to the measured peaks after a probe that
+        succeeded; raised to what a probe that ran out of memory needed). A probe that failed
+        otherwise fails the job with its reason: the job would fail the same way."""
+        probe = self.jobs.get(self._probe_of[job.id])
+        if probe is not None and not probe.state.final:
+            return False
+        if probe is not None and any(not t.state.final for t in probe.tasks) \
+                and self.clock() - probe.finished_at < PROBE_SETTLE_S:
+            return False  # its server tasks are being stopped: their last peaks come with that
+        del self._probe_of[job.id]
+        if probe is None or probe.state == JobState.CANCELLED:
+            self._event(job, "message", "memory probe did not finish; planned on the estimates")
+            return True
+        oom = any(t.failure == FailureKind.OOM for t in probe.tasks)
+        if probe.state == JobState.FAILED and not oom:
+            self._stop_job(job, JobState.FAILED, f"its memory probe {probe.id} failed: "
+                                                 f"{probe.message}")
+            return False
+        assert job.spec is not None
+        try:
+            plan = prepare(job.spec, self.worker_offers(free=False), self.measured,
+                           probed=probe.state == JobState.SUCCEEDED).plan
+        except SpecError as e:
+            self._stop_job(job, JobState.FAILED, f"after its memory probe: {e}")
+            return False
+        if not plan.feasible:
+            self._stop_job(job, JobState.FAILED, f"after its memory probe {probe.id}: "
+                                                 f"{plan.reason}")
+            return False
+        new = {(t.role, t.index): t for t in plan.tasks}
+        if set(new) != {(t.role, t.index) for t in job.tasks} or any(
+                (new[(t.role, t.index)].first_layer, new[(t.role, t.index)].last_layer)
+                != (t.first_layer, t.last_layer) for t in job.tasks):
+            # the workers changed since submission and the planner would now split it
+            # otherwise: the probe measured another layout, so keep the planned estimates
+            self._event(job, "message", "the plan changed during the memory probe; planned "
+                                        "on the estimates")
+            return True
+        changes = []
+        for t in job.tasks:
+            p = new[(t.role, t.index)]
+            if p.estimated_memory_bytes != t.estimated_memory_bytes:
+                changes.append(f"{t.role}:{t.index} {format_size(t.estimated_memory_bytes)} -> "
+                               f"{format_size(p.estimated_memory_bytes)} (budget "
+                               f"{format_size(p.memory_budget_bytes)})")
+            t.estimated_memory_bytes = p.estimated_memory_bytes
+            t.memory_budget_bytes = p.memory_budget_bytes
+        job.estimated_memory_bytes = plan.largest_estimate
+        job.message = "waiting for workers"
+        self.store.put_tasks(job.tasks)
+        self.store.put_job(job)
+        self._event(job, "message", f"memory probe {probe.id} {probe.state.value}; estimates "
+                                    + ("set to its measured peaks: " + ", ".join(changes)
+                                       if changes else "kept"))
+        return True
 
     def _mark_lost(self, w: LiveWorker) -> None:
         log.warning("worker %s lost: no heartbeat for %.1f s", w.name, self.heartbeat_timeout_s)

@@ -128,14 +128,16 @@ class TrainingSpec(_message.Message):
     def __init__(self, epochs: _Optional[int] = ..., steps: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., loss: _Optional[str] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class MemorySpec(_message.Message):
-    __slots__ = ("per_task_budget", "mixed_precision", "recompute")
+    __slots__ = ("per_task_budget", "mixed_precision", "recompute", "profile")
     PER_TASK_BUDGET_FIELD_NUMBER: _ClassVar[int]
     MIXED_PRECISION_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTE_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_FIELD_NUMBER: _ClassVar[int]
     per_task_budget: str
     mixed_precision: str
     recompute: bool
-    def __init__(self, per_task_budget: _Optional[str] = ..., mixed_precision: _Optional[str] = ..., recompute: _Optional[bool] = ...) -> None: ...
+    profile: str
+    def __init__(self, per_task_budget: _Optional[str] = ..., mixed_precision: _Optional[str] = ..., recompute: _Optional[bool] = ..., profile: _Optional[str] = ...) -> None: ...
 
 class CheckpointSpec(_message.Message):
     __slots__ = ("every_steps",)

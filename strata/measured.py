@@ -22,16 +22,16 @@ import hashlib
 import json
 from typing import Any, Mapping, Sequence
 
-from strata.memory import default_budget, format_size
+from strata.memory import LARGEST_ALLOC_ROOM, default_budget, format_size
 from strata.spec import JobSpec
 from strata.types import JobPlan, TaskPlan, WorkerOffer
 
-__all__ = ["spec_fingerprint", "task_kind", "apply_measured"]
+__all__ = ["spec_fingerprint", "task_kind", "apply_measured", "measured_kinds"]
 
 _IGNORED = {
     "name": None, "checkpoint": None, "restart": None,
     "training": {"steps", "epochs", "seed", "optimizer.learning_rate"},
-    "memory": {"per_task_budget", "per_task_budget_bytes"},
+    "memory": {"per_task_budget", "per_task_budget_bytes", "profile"},
 }
 
 
@@ -63,28 +63,46 @@ def task_kind(spec: JobSpec | str, role: str, index: int, first_layer: int,
     return f"{fp}/{who}/{first_layer}-{last_layer}"
 
 
+def _largest_alloc(t: TaskPlan) -> int:
+    """A bound on the task's largest single allocation, from the room its planned budget left
+    for it (``default_budget``: at least ``LARGEST_ALLOC_ROOM`` x that allocation): a budget
+    made from a measured figure keeps that room."""
+    return int(max(0, t.memory_budget_bytes - t.estimated_memory_bytes) / LARGEST_ALLOC_ROOM)
+
+
+def measured_kinds(spec: JobSpec, measured: Mapping[str, int]) -> int:
+    """How many task kinds of ``spec``'s fingerprint have a measured figure."""
+    prefix = spec_fingerprint(spec) + "/"
+    return sum(1 for k in measured if k.startswith(prefix))
+
+
 def apply_measured(spec: JobSpec, plan: JobPlan, measured: Mapping[str, int],
-                   workers: Sequence[WorkerOffer]) -> JobPlan:
+                   workers: Sequence[WorkerOffer], *, lower: bool = False) -> JobPlan:
     """``plan`` with every task's estimate raised to what an earlier run measured for its kind
-    (and its default budget with it). The raised plan is checked again against ``workers``:
-    a task planned on a named worker must fit that worker, any other the largest."""
+    (and its default budget with it). With ``lower`` (the figures come from a probe run of
+    this very plan: ``memory.profile``) an estimate above the measured figure is lowered to
+    it as well: the estimate becomes the measurement. The changed plan is checked again
+    against ``workers``: a task planned on a named worker must fit that worker, any other the
+    largest."""
     if not measured:
         return plan
     fp = spec_fingerprint(spec)
     tasks: list[TaskPlan] = []
-    raised: list[tuple[TaskPlan, int]] = []
+    changed: list[tuple[TaskPlan, int]] = []
     for t in plan.tasks:
         m = int(measured.get(task_kind(fp, t.role, t.index, t.first_layer, t.last_layer), 0))
-        if m > t.estimated_memory_bytes:
-            budget = spec.memory.per_task_budget_bytes or default_budget(m)
-            raised.append((t, m))
+        if m > t.estimated_memory_bytes or (lower and 0 < m < t.estimated_memory_bytes):
+            budget = spec.memory.per_task_budget_bytes or default_budget(
+                m, _largest_alloc(t))
+            changed.append((t, m))
             t = dataclasses.replace(t, estimated_memory_bytes=m, memory_budget_bytes=budget)
         tasks.append(t)
-    if not raised:
+    if not changed:
         return plan
-    note = ("estimates raised to what an earlier run of this job measured: "
+    note = (("estimates set to what a probe run of this job measured: " if lower else
+             "estimates raised to what an earlier run of this job measured: ")
             + ", ".join(f"{t.role}:{t.index} {format_size(t.estimated_memory_bytes)} -> "
-                        f"{format_size(m)}" for t, m in raised[:8]))
+                        f"{format_size(m)}" for t, m in changed[:8]))
     summary = f"{plan.summary}; {note}" if plan.summary else note
     new = dataclasses.replace(plan, tasks=tuple(tasks), summary=summary)
     if not plan.feasible or not workers:

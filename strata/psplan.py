@@ -55,9 +55,14 @@ Terms (bytes):
   (``strata.memory.conv_workspace_bytes``); then 1 MiB + 5%. The slopes match strata.memory's
   data-parallel estimate; the same code runs the step.
 - The chief: it only evaluates (the test split in batches of at most 256 rows, reading the
-  variables from the PS tasks), hashes and saves the weights: a copy of the weights (+2
-  bytes per parameter with mixed precision), one evaluation batch's input and activations
-  (4 bytes per element, 7 with mixed precision); then 0.5 MiB + 5%.
+  variables from the PS tasks), hashes and saves the weights: a copy of the weights (with
+  mixed precision + 6 bytes per parameter of the largest layer: the 16-bit casts are made
+  layer by layer), each large kernel's half-way rounding, one evaluation batch's input and,
+  forward only, the largest input-plus-output of one layer (4.2 bytes per element in
+  float32, a Conv2D output counting 1.6 times: its pre-activation copy; 2.5 bytes with mixed
+  precision); then 0.5 MiB + 5%. Fitted to the memory zoo's 48 parameter-server chiefs, whose
+  peaks were 0.03-1.14 of an estimate that counted every layer's output and a convolution
+  workspace (``docs/benchmarks.md`` has the rerun).
 """
 
 from __future__ import annotations
@@ -87,8 +92,10 @@ WORKER_INPUT_BATCHES = 4.8
 WORKER_FIXED = 1 * MiB
 
 EVAL_BATCH_MAX = 256                # worker/ps.py evaluates in batches of at most this
-CHIEF_ACTIVATION_BYTES = 4.0
-CHIEF_MIXED_ACTIVATION_BYTES = 7.0
+CHIEF_ACTIVATION_BYTES = 4.2       # per element of a layer's input and output, and example
+CHIEF_CONV_OUTPUT = 1.6             # float32 Conv2D outputs: the pre-activation copy too
+CHIEF_MIXED_ACTIVATION_BYTES = 2.5  # 16-bit tensors
+CHIEF_MIXED_CASTS = 6               # bytes per parameter of the largest layer: 16-bit casts
 CHIEF_FIXED = MiB // 2
 
 
@@ -191,9 +198,17 @@ def plan_parameter_servers(profile: ModelProfile, *, num_ps: int, workers: int, 
 
     eb = min(b, EVAL_BATCH_MAX)
     cact = CHIEF_MIXED_ACTIVATION_BYTES if mixed else CHIEF_ACTIVATION_BYTES
-    chief = (4 * params + (2 * params if mixed else 0)
-             + eb * (4 * profile.input_elems + cact * profile.activation_elems))
-    chief += largest_workspace(profile)  # the evaluation's forward convolutions
+    # evaluation runs forward only: what is alive is a layer's input and output, not every
+    # layer's output, and no convolution backward workspace (the memory zoo's conv models'
+    # chiefs peaked at 0.03-0.2 of an estimate that counted both); the 16-bit casts of the
+    # weights are made layer by layer (two layers' worth alive)
+    outs = [float(profile.input_elems)] + [
+        l.output_elems * (CHIEF_CONV_OUTPUT if l.kind == "Conv2D" and not mixed else 1.0)
+        for l in profile.layers]
+    pair = max((outs[i] + outs[i + 1] for i in range(len(outs) - 1)), default=outs[0])
+    largest_params = max((l.params for l in profile.layers), default=0)
+    chief = (4 * params + (CHIEF_MIXED_CASTS * largest_params if mixed else 0)
+             + eb * (4 * profile.input_elems + cact * pair))
     # the weights it copies from the PS tasks are large tensors each in its own chunk: half
     # the way to a power of two each (the 9 x 1536 MLP's chief, nine 9 MiB kernels, peaked
     # 18 MiB above the plain sum; the digits MLP's 2 MiB kernel costs nothing more)

@@ -57,6 +57,10 @@ class MemorySpec:
     per_task_budget: str = ""
     mixed_precision: str = "none"
     recompute: bool = False
+    #: measure before admission: a short probe run of the same plan, whose allocator peaks set
+    #: the job's estimates and budgets (``coordinator.core``; skipped once a run has measured
+    #: it). ``auto``: for jobs whose largest task estimate is large enough to be worth it
+    profile: str = "auto"
 
     @property
     def per_task_budget_bytes(self) -> int:
@@ -202,6 +206,19 @@ def _bool(d: Mapping[str, Any], key: str, field: str, default: bool) -> bool:
     raise SpecError(field, f"must be true or false, got {value!r}")
 
 
+PROFILE_CHOICES = ("auto", "true", "false")
+
+
+def _profile(value: Any) -> str:
+    if value is None or value == "":
+        return "auto"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str) and value.lower() in ("auto", "true", "false", "yes", "no"):
+        return {"yes": "true", "no": "false"}.get(value.lower(), value.lower())
+    raise SpecError("memory.profile", f"must be auto, true or false; got {value!r}")
+
+
 def _str(d: Mapping[str, Any], key: str, field: str, default: str = "") -> str:
     value = d.get(key)
     if value is None:
@@ -299,7 +316,7 @@ def parse_job_spec(raw: Any) -> JobSpec:
         seed=_int(t, "seed", "training.seed", 0, hi=(1 << 31) - 1),
     )
 
-    m = _section(raw, "memory", {"per_task_budget", "mixed_precision", "recompute"})
+    m = _section(raw, "memory", {"per_task_budget", "mixed_precision", "recompute", "profile"})
     budget = m.get("per_task_budget")
     if isinstance(budget, int) and not isinstance(budget, bool):
         budget = str(budget)
@@ -318,6 +335,7 @@ def parse_job_spec(raw: Any) -> JobSpec:
         per_task_budget=budget,
         mixed_precision=_choice(m, "mixed_precision", "memory.mixed_precision", "none", MIXED_PRECISION),
         recompute=_bool(m, "recompute", "memory.recompute", False),
+        profile=_profile(m.get("profile")),
     )
 
     c = _section(raw, "checkpoint", {"every_steps"})

@@ -396,3 +396,80 @@ def test_remote_oom_is_blamed_on_the_stage_and_the_next_plan_uses_its_need(env):
     assert w2.memory_budget_bytes > w2.estimated_memory_bytes
     restarted = Coordinator(coord.store, coord.state_dir, clock=coord.clock)
     assert restarted.measured == coord.measured
+
+
+def test_memory_profile_probes_first_then_plans_with_the_measured_peaks(env):
+    coord, clock, *_ = env
+    sessions = {n: register(coord, n) for n in ("a", "b")}
+    spec = {**SPEC, "memory": {"profile": True}}
+    job = coord.submit(spec)
+    probe = next(j for j in coord.list_jobs() if j.id != job.id)
+    assert probe.spec.training.steps == 3 and probe.spec.memory.profile == "false"
+    assert "memory probe" in job.message
+    estimate = job.tasks[0].estimated_memory_bytes
+    coord.tick()
+    # the probe runs first; the job waits for it even though nothing else holds the workers
+    assert probe.state == JobState.SCHEDULED and job.state == JobState.PENDING
+    start_all(coord, sessions, probe)
+    peaks = {0: 9 << 20, 1: 7 << 20}
+    for t in probe.tasks:
+        coord.report(t.worker, sessions[t.worker], TaskReport(
+            probe.id, t.role, t.index, TaskState.SUCCEEDED, attempt=t.attempt,
+            peak_bytes=peaks[t.index], test_accuracy=0.5))
+    assert probe.state == JobState.SUCCEEDED
+    coord.tick()
+    assert job.state == JobState.SCHEDULED
+    # both replicas share a kind: the larger peak is the estimate, with the default headroom
+    assert {t.estimated_memory_bytes for t in job.tasks} == {9 << 20}
+    assert estimate != 9 << 20
+    assert all(t.memory_budget_bytes >= (9 << 20) + (16 << 20) for t in job.tasks)
+    events = [e.message for e in coord.store.events(job.id, 0)]
+    assert any("estimates set to its measured peaks" in m for m in events)
+    # a second submission of the same job is measured already: no probe
+    n = len(coord.list_jobs())
+    again = coord.submit(spec)
+    assert len(coord.list_jobs()) == n + 1 and again.id not in coord._probe_of
+
+
+def test_a_failed_probe_fails_its_job_and_cancelling_the_job_cancels_the_probe(env):
+    coord, clock, *_ = env
+    sessions = {n: register(coord, n) for n in ("a", "b")}
+    spec = {**SPEC, "memory": {"profile": True}}
+    job = coord.submit(spec)
+    probe = next(j for j in coord.list_jobs() if j.id != job.id)
+    coord.tick()
+    start_all(coord, sessions, probe)
+    t = probe.tasks[0]
+    coord.report(t.worker, sessions[t.worker], TaskReport(
+        probe.id, t.role, t.index, TaskState.FAILED, attempt=t.attempt,
+        failure=FailureKind.EXIT_CODE, exit_code=1, message="no such file: data.npz"))
+    assert probe.state == JobState.FAILED
+    for other in probe.tasks[1:]:
+        coord.report(other.worker, sessions[other.worker], TaskReport(
+            probe.id, other.role, other.index, TaskState.CANCELLED, attempt=other.attempt))
+    coord.tick()
+    assert job.state == JobState.FAILED and "memory probe" in job.message
+    assert "no such file" in job.message
+
+    job2 = coord.submit({**spec, "name": "u"})
+    probe2 = next(j for j in coord.list_jobs() if j.name == "u-probe")
+    coord.cancel(job2.id)
+    assert probe2.state == JobState.CANCELLED
+
+
+def test_memory_profile_auto_probes_only_large_jobs_without_a_fixed_budget(env):
+    from strata.coordinator.core import PROBE_FROM_BYTES
+
+    coord, *_ = env
+    register(coord, "a"), register(coord, "b")
+    small = coord.submit(SPEC)
+    assert small.estimated_memory_bytes < PROBE_FROM_BYTES and len(coord.list_jobs()) == 1
+    big_model = {"builtin": {"kind": "mlp", "input_shape": [64], "hidden": [2048] * 4, "classes": 10}}
+    big = coord.submit({**SPEC, "name": "big", "model": big_model})
+    assert big.estimated_memory_bytes >= PROBE_FROM_BYTES and big.id in coord._probe_of
+    fixed = coord.submit({**SPEC, "name": "fixed", "model": big_model,
+                          "memory": {"per_task_budget": "512MiB"}})
+    off = coord.submit({**SPEC, "name": "off", "model": big_model, "memory": {"profile": False}})
+    assert fixed.id not in coord._probe_of and off.id not in coord._probe_of
+    assert [j.name for j in coord.list_jobs()].count("big-probe") == 1
+    assert len(coord.list_jobs()) == 5

@@ -124,3 +124,33 @@ def test_memory_zoo_fast_subset(cluster, tmp_path):
             assert not k["over"], (r["model"], r["strategy"], k)
             if k["estimate"] >= memory_zoo.SMALL:
                 assert k["ratio"] >= 0.8, (r["model"], r["strategy"], k)
+
+
+def test_memory_profile_measures_first_and_the_estimate_is_the_peak(cluster):
+    # dense + batch norm + relu in bfloat16 at a large batch: the estimators' activation terms
+    # are far above what TF holds (peak / estimate 0.41 in the zoo); a probe measures instead
+    import keras
+
+    model = keras.Sequential([keras.Input((64,))] + [
+        x for _ in range(3) for x in (keras.layers.Dense(512), keras.layers.BatchNormalization(),
+                                      keras.layers.Activation("relu"))] + [keras.layers.Dense(10)])
+    spec = {"name": "probed", "strategy": "multi_worker_mirrored", "workers": 2,
+            "model": {"keras_json": model.to_json()},
+            "data": {"source": "digits", "batch_size": 1024},
+            "training": {"steps": 6, "optimizer": {"name": "adam"}},
+            "memory": {"mixed_precision": "bfloat16", "profile": True}}
+    with cluster.client() as c:
+        job = c.submit(spec)
+        assert "memory probe" in job.message
+        first_estimate = job.tasks[0].estimated_memory_bytes
+        job = c.wait(job.id, timeout=TIMEOUT_S)
+        probe = next(j for j in c.jobs() if j.name == "probed-probe")
+    assert probe.state == JobState.SUCCEEDED, probe.message
+    assert job.state == JobState.SUCCEEDED, job.message
+    within_budgets(job)
+    probe_peak = max(t.peak_memory_bytes for t in probe.tasks)
+    assert {t.estimated_memory_bytes for t in job.tasks} == {probe_peak}
+    assert probe_peak < first_estimate
+    # the run reaches what the probe measured (both workers share the estimate; the higher
+    # one is the kind's figure)
+    assert max(t.peak_memory_bytes for t in job.tasks) >= 0.8 * probe_peak

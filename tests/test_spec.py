@@ -22,7 +22,8 @@ def test_defaults_fill_in():
     assert d["strategy"] == "multi_worker_mirrored" and d["workers"] == 1
     assert d["data"] == {"source": "digits", "path": "", "batch_size": 256, "examples": 0}
     assert d["training"]["epochs"] == 1 and d["training"]["optimizer"]["name"] == "adam"
-    assert d["memory"] == {"per_task_budget": "", "mixed_precision": "none", "recompute": False}
+    assert d["memory"] == {"per_task_budget": "", "mixed_precision": "none", "recompute": False,
+                           "profile": "auto"}
     assert parse_job_spec(d).to_dict() == d  # normalized specs are fixed points
 
 

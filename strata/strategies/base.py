@@ -143,6 +143,11 @@ class Strategy(abc.ABC):
             f"{t.role}:{t.index} est {format_size(t.estimated_memory_bytes)} budget "
             f"{format_size(t.memory_budget_bytes)}" for t in plan.tasks)
 
+    def probe_steps(self, spec: JobSpec) -> int:
+        """Steps of the probe run that measures a job's tasks (``memory.profile``): the first
+        step traces and allocates everything; the peak is reached in it or the next."""
+        return 3
+
     # -- lifecycle decisions (pure)
 
     def is_lead(self, task: Task) -> bool:

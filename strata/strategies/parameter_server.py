@@ -84,6 +84,11 @@ class ParameterServer(Strategy):
             return JobPlan(self.name, False, reason, tuple(tasks), summary)
         return JobPlan(self.name, True, "", tuple(tasks), summary)
 
+    def probe_steps(self, spec: JobSpec) -> int:
+        # steps are dispatched asynchronously: enough that every worker runs several, or a
+        # worker that ran none would be measured at nothing
+        return max(super().probe_steps(spec), 4 * max(1, spec.workers))
+
     def on_failure(self, job: Job, task: Task) -> FailureDecision:
         if task.role == "worker":
             left = [t for t in job.tasks if t.role == "worker" and not t.state.final]
