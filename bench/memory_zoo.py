@@ -18,7 +18,8 @@ interrupted and resumed; ``--table`` prints the Markdown table of what is in ``-
 Configurations per model and strategy: per-task batch small / large, float32 / bfloat16, Adam /
 SGD. ``--configs all`` runs the 8 combinations; ``half`` (the default) the 4 of a
 half-fraction design (every level of every factor, and every pair of levels of any two factors,
-appears once).
+appears once); ``optimizers`` the other optimizers a job accepts (AdamW, RMSprop in bfloat16,
+Adagrad) at the large batch.
 """
 
 from __future__ import annotations
@@ -145,6 +146,8 @@ STRATEGIES: dict[str, dict[str, Any]] = {
 ALL_CONFIGS = [(b, p, o) for b in (0, 1) for p in ("none", "bfloat16") for o in ("adam", "sgd")]
 HALF_CONFIGS = [(0, "none", "adam"), (1, "none", "sgd"), (0, "bfloat16", "sgd"),
                 (1, "bfloat16", "adam")]
+# the other optimizers a job accepts, at the large batch (their slots and update temporaries)
+OPTIMIZER_CONFIGS = [(1, "none", "adamw"), (1, "bfloat16", "rmsprop"), (1, "none", "adagrad")]
 
 
 def job_spec(model: Model, strategy: str, batch_index: int, precision: str, optimizer: str,
@@ -324,7 +327,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     p.add_argument("--models", default="", help="comma-separated zoo names (default: all)")
     p.add_argument("--strategies", default="", help="comma-separated (default: all four)")
-    p.add_argument("--configs", choices=("all", "half"), default="half")
+    p.add_argument("--configs", choices=("all", "half", "optimizers"), default="half")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "memory_zoo.jsonl"))
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--agents", type=int, default=4)
@@ -345,7 +348,7 @@ def main() -> None:
     strategies = [s for s in a.strategies.split(",") if s] or list(STRATEGIES)
     if set(strategies) - set(STRATEGIES):
         p.error(f"--strategies: known are {list(STRATEGIES)}")
-    configs = ALL_CONFIGS if a.configs == "all" else HALF_CONFIGS
+    configs = {"all": ALL_CONFIGS, "half": HALF_CONFIGS, "optimizers": OPTIMIZER_CONFIGS}[a.configs]
     run_rows(models, strategies, configs, a.out, a.steps, a.agents, a.agent_budget, a.timeout,
              a.profile)
 
