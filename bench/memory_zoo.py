@@ -66,6 +66,8 @@ class Model:
     make: Callable[[], dict[str, Any]]
     data: dict[str, Any]
     batches: tuple[int, int]  # small and large per-task batch
+    #: strategies that do not apply (a one-layer model has no stages to split)
+    skip: tuple[str, ...] = ()
 
 
 SYN = {"source": "synthetic", "examples": 1024}
@@ -82,7 +84,7 @@ ZOO: list[Model] = [
     Model("mlp-bottleneck", "784-4096-32-4096-10", lambda: _mlp([784], [4096, 32, 4096]),
           dict(SYN), (32, 512)),
     Model("mlp-tiny", "784-10 logistic regression", lambda: _mlp([784], []),
-          dict(SYN), (32, 1024)),
+          dict(SYN), (32, 1024), skip=("pipeline", "hybrid")),
     Model("conv-small", "28x28x1, conv 32-64, max pool, dense 128",
           _seq((28, 28, 1), lambda L: [
               L.Conv2D(32, 3, activation="relu"), L.Conv2D(64, 3, activation="relu"),
@@ -188,7 +190,7 @@ def run_rows(models: list[Model], strategies: list[str], configs: list[tuple], o
         with open(out) as f:
             done = {row_key(json.loads(l)) for l in f if l.strip()}
     todo = [(m.name, s, c) for m in models for s in strategies for c in configs
-            if (m.name, s, m.batches[c[0]], c[1], c[2]) not in done]
+            if s not in m.skip and (m.name, s, m.batches[c[0]], c[1], c[2]) not in done]
     print(f"{len(todo)} rows to run ({len(done)} already in {out})", flush=True)
     if not todo:
         return

@@ -188,7 +188,8 @@ def estimate_task_memory(spec: dict[str, Any], per_replica_batch: int, profile: 
         data += startup_peak - train_peak
         train_peak = startup_peak
     overhead = FIXED_OVERHEAD + int(math.ceil(FRAGMENTATION * train_peak))
-    largest = max([collective_bytes] + [largest_variable_bytes(l) for l in profile.layers])
+    largest = max([collective_bytes] + [largest_variable_bytes(l) for l in profile.layers]
+                  + [conv_workspace_bytes(l) for l in profile.layers])
     return MemoryEstimate(weights=weights, gradients=gradients, optimizer_slots=slots,
                           activations=activations, data=data, overhead=overhead,
                           collective=collective_bytes, workspace=workspace,
@@ -341,7 +342,9 @@ def default_budget(estimate: MemoryEstimate | int, largest_alloc: int = 0) -> in
     so a fixed 16 MiB floor covers one more region step for small models; (4) regions are never
     merged, so one large tensor needs a contiguous free chunk of its size on top of what is in
     use: a model whose all-reduce pack was 32.3 MiB (a 1024-8192 layer) failed at a 157 MiB
-    limit with 96 MiB in use and ran at 165 MiB, 1.15 packs above its estimate in use.
+    limit with 96 MiB in use and ran at 165 MiB, 1.15 packs above its estimate in use; a
+    convolution's im2col buffer is such a tensor too (a 64x64x16 conv's 25.8 MiB
+    ``Conv2DBackpropFilter`` buffer failed at a 103 MiB limit with 73 MiB in use).
 
     The memory zoo (``bench/memory_zoo.py``, ``docs/benchmarks.md``) is the check: over its 224
     jobs (14 models, 4 strategies, small and large batches, float32 and bfloat16, Adam and SGD)

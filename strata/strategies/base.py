@@ -25,7 +25,8 @@ import enum
 from typing import TYPE_CHECKING, Callable, ClassVar, Mapping, Sequence
 
 from strata.memory import (
-    HEADROOM_FRACTION, HEADROOM_MIN, default_budget, format_size, largest_variable_bytes,
+    HEADROOM_FRACTION, HEADROOM_MIN, conv_workspace_bytes, default_budget, format_size,
+    largest_variable_bytes,
 )
 from strata.types import FailureKind, Job, JobPlan, Task, TaskPlan, TaskState, WorkerOffer
 
@@ -89,6 +90,16 @@ def largest_variable(profile: ModelProfile, first: int = 0, last: int | None = N
     """Bytes of the largest trainable variable of layers ``[first, last)``."""
     layers = profile.layers[first:last]
     return max((largest_variable_bytes(layer) for layer in layers), default=0)
+
+
+def largest_training_alloc(profile: ModelProfile, first: int = 0, last: int | None = None) -> int:
+    """The largest single tensor a training step of layers ``[first, last)`` allocates: a
+    variable (its gradient and update temporaries are the same size) or a convolution's
+    im2col buffer (``strata.memory.conv_workspace_bytes``). A budget leaves room for it to be
+    found contiguous (``default_budget``)."""
+    layers = profile.layers[first:last]
+    return max([largest_variable(profile, first, last)]
+               + [conv_workspace_bytes(layer) for layer in layers])
 
 
 def offer_for_estimate(free_bytes: int) -> int:

@@ -17,7 +17,8 @@ from strata.memory import dataset_bytes, format_size
 from strata.memory import largest_variable_bytes
 from strata.strategies import register
 from strata.strategies.base import (
-    FailureAction, FailureDecision, Strategy, budget_for, describe_failure, largest_variable,
+    FailureAction, FailureDecision, Strategy, budget_for, describe_failure, largest_training_alloc,
+    largest_variable,
     too_big,
 )
 from strata.taskconfig import ParameterServerSection, TaskConfigError
@@ -61,7 +62,8 @@ class ParameterServer(Strategy):
                           if p.placement.get(l.name) == j), default=0)
                   for j in range(spec.parameter_servers)}
         tasks = [TaskPlan("chief", 0, p.chief_bytes, budget_for(spec, p.chief_bytes, big))]
-        tasks += [TaskPlan("worker", i, p.worker_bytes, budget_for(spec, p.worker_bytes, big))
+        tasks += [TaskPlan("worker", i, p.worker_bytes,
+                           budget_for(spec, p.worker_bytes, largest_training_alloc(profile)))
                   for i in range(spec.workers)]
         tasks += [TaskPlan("ps", j, p.ps_bytes[j], budget_for(spec, p.ps_bytes[j], ps_big[j]),
                            layers=tuple(by_ps.get(j, ())))

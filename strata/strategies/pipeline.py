@@ -20,7 +20,9 @@ from typing import TYPE_CHECKING, Sequence
 from strata.errors import SpecError
 from strata.memory import label_bytes_of
 from strata.strategies import register
-from strata.strategies.base import Strategy, budget_for, largest_variable, offer_for_estimate
+from strata.strategies.base import (
+    Strategy, budget_for, largest_training_alloc, offer_for_estimate,
+)
 from strata.taskconfig import PipelineSection, StageAssignment, TaskConfigError
 from strata.types import Job, JobPlan, Task, TaskPlan, WorkerOffer
 
@@ -69,7 +71,7 @@ class Pipeline(Strategy):
         for s in sorted(p.stages, key=lambda s: (s.replica, s.index)):
             k = s.replica * S + s.index
             role, index = ("chief", 0) if k == 0 else ("worker", k - 1)
-            big = largest_variable(profile, s.first_layer, s.last_layer)
+            big = largest_training_alloc(profile, s.first_layer, s.last_layer)
             tasks.append(TaskPlan(role, index, s.estimate_bytes,
                                   budget_for(spec, s.estimate_bytes, big),
                                   stage=s.index, replica=s.replica, first_layer=s.first_layer,
