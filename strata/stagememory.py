@@ -19,7 +19,8 @@ micro-batches, ``R`` the replicas and the stage's layers [first, last):
 - accumulator: one more gradient-sized buffer wherever the step sums gradients: the sum of
   the M micro-batches' gradients (M > 1; with M = 1 the one gradient is used as it is), or,
   with replicas, a gradient received from another replica;
-- optimizer slots: ``OPTIMIZER_SLOTS[optimizer]`` x 4 bytes per trainable parameter;
+- optimizer slots: ``strata.memory.optimizer_buffers(optimizer)`` x 4 bytes per trainable
+  parameter (the slots, and for RMSprop one more buffer its step holds);
 - collective (R > 1): every replica's task of a stage receives the other ``R - 1`` replicas'
   accumulated gradients and sums them into its own accumulator: ``R - 1`` more gradient
   sizes. (Earlier calibrations counted ``R - 2``, taking the first received gradient to reuse
@@ -83,7 +84,8 @@ import math
 from typing import Sequence
 
 from strata.memory import (
-    FIXED_OVERHEAD, FRAGMENTATION, OPTIMIZER_SLOTS, layer_workspaces, update_transient_bytes,
+    FIXED_OVERHEAD, FRAGMENTATION, OPTIMIZER_SLOTS, layer_workspaces, optimizer_buffers,
+    update_transient_bytes,
 )
 from strata.modelspec import ModelProfile
 
@@ -148,7 +150,7 @@ class StageCostModel:
 
         # per-unit coefficients (bytes)
         self.c_weight = 4 + (2 if mixed else 0)
-        slots = OPTIMIZER_SLOTS[self.optimizer]
+        slots = optimizer_buffers(self.optimizer)
         self.accumulates = M > 1 or replicas > 1
         self.c_train = 4 * (1 + (1 if self.accumulates else 0) + slots + max(0, replicas - 1))
         per_elem = PIPELINE_MIXED_ACTIVATION_BYTES if mixed else PIPELINE_ACTIVATION_BYTES
@@ -312,7 +314,7 @@ class StageCostModel:
         params = self._pp[last] - self._pp[first]
         train = self._pt[last] - self._pt[first]
         acts = self._pa[last] - self._pa[first]
-        slots = OPTIMIZER_SLOTS[self.optimizer]
+        slots = optimizer_buffers(self.optimizer)
         terms = {
             "weights": self.c_weight * params,
             "gradients": 4 * train,

@@ -465,6 +465,8 @@ def test_memory_profile_auto_probes_only_large_jobs_without_a_fixed_budget(env):
     small = coord.submit(SPEC)
     assert small.estimated_memory_bytes < PROBE_FROM_BYTES and len(coord.list_jobs()) == 1
     big_model = {"builtin": {"kind": "mlp", "input_shape": [64], "hidden": [2048] * 4, "classes": 10}}
+    assert "probe run" in coord.plan({**SPEC, "name": "big", "model": big_model}).reason
+    assert "probe run" not in coord.plan(SPEC).reason
     big = coord.submit({**SPEC, "name": "big", "model": big_model})
     assert big.estimated_memory_bytes >= PROBE_FROM_BYTES and big.id in coord._probe_of
     fixed = coord.submit({**SPEC, "name": "fixed", "model": big_model,
