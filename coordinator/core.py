@@ -322,6 +322,9 @@ class Coordinator:
         if not plan.feasible:
             return Plan(spec.strategy, False, plan.reason, tasks)
         summary = f"{plan.summary}; " if plan.summary else ""
+        if wants_probe(spec, plan) and not measured_kinds(spec, self.measured):
+            summary += (f"memory.profile: a probe run ({probe_spec(spec).training.steps} steps) "
+                        "measures the tasks first and the estimates become its peaks; ")
         if placement is None or not placement.assignments:
             why = placement.reason if placement is not None else ""
             return Plan(spec.strategy, True, f"{summary}admissible; would wait: {why}", tasks)
@@ -636,6 +639,8 @@ class Coordinator:
             return False
         assert job.spec is not None
         try:
+            # on the event loop, once per probed job: the stage planner takes tens of ms, up
+            # to ~0.7 s on its stress case (bench/planner_speed.py), under a heartbeat timeout
             plan = prepare(job.spec, self.worker_offers(free=False), self.measured,
                            probed=probe.state == JobState.SUCCEEDED).plan
         except SpecError as e:
