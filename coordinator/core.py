@@ -28,7 +28,7 @@ from strata.coordinator.placement import Capacity, TaskDemand, place
 from strata.coordinator.store import Store, WorkerRecord
 from strata.errors import InfeasibleError, InvalidTransition, NotFoundError, SpecError
 from strata.measured import apply_measured, measured_kinds, task_kind
-from strata.memory import format_size
+from strata.memory import format_size, uncalibrated_kinds
 from strata.oom import describe as describe_oom
 from strata.oom import needed_bytes
 from strata.modelspec import ModelSpecError, profile_model
@@ -111,12 +111,19 @@ def prepare(spec: JobSpec | Mapping[str, Any], workers: Sequence[WorkerOffer] = 
 def wants_probe(spec: JobSpec, plan: JobPlan) -> bool:
     """``memory.profile``: ``true`` always probes a job not measured yet, ``false`` never;
     ``auto`` probes when the job's budgets come from the estimates (no fixed
-    ``memory.per_task_budget``) and its largest task estimate is ``PROBE_FROM_BYTES`` or more."""
+    ``memory.per_task_budget``) and its largest task estimate is ``PROBE_FROM_BYTES`` or more,
+    or its model has a layer kind the estimators were not fitted on
+    (``strata.memory.CALIBRATED_KINDS``): modelled is not measured."""
     if spec.memory.profile == "true":
         return True
     if spec.memory.profile == "false" or spec.memory.per_task_budget:
         return False
-    return plan.largest_estimate >= PROBE_FROM_BYTES
+    if plan.largest_estimate >= PROBE_FROM_BYTES:
+        return True
+    try:
+        return bool(uncalibrated_kinds(profile_model(dict(spec.model))))
+    except ModelSpecError:
+        return True
 
 
 def probe_spec(spec: JobSpec) -> JobSpec:

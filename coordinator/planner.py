@@ -34,6 +34,7 @@ from typing import Any, Callable, Sequence
 from strata.memory import FIXED_OVERHEAD, FRAGMENTATION, format_size
 from strata.modelspec import ModelProfile
 from strata.stagememory import (  # noqa: F401  (re-exported: planner's public names)
+    CutView,
     MIXED_PRECISION_MODES,
     PIPELINE_ACTIVATION_BYTES,
     PIPELINE_INPUT_BATCHES,
@@ -838,7 +839,29 @@ def plan_pipeline(profile: ModelProfile, workers: Sequence[WorkerSlot], *, stage
                            optimizer=optimizer, mixed_precision=mixed_precision,
                            recompute=recompute, replicas=replicas, layer_costs=layer_costs,
                            label_bytes=label_bytes, data_bytes=data_bytes)
-    return _plan(model, list(workers), stages)
+    view = _cut_view(model, profile)
+    if stages and stages > view.L and view is not model:
+        return PipelinePlan(False, _too_few_cuts(profile, stages), (), 0.0, replicas,
+                            microbatch, microbatches)
+    return _plan(view, list(workers), stages)
+
+
+def _cut_view(model: StageCostModel, profile: ModelProfile) -> Any:
+    """The model as the search sees it: every boundary of a chain, only the cut points of a
+    graph (``CutView``)."""
+    cuts = profile.cut_points
+    return model if len(cuts) == model.L - 1 else CutView(model, cuts)
+
+
+def _too_few_cuts(profile: ModelProfile, stages: int) -> str:
+    cuts = profile.cut_points
+    names = [profile.layers[k - 1].name for k in cuts]
+    where = (f"after {', '.join(repr(n) for n in names[:8])}{', ...' if len(names) > 8 else ''}"
+             if names else "nowhere")
+    return (f"stages: {stages} asked for but this model can be cut into at most "
+            f"{len(cuts) + 1} stage{'s' if cuts else ''}: a pipeline cuts only where exactly one "
+            f"tensor crosses (between blocks, never inside a branch or residual block), which "
+            f"here is {where}; use fewer stages, or a data-parallel strategy")
 
 
 def _plan(model: StageCostModel, workers: list[WorkerSlot], stages: int) -> PipelinePlan:
@@ -879,12 +902,14 @@ def _plan(model: StageCostModel, workers: list[WorkerSlot], stages: int) -> Pipe
     if assignment is None:  # pragma: no cover - the search only returns placeable splits
         raise AssertionError("planner: a placeable split could not be assigned")
     out = []
+    layers = getattr(model, "base", model).layers
     for s, (a, b) in enumerate(split):
-        names = tuple(l.name for l in model.layers[a:b])
+        first, last = model.bound(a), model.bound(b)
+        names = tuple(l.name for l in layers[first:last])
         for r in range(R):
             w = assignment[(s, r)]
-            out.append(PlannedStage(s, w.name, a, b, names, demands[s], model.cost(a, b), r,
-                                    w.free_bytes, model.estimate(a, b)))
+            out.append(PlannedStage(s, w.name, first, last, names, demands[s], model.cost(a, b),
+                                    r, w.free_bytes, model.estimate(a, b)))
     bottleneck = search.bottleneck(split)
     lower = bottleneck if search.exact else min(bottleneck, search.lower_bound())
     return PipelinePlan(True, "", tuple(out), bottleneck, R, model.microbatch,
@@ -1043,10 +1068,10 @@ def suggest_stages(profile: ModelProfile, budget_bytes: int, *, global_batch: in
     ``max_stages``, default: one stage per layer), or None when no depth does. Used by
     admission to tell a user "this model fits as a 4-stage pipeline"."""
     microbatch = _microbatch(global_batch, replicas, microbatches)
-    model = StageCostModel(profile, microbatch=microbatch, microbatches=microbatches,
-                           optimizer=optimizer, mixed_precision=mixed_precision,
-                           recompute=recompute, replicas=replicas, label_bytes=label_bytes,
-                           data_bytes=data_bytes)
+    model = _cut_view(StageCostModel(
+        profile, microbatch=microbatch, microbatches=microbatches, optimizer=optimizer,
+        mixed_precision=mixed_precision, recompute=recompute, replicas=replicas,
+        label_bytes=label_bytes, data_bytes=data_bytes), profile)
     limit = model.L if max_stages is None else max(0, min(int(max_stages), model.L))
     if limit < 1:
         return None

@@ -233,8 +233,26 @@ def activation_bytes_per_example(profile: ModelProfile, mixed: bool) -> float:
     total = 0.0
     for layer in profile.layers:
         rates = LAYER_ACTIVATION_BYTES.get(layer.kind)
-        total += layer.output_elems * (dense if rates is None else rates[1 if mixed else 0])
+        # what a recurrent or attention layer keeps inside (gates, scores) counts at the
+        # Dense rate: uncalibrated kinds are probed (``CALIBRATED_KINDS``)
+        total += layer.output_elems * (dense if rates is None else rates[1 if mixed else 0]) \
+            + getattr(layer, "internal_elems", 0) * dense
     return total
+
+
+#: the layer kinds the estimators were fitted on (the memory zoo). A model with any other kind
+#: is measured by a probe run before it is admitted when ``memory.profile`` is ``auto``
+#: (``strata.strategies.base.wants_probe``): its internal buffers (recurrent gates, attention
+#: scores, embedding gathers) are modelled, not measured.
+CALIBRATED_KINDS = frozenset(
+    ["Dense", "Conv2D", "MaxPooling2D", "AveragePooling2D", "GlobalAveragePooling2D",
+     "BatchNormalization", "LayerNormalization", "Activation", "Dropout", "Flatten",
+     "Reshape", "ReLU"])
+
+
+def uncalibrated_kinds(profile: ModelProfile) -> list[str]:
+    """The layer kinds of ``profile`` the estimators were not fitted on, sorted."""
+    return sorted({l.kind for l in profile.layers} - CALIBRATED_KINDS)
 
 
 def _data_shape(spec: dict[str, Any], profile: ModelProfile, train_examples: int | None
@@ -269,6 +287,10 @@ def label_bytes_of(spec: dict[str, Any], profile: ModelProfile) -> int:
 
 
 CONV_WORKING_SET = 30 * MiB    # TensorFlow's CPU convolution kernels' target working set
+#: kinds whose CPU kernels unfold patches (Conv1D runs as a Conv2D of height 1; the others are
+#: counted the same way, which is conservative: measured only for Conv2D)
+CONV_KINDS = ("Conv1D", "Conv2D", "Conv3D", "SeparableConv1D", "SeparableConv2D",
+              "Conv1DTranspose", "Conv2DTranspose", "Conv3DTranspose")
 
 
 def conv_workspace_bytes(layer: Any) -> int:
@@ -284,10 +306,13 @@ def conv_workspace_bytes(layer: Any) -> int:
     bfloat16: the same bytes), and it lives only while the op runs: it is a transient that
     counts once per task, the largest one, not once per layer."""
     shape = tuple(getattr(layer, "output_shape", ()) or ())
-    if getattr(layer, "kind", "") != "Conv2D" or len(shape) != 3:
+    if getattr(layer, "kind", "") not in CONV_KINDS or len(shape) < 2:
         return 0
-    oh, ow, oc = (int(d) for d in shape)
-    positions = max(1, oh * ow)
+    oc = int(shape[-1])
+    positions = 1
+    for d in shape[:-1]:
+        positions *= int(d)
+    positions = max(1, positions)
     oc = max(1, oc)
     patch = max(1, int(layer.trainable_params) // oc)
     unit = positions * patch + patch * oc + positions * oc
@@ -304,9 +329,13 @@ UPDATE_TEMPORARIES = {"adam": 1.25, "adamw": 1.25, "rmsprop": 1.0, "adagrad": 1.
 
 
 def largest_variable_bytes(layer: Any) -> int:
-    """Bytes of a layer's largest trainable variable (its kernel: the parameters less the
-    bias, ``output_shape[-1]``, for Dense and Conv2D; all of them otherwise), float32."""
+    """Bytes of a layer's largest trainable variable (its kernel, as the profile says:
+    ``largest_weight``; for Dense and Conv2D without it the parameters less the bias,
+    ``output_shape[-1]``; all of them otherwise), float32."""
     trainable = int(getattr(layer, "trainable_params", 0))
+    largest = int(getattr(layer, "largest_weight", 0) or 0)
+    if largest:
+        return 4 * min(largest, trainable) if trainable else 0
     shape = tuple(getattr(layer, "output_shape", ()) or ())
     if getattr(layer, "kind", "") in ("Dense", "Conv2D") and shape:
         return 4 * max(0, trainable - int(shape[-1]))

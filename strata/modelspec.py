@@ -23,6 +23,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from strata import layers as _rules
+
 __all__ = [
     "ModelSpecError",
     "LayerProfile",
@@ -34,13 +36,8 @@ __all__ = [
     "final_activation",
 ]
 
-SUPPORTED_LAYERS = (
-    "InputLayer", "Dense", "Dropout", "Activation", "Flatten", "Reshape",
-    "BatchNormalization", "LayerNormalization", "Conv2D", "MaxPooling2D",
-    "AveragePooling2D", "GlobalAveragePooling2D",
-)
-
 _KJ = "model.keras_json"
+_KF = "model.keras_file"
 _B = "model.builtin"
 
 
@@ -71,6 +68,16 @@ class LayerProfile:
     flops: int
     non_trainable_params: int = 0
     output_shape: tuple[int, ...] = ()
+    #: the layers (or model inputs) whose outputs it takes, in call order; a tensor other than
+    #: a layer's first output is named ``layer:index``. Empty for the first layer of a chain.
+    inputs: tuple[str, ...] = ()
+    #: per example, what it keeps for the backward pass beyond its outputs (recurrent gates
+    #: and states, attention projections and scores; ``strata.layers``)
+    internal_elems: int = 0
+    #: elements of its largest trainable variable (0: all of ``trainable_params``)
+    largest_weight: int = 0
+    #: its activation function's name ("linear" when it has none)
+    activation: str = "linear"
 
     @property
     def trainable_params(self) -> int:
@@ -78,12 +85,62 @@ class LayerProfile:
 
 
 @dataclass(frozen=True)
+class ModelInput:
+    """One input of the model: its name, per-example shape and dtype."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str = "float32"
+
+
+@dataclass(frozen=True)
 class ModelProfile:
-    """The model as a chain of layers. ``input_shape`` has no batch axis. The input layer
-    itself is not in ``layers``."""
+    """The model's layers in a topological order (a chain's own order; the output layer is
+    last). ``input_shape`` has no batch axis: the first input's. The input layers are not in
+    ``layers``; ``inputs`` lists them (empty means one float32 input named "input")."""
 
     input_shape: tuple[int, ...]
     layers: tuple[LayerProfile, ...]
+    inputs: tuple[ModelInput, ...] = ()
+
+    @property
+    def model_inputs(self) -> tuple[ModelInput, ...]:
+        return self.inputs or (ModelInput("input", self.input_shape),)
+
+    @property
+    def is_chain(self) -> bool:
+        """Each layer takes exactly the previous one's output (the first: the one input)."""
+        if len(self.model_inputs) != 1:
+            return False
+        prev = self.model_inputs[0].name
+        for l in self.layers:
+            if l.inputs and l.inputs != (prev,):
+                return False
+            prev = l.name
+        return True
+
+    @property
+    def cut_points(self) -> tuple[int, ...]:
+        """The boundaries ``k`` (1 <= k < len(layers), between ``layers[k-1]`` and
+        ``layers[k]``) where exactly one tensor, a layer's output, crosses: where a pipeline
+        may cut. Every boundary of a chain; in a residual network, those between blocks."""
+        L = len(self.layers)
+        if self.is_chain:
+            return tuple(range(1, L))
+        pos = {inp.name: -1 for inp in self.model_inputs}
+        last_use: dict[str, int] = {}
+        for i, l in enumerate(self.layers):
+            pos[l.name] = i
+            for ref in l.inputs:
+                last_use[ref] = max(last_use.get(ref, -1), i)
+        # tensor t (made at pos p, last used at u) crosses boundary k when p < k <= u
+        crossing = [0] * (L + 1)
+        for ref, u in last_use.items():
+            p = pos.get(ref.split(":")[0], -1)
+            for k in range(p + 1, u + 1):
+                crossing[k] += 1
+        inputs_alive = max((last_use.get(inp.name, -1) for inp in self.model_inputs), default=-1)
+        return tuple(k for k in range(1, L) if crossing[k] == 1 and k > inputs_alive)
 
     @property
     def total_params(self) -> int:
@@ -120,14 +177,38 @@ def profile_model(model: dict) -> ModelProfile:
 
     Raises ``ModelSpecError`` for anything it cannot or must not run."""
     if not isinstance(model, dict):
-        raise ModelSpecError("model", "must be a mapping with builtin or keras_json")
-    present = [k for k in ("builtin", "keras_json") if model.get(k) not in (None, "", {})]
+        raise ModelSpecError("model", "must be a mapping with builtin, keras_json or keras_file")
+    present = [k for k in MODEL_SOURCES if model.get(k) not in (None, "", {})]
     if len(present) != 1:
-        raise ModelSpecError("model", "exactly one of model.builtin or model.keras_json is required"
-                             f" (got {', '.join(present) or 'neither'})")
+        raise ModelSpecError("model", f"exactly one of {', '.join('model.' + k for k in MODEL_SOURCES)}"
+                             f" is required (got {', '.join(present) or 'none'})")
     if present[0] == "builtin":
         return _profile_builtin(model["builtin"])
+    if present[0] == "keras_file":
+        return _profile_keras_json(keras_file_config(model), _KF)
     return _profile_keras_json(model["keras_json"])
+
+
+#: where a model can come from (``code`` models are profiled by running them: see
+#: ``strata.spec``)
+MODEL_SOURCES = ("builtin", "keras_json", "keras_file")
+
+
+def keras_file_config(model: dict) -> str:
+    """The ``config.json`` text of a ``model.keras_file`` section as the coordinator normalized
+    it (``{"sha256", "size", "name", "config"}``: the file itself travels as an upload)."""
+    kf = model.get("keras_file")
+    if not isinstance(kf, dict) or not isinstance(kf.get("config"), str) or not kf["config"]:
+        raise ModelSpecError(_KF, "has no model config: submit the .keras file through the "
+                                  "client (strata submit), which uploads it")
+    return kf["config"]
+
+
+def model_json(model: dict) -> str | dict:
+    """The serialized Keras model of a keras_json or keras_file section."""
+    if model.get("keras_file"):
+        return keras_file_config(model)
+    return model.get("keras_json")
 
 
 # --------------------------------------------------------------------------------------------
@@ -166,8 +247,11 @@ def _profile_builtin(b: Any) -> ModelProfile:
         last = i == len(hidden)
         cfg = {"units": units, "use_bias": True, "activation": "linear" if last else "relu"}
         name = "logits" if last else f"hidden_{i}"
-        lp, cur = _dense(name, cfg, cur)
-        layers.append(lp)
+        o = _rules.dense(name, cfg, [cur], {})
+        cur = o.outputs[0]
+        layers.append(LayerProfile(name, "Dense", o.params, _prod(cur), o.flops, 0, cur,
+                                   largest_weight=o.extra["kernel"],
+                                   activation=cfg["activation"]))
     return ModelProfile(shape, tuple(layers))
 
 
@@ -238,45 +322,246 @@ def check_keras_json_safe(obj: Any) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# keras_json: structure
+# keras_json: the layer graph
 
 
-def _profile_keras_json(text: Any) -> ModelProfile:
-    obj = parse_keras_json(text)
-    check_keras_json_safe(obj)
+def _profile_keras_json(text: Any, field: str = _KJ) -> ModelProfile:
+    try:
+        obj = parse_keras_json(text)
+        check_keras_json_safe(obj)
+        return _profile_graph(obj)
+    except ModelSpecError as e:
+        if field == e.field:
+            raise
+        raise ModelSpecError(field, e.message) from None
+
+
+@dataclass
+class _Node:
+    """One layer call: the layer's serialized form and the tensors it takes."""
+
+    name: str
+    kind: str
+    cfg: dict
+    args: list[tuple[str, int, Any]]              # (producer, tensor index, recorded shape)
+    kwargs: dict[str, tuple[str, int, Any]]
+
+    @property
+    def deps(self) -> list[str]:
+        return [p for p, _, _ in self.args] + [p for p, _, _ in self.kwargs.values()]
+
+
+def _layer_name(entry: dict) -> str:
+    cfg = entry.get("config") if isinstance(entry.get("config"), dict) else {}
+    return str(entry.get("name") or cfg.get("name") or entry.get("class_name"))
+
+
+def _tensor(n: Any) -> tuple[str, int, Any] | None:
+    if isinstance(n, dict) and n.get("class_name") == "__keras_tensor__":
+        c = n.get("config") or {}
+        hist = c.get("keras_history")
+        if isinstance(hist, list) and len(hist) == 3:
+            if hist[1] not in (0, None):
+                raise ModelSpecError(_KJ, f"layer {hist[0]!r} is called more than once (a "
+                                          "shared layer); shared layers are not supported")
+            shape = c.get("shape")
+            return str(hist[0]), int(hist[2] or 0), shape
+    return None
+
+
+def _flat_tensors(n: Any) -> list[tuple[str, int, Any]]:
+    t = _tensor(n)
+    if t is not None:
+        return [t]
+    out: list[tuple[str, int, Any]] = []
+    if isinstance(n, list):
+        for v in n:
+            out += _flat_tensors(v)
+    elif isinstance(n, dict) and n.get("class_name") != "__keras_tensor__":
+        for v in n.values():
+            out += _flat_tensors(v)
+    return out
+
+
+def _input_entry(entry: dict) -> tuple[str, Any, str]:
+    c = entry.get("config") or {}
+    shape = c.get("batch_shape") or c.get("batch_input_shape")
+    if shape is None and c.get("shape") is not None:
+        shape = [None] + list(c["shape"])
+    dtype = c.get("dtype") or "float32"
+    if isinstance(dtype, dict):
+        dtype = (dtype.get("config") or {}).get("name", "float32")
+    return _layer_name(entry), shape, str(dtype)
+
+
+def _graph(obj: dict) -> tuple[list[tuple[str, Any, str]], list[_Node], list[tuple[str, int]]]:
+    """(inputs, layer calls in the file's order, outputs) of a Sequential or Functional model."""
     cls = obj.get("class_name")
     cfg = obj.get("config")
     if not isinstance(cfg, dict) or not isinstance(cfg.get("layers"), list):
         raise ModelSpecError(_KJ, f"{cls} config has no layers list")
+    entries = [l for l in cfg["layers"] if isinstance(l, dict)]
+    for e in entries:
+        if e.get("class_name") in ("Sequential", "Functional", "Model"):
+            raise ModelSpecError(_KJ, f"layer {_layer_name(e)!r} is a nested model; flatten it "
+                                      "into one model (its layers in the outer graph)")
     if cls == "Sequential":
-        layers = [l for l in cfg["layers"] if isinstance(l, dict)]
-        input_shape = _sequential_input_shape(obj, layers)
-    elif cls in ("Functional", "Model"):
-        layers, input_shape = _functional_chain(cfg)
-    else:
+        shape = _sequential_input_shape(obj, entries)
+        if shape is None:
+            raise ModelSpecError(_KJ, "the model has no input shape; build it with keras.Input"
+                                      "(shape) (or call model.build) before to_json()")
+        dtype = "float32"
+        if entries and entries[0].get("class_name") == "InputLayer":
+            dtype = _input_entry(entries[0])[2]
+        body = [e for e in entries if e.get("class_name") != "InputLayer"]
+        inputs = [("input", shape, dtype)]
+        nodes, prev = [], "input"
+        for e in body:
+            name = _layer_name(e)
+            nodes.append(_Node(name, str(e.get("class_name")), _cfg(e), [(prev, 0, None)], {}))
+            prev = name
+        return inputs, nodes, [(prev, 0)]
+    if cls not in ("Functional", "Model"):
         raise ModelSpecError(_KJ, f"top-level class {cls!r} is not supported; use a Sequential "
                                   f"or Functional model")
-    if input_shape is None:
-        raise ModelSpecError(_KJ, "the model has no input shape; build it with keras.Input(shape) "
-                                  "(or call model.build) before to_json()")
-    shape = _check_shape(input_shape)
-    out: list[LayerProfile] = []
-    cur = shape
-    for layer in layers:
-        kind = layer.get("class_name")
-        if kind == "InputLayer":
+    inputs, nodes = [], []
+    for e in entries:
+        if e.get("class_name") == "InputLayer":
+            inputs.append(_input_entry(e))
             continue
-        lcfg = layer.get("config") if isinstance(layer.get("config"), dict) else {}
-        name = str(lcfg.get("name") or layer.get("name") or kind)
-        fn = _LAYER_FNS.get(kind)
-        if fn is None:
-            raise ModelSpecError(_KJ, f"layer {name!r} has unsupported class {kind!r}; supported "
-                                      f"layers: {', '.join(SUPPORTED_LAYERS)}")
-        lp, cur = fn(name, lcfg, cur)
-        out.append(lp)
-    if not out:
+        name = _layer_name(e)
+        calls = e.get("inbound_nodes") or []
+        if len(calls) != 1:
+            raise ModelSpecError(_KJ, f"layer {name!r} is called {len(calls)} times; each layer "
+                                      "must be called exactly once (shared layers are not "
+                                      "supported)")
+        call = calls[0] if isinstance(calls[0], dict) else {"args": calls[0], "kwargs": {}}
+        args = _flat_tensors(call.get("args") or [])
+        kwargs = {}
+        for k, v in (call.get("kwargs") or {}).items():
+            ts = _flat_tensors(v)
+            for j, t in enumerate(ts):
+                kwargs[k if j == 0 else f"{k}:{j}"] = t
+        if not args and not kwargs:
+            raise ModelSpecError(_KJ, f"layer {name!r} takes no input tensor")
+        nodes.append(_Node(name, str(e.get("class_name")), _cfg(e), args, kwargs))
+    outs = cfg.get("output_layers") or []
+    if outs and not isinstance(outs[0], list):
+        outs = [outs]
+    outputs = [(str(o[0]), int(o[2] or 0)) for o in outs if isinstance(o, list) and o]
+    return inputs, nodes, outputs
+
+
+def _cfg(entry: dict) -> dict:
+    return entry.get("config") if isinstance(entry.get("config"), dict) else {}
+
+
+def _dims(shape: Any) -> tuple[int, ...] | None:
+    """A recorded Keras shape without its batch axis, if every other dimension is known."""
+    if not isinstance(shape, (list, tuple)) or len(shape) < 2:
+        return None
+    dims = shape[1:]
+    if not all(_pos_int(d) for d in dims):
+        return None
+    return tuple(int(d) for d in dims)
+
+
+def _profile_graph(obj: dict) -> ModelProfile:
+    inputs, nodes, outputs = _graph(obj)
+    if not inputs:
+        raise ModelSpecError(_KJ, "the model has no input layer")
+    if len(outputs) != 1:
+        raise ModelSpecError(_KJ, f"the model has {len(outputs)} outputs; one output (one loss) "
+                                  "is supported; use `code:` for several")
+    if not nodes:
         raise ModelSpecError(_KJ, "the model has no layers besides its input")
-    return ModelProfile(shape, tuple(out))
+    shapes: dict[str, list[tuple[int, ...]]] = {}
+    model_inputs = []
+    for name, shape, dtype in inputs:
+        dims = _check_shape(shape)
+        shapes[name] = [dims]
+        model_inputs.append(ModelInput(name, dims, dtype))
+    by_name = {n.name: n for n in nodes}
+    if len(by_name) != len(nodes) or set(by_name) & set(shapes):
+        raise ModelSpecError(_KJ, "two layers share a name")
+    for n in nodes:
+        for d in n.deps:
+            if d not in by_name and d not in shapes:
+                raise ModelSpecError(_KJ, f"layer {n.name!r} takes its input from unknown layer "
+                                          f"{d!r}")
+    # topological order, keeping the file's order among ready layers
+    order: list[_Node] = []
+    done = set(shapes)
+    pending = list(nodes)
+    while pending:
+        ready = [n for n in pending if all(d in done for d in n.deps)]
+        if not ready:
+            raise ModelSpecError(_KJ, f"layers {[n.name for n in pending][:5]} form a cycle")
+        for n in ready:
+            order.append(n)
+            done.add(n.name)
+        pending = [n for n in pending if n.name not in done]
+    # every layer must lead to the output (nothing computed for nothing)
+    out_name = outputs[0][0]
+    if out_name not in by_name:
+        raise ModelSpecError(_KJ, f"the model's output {out_name!r} is not one of its layers")
+    needed = {out_name}
+    for n in reversed(order):
+        if n.name in needed:
+            needed.update(n.deps)
+    unused = [n.name for n in order if n.name not in needed]
+    if unused:
+        raise ModelSpecError(_KJ, f"layers {unused[:5]} do not lead to the model's output")
+    unused_inputs = [i.name for i in model_inputs if i.name not in needed]
+    if unused_inputs:
+        raise ModelSpecError(_KJ, f"inputs {unused_inputs} do not lead to the model's output")
+    order.sort(key=lambda n: n.name == out_name)  # stable: the output layer last
+
+    def shape_of(ref: tuple[str, int, Any], user: str) -> tuple[int, ...]:
+        producer, idx, recorded = ref
+        outs = shapes[producer]
+        if idx >= len(outs):
+            dims = _dims(recorded)
+            if dims is None:
+                raise ModelSpecError(_KJ, f"layer {user!r} takes output {idx} of {producer!r}, "
+                                          "which has no such output")
+            return dims
+        dims = _dims(recorded)
+        return dims if dims is not None else outs[idx]
+
+    layers: list[LayerProfile] = []
+    for n in order:
+        rule = _rules.RULES.get(n.kind)
+        if rule is None:
+            why = _rules.REFUSED.get(n.kind)
+            if n.kind == "Lambda":
+                raise ModelSpecError(_KJ, f"layer {n.name!r} is a Lambda layer; Lambda and custom "
+                                          f"code are refused (safe mode)")
+            raise ModelSpecError(_KJ, f"layer {n.name!r} has unsupported class {n.kind!r}"
+                                      + (f": {why}" if why else "")
+                                      + f"; supported layers: {', '.join(SUPPORTED_LAYERS)}")
+        ins = [shape_of(r, n.name) for r in n.args]
+        kw = {k: shape_of(r, n.name) for k, r in n.kwargs.items()}
+        try:
+            o = rule(n.name, n.cfg, ins, kw)
+        except _rules.LayerRuleError as e:
+            raise ModelSpecError(_KJ, str(e)) from None
+        shapes[n.name] = [tuple(int(d) for d in s) for s in o.outputs]
+        refs = tuple(p if i == 0 else f"{p}:{i}" for p, i, _ in n.args) + tuple(
+            p if i == 0 else f"{p}:{i}" for p, i, _ in n.kwargs.values())
+        out0 = shapes[n.name][0]
+        layers.append(LayerProfile(
+            n.name, n.kind, o.params, sum(_prod(s) for s in shapes[n.name]), o.flops,
+            o.non_trainable, out0, refs, o.internal_elems, int(o.extra.get("kernel", 0)),
+            _act_name(n.cfg) if "activation" in n.cfg else (
+                "softmax" if n.kind == "Softmax" else "linear")))
+    out_layer = layers[-1]
+    if outputs[0][1] != 0:
+        raise ModelSpecError(_KJ, f"the model's output is output {outputs[0][1]} of layer "
+                                  f"{out_name!r}; use a model whose output is a layer's first "
+                                  "output")
+    del out_layer
+    return ModelProfile(model_inputs[0].shape, tuple(layers), tuple(model_inputs))
 
 
 def _check_shape(batch_shape: Any) -> tuple[int, ...]:
@@ -314,105 +599,11 @@ def _sequential_input_shape(obj: dict, layers: list[dict]) -> Any:
     return None
 
 
-def _history_refs(node: Any) -> list[str]:
-    """Names of the layers whose outputs feed an inbound node (``keras_history`` entries)."""
-    refs: list[str] = []
-
-    def walk(n: Any) -> None:
-        if isinstance(n, list):
-            for v in n:
-                walk(v)
-        elif isinstance(n, dict):
-            if n.get("class_name") == "__keras_tensor__":
-                hist = (n.get("config") or {}).get("keras_history")
-                if isinstance(hist, list) and hist:
-                    refs.append(str(hist[0]))
-                return
-            for v in n.values():
-                walk(v)
-
-    walk(node)
-    return refs
-
-
-def _functional_chain(cfg: dict) -> tuple[list[dict], Any]:
-    """Orders a Functional model's layers as a chain; refuses anything else."""
-    layers = [l for l in cfg["layers"] if isinstance(l, dict)]
-    by_name: dict[str, dict] = {}
-    for l in layers:
-        name = l.get("name") or (l.get("config") or {}).get("name")
-        by_name[str(name)] = l
-    inputs = [l for l in layers if l.get("class_name") == "InputLayer"]
-    if len(inputs) != 1:
-        raise ModelSpecError(_KJ, f"the model has {len(inputs)} inputs; only single-input linear "
-                                  "models are supported")
-    consumers: dict[str, list[str]] = {n: [] for n in by_name}
-    for name, l in by_name.items():
-        nodes = l.get("inbound_nodes") or []
-        if l.get("class_name") == "InputLayer":
-            continue
-        if len(nodes) != 1:
-            raise ModelSpecError(_KJ, f"layer {name!r} is called {len(nodes)} times; only linear "
-                                      "chains (each layer used once) are supported")
-        refs = _history_refs(nodes[0])
-        if len(refs) != 1:
-            raise ModelSpecError(_KJ, f"layer {name!r} takes {len(refs)} inputs; branching models "
-                                      "are not supported, only linear chains")
-        if refs[0] not in by_name:
-            raise ModelSpecError(_KJ, f"layer {name!r} takes its input from unknown layer "
-                                      f"{refs[0]!r}")
-        consumers[refs[0]].append(name)
-    outputs = cfg.get("output_layers") or []
-    if outputs and isinstance(outputs[0], list):
-        if len(outputs) != 1:
-            raise ModelSpecError(_KJ, f"the model has {len(outputs)} outputs; only single-output "
-                                      "linear models are supported")
-        outputs = outputs[0]
-    chain = [inputs[0]]
-    name = str(inputs[0].get("name") or (inputs[0].get("config") or {}).get("name"))
-    seen = {name}
-    while consumers.get(name):
-        nxt = consumers[name]
-        if len(nxt) != 1:
-            raise ModelSpecError(_KJ, f"the output of layer {name!r} feeds {len(nxt)} layers "
-                                      f"({', '.join(nxt)}); branching models are not supported, "
-                                      "only linear chains")
-        name = nxt[0]
-        if name in seen:
-            raise ModelSpecError(_KJ, f"layer {name!r} appears twice in the chain")
-        seen.add(name)
-        chain.append(by_name[name])
-    if len(chain) != len(by_name):
-        unused = sorted(set(by_name) - seen)
-        raise ModelSpecError(_KJ, f"layers {unused} are not on the input-to-output chain; only "
-                                  "linear chains are supported")
-    if outputs and str(outputs[0]) != name:
-        raise ModelSpecError(_KJ, f"the model's output is layer {outputs[0]!r}, not the end of the "
-                                  f"chain {name!r}; only linear chains are supported")
-    c = inputs[0].get("config") or {}
-    shape = c.get("batch_shape") or c.get("batch_input_shape")
-    if shape is None and c.get("shape") is not None:
-        shape = [None] + list(c["shape"])
-    return chain, shape
-
-
-# --------------------------------------------------------------------------------------------
-# per-layer shape and parameter rules (shapes have no batch axis)
-
-
 def _prod(xs: Any) -> int:
     p = 1
     for x in xs:
         p *= int(x)
     return p
-
-
-def _pair(v: Any, name: str, field: str) -> tuple[int, int]:
-    if isinstance(v, int) and not isinstance(v, bool):
-        return (v, v)
-    if isinstance(v, (list, tuple)) and len(v) == 2 and all(_pos_int(x) for x in v):
-        return (int(v[0]), int(v[1]))
-    raise ModelSpecError(_KJ, f"layer {name!r} has a bad {field} {v!r}")
 
 
 def _act_name(cfg: dict) -> str:
@@ -425,206 +616,75 @@ def _act_name(cfg: dict) -> str:
     return str(a)
 
 
-def _act_flops(cfg: dict, elems: int) -> int:
-    return 0 if _act_name(cfg) == "linear" else elems
+#: layers that keep their input's activation (a softmax before them stays the output's)
+_PASS_ACTIVATION = ("Dropout", "Flatten", "Reshape", "Identity", "ActivityRegularization",
+                    "GaussianNoise", "GaussianDropout", "AlphaDropout", "SpatialDropout1D",
+                    "SpatialDropout2D", "SpatialDropout3D", "Permute")
 
-
-def _axes(axis: Any, rank: int, name: str) -> list[int]:
-    axes = axis if isinstance(axis, (list, tuple)) else [axis]
-    out = []
-    for a in axes:
-        if not isinstance(a, int) or not -rank - 1 <= a <= rank or a == 0:
-            raise ModelSpecError(_KJ, f"layer {name!r} normalizes over axis {a!r}, which the "
-                                      f"input (rank {rank} without batch) does not have")
-        out.append(a - 1 if a > 0 else rank + a)
-    return out
-
-
-def _dense(name: str, cfg: dict, shape: tuple[int, ...]):
-    units = cfg.get("units")
-    if not _pos_int(units):
-        raise ModelSpecError(_KJ, f"layer {name!r} has bad units {units!r}")
-    if cfg.get("quantization_config") not in (None, {}) or cfg.get("quantization_mode"):
-        raise ModelSpecError(_KJ, f"layer {name!r} is quantized; quantized layers are not supported")
-    fan_in = shape[-1]
-    out_shape = shape[:-1] + (units,)
-    rows = _prod(shape[:-1])
-    bias = units if cfg.get("use_bias", True) else 0
-    params = fan_in * units + bias
-    non_trainable = 0
-    rank = cfg.get("lora_rank")
-    if _pos_int(rank):  # LoRA: the kernel is frozen, two low-rank factors train
-        non_trainable = fan_in * units
-        params += rank * (fan_in + units)
-    flops = rows * (2 * fan_in * units + bias) + _act_flops(cfg, _prod(out_shape))
-    return LayerProfile(name, "Dense", params, _prod(out_shape), flops, non_trainable,
-                        out_shape), out_shape
-
-
-def _dropout(name: str, cfg: dict, shape):
-    n = _prod(shape)
-    return LayerProfile(name, "Dropout", 0, n, n, 0, shape), shape
-
-
-def _activation(name: str, cfg: dict, shape):
-    n = _prod(shape)
-    return LayerProfile(name, "Activation", 0, n, n, 0, shape), shape
-
-
-def _flatten(name: str, cfg: dict, shape):
-    out = (_prod(shape),)
-    return LayerProfile(name, "Flatten", 0, out[0], 0, 0, out), out
-
-
-def _reshape(name: str, cfg: dict, shape):
-    target = cfg.get("target_shape")
-    if not isinstance(target, (list, tuple)) or not target:
-        raise ModelSpecError(_KJ, f"layer {name!r} has a bad target_shape {target!r}")
-    total = _prod(shape)
-    unknown = [i for i, d in enumerate(target) if d in (-1, None)]
-    known = [d for d in target if d not in (-1, None)]
-    if len(unknown) > 1 or not all(_pos_int(d) for d in known):
-        raise ModelSpecError(_KJ, f"layer {name!r} has a bad target_shape {target!r}")
-    kp = _prod(known)
-    if unknown:
-        if total % kp:
-            raise ModelSpecError(_KJ, f"layer {name!r} cannot reshape {list(shape)} into {target}")
-        target = [total // kp if d in (-1, None) else d for d in target]
-    out = tuple(int(d) for d in target)
-    if _prod(out) != total:
-        raise ModelSpecError(_KJ, f"layer {name!r} cannot reshape {list(shape)} ({total} values) "
-                                  f"into {list(out)}")
-    return LayerProfile(name, "Reshape", 0, total, 0, 0, out), out
-
-
-def _batchnorm(name: str, cfg: dict, shape):
-    axes = _axes(cfg.get("axis", -1), len(shape), name)
-    c = _prod(shape[a] for a in axes)
-    trainable = c * (int(bool(cfg.get("center", True))) + int(bool(cfg.get("scale", True))))
-    params = trainable + 2 * c  # moving mean and variance
-    n = _prod(shape)
-    return LayerProfile(name, "BatchNormalization", params, n, 4 * n, 2 * c, shape), shape
-
-
-def _layernorm(name: str, cfg: dict, shape):
-    axes = _axes(cfg.get("axis", -1), len(shape), name)
-    c = _prod(shape[a] for a in axes)
-    if cfg.get("rms_scaling"):
-        params = c
-    else:
-        params = c * (int(bool(cfg.get("center", True))) + int(bool(cfg.get("scale", True))))
-    n = _prod(shape)
-    return LayerProfile(name, "LayerNormalization", params, n, 8 * n, 0, shape), shape
-
-
-def _spatial(name: str, cfg: dict, shape, kind: str):
-    if len(shape) != 3:
-        raise ModelSpecError(_KJ, f"layer {name!r} ({kind}) needs a rank-3 input per example "
-                                  f"(height, width, channels), got {list(shape)}")
-    if cfg.get("data_format", "channels_last") == "channels_first":
-        c, h, w = shape
-        return h, w, c, True
-    h, w, c = shape
-    return h, w, c, False
-
-
-def _out_len(n: int, k: int, stride: int, padding: str, dilation: int, name: str) -> int:
-    if padding == "same":
-        return -(-n // stride)
-    if padding != "valid":
-        raise ModelSpecError(_KJ, f"layer {name!r} has unsupported padding {padding!r} "
-                                  "(valid or same)")
-    eff = dilation * (k - 1) + 1
-    if n < eff:
-        raise ModelSpecError(_KJ, f"layer {name!r}: window {eff} is larger than its input {n}")
-    return (n - eff) // stride + 1
-
-
-def _shape_out(h: int, w: int, c: int, cf: bool) -> tuple[int, int, int]:
-    return (c, h, w) if cf else (h, w, c)
-
-
-def _conv2d(name: str, cfg: dict, shape):
-    h, w, cin, cf = _spatial(name, cfg, shape, "Conv2D")
-    filters = cfg.get("filters")
-    if not _pos_int(filters):
-        raise ModelSpecError(_KJ, f"layer {name!r} has bad filters {filters!r}")
-    kh, kw = _pair(cfg.get("kernel_size"), name, "kernel_size")
-    sh, sw = _pair(cfg.get("strides", 1), name, "strides")
-    dh, dw = _pair(cfg.get("dilation_rate", 1), name, "dilation_rate")
-    groups = cfg.get("groups", 1) or 1
-    if cin % groups or filters % groups:
-        raise ModelSpecError(_KJ, f"layer {name!r}: groups {groups} must divide channels {cin} and "
-                                  f"filters {filters}")
-    padding = str(cfg.get("padding", "valid")).lower()
-    oh = _out_len(h, kh, sh, padding, dh, name)
-    ow = _out_len(w, kw, sw, padding, dw, name)
-    bias = filters if cfg.get("use_bias", True) else 0
-    params = kh * kw * (cin // groups) * filters + bias
-    out = _shape_out(oh, ow, filters, cf)
-    n = _prod(out)
-    flops = oh * ow * (2 * kh * kw * (cin // groups) * filters + bias) + _act_flops(cfg, n)
-    return LayerProfile(name, "Conv2D", params, n, flops, 0, out), out
-
-
-def _pool(kind: str):
-    def fn(name: str, cfg: dict, shape):
-        h, w, c, cf = _spatial(name, cfg, shape, kind)
-        ph, pw = _pair(cfg.get("pool_size", 2), name, "pool_size")
-        strides = cfg.get("strides")
-        sh, sw = _pair(strides, name, "strides") if strides is not None else (ph, pw)
-        padding = str(cfg.get("padding", "valid")).lower()
-        oh = _out_len(h, ph, sh, padding, 1, name)
-        ow = _out_len(w, pw, sw, padding, 1, name)
-        out = _shape_out(oh, ow, c, cf)
-        n = _prod(out)
-        return LayerProfile(name, kind, 0, n, n * ph * pw, 0, out), out
-    return fn
-
-
-def _gap2d(name: str, cfg: dict, shape):
-    h, w, c, cf = _spatial(name, cfg, shape, "GlobalAveragePooling2D")
-    if cfg.get("keepdims"):
-        out = (c, 1, 1) if cf else (1, 1, c)
-    else:
-        out = (c,)
-    return LayerProfile(name, "GlobalAveragePooling2D", 0, c, h * w * c, 0, out), out
-
-
-_LAYER_FNS = {
-    "Dense": _dense,
-    "Dropout": _dropout,
-    "Activation": _activation,
-    "Flatten": _flatten,
-    "Reshape": _reshape,
-    "BatchNormalization": _batchnorm,
-    "LayerNormalization": _layernorm,
-    "Conv2D": _conv2d,
-    "MaxPooling2D": _pool("MaxPooling2D"),
-    "AveragePooling2D": _pool("AveragePooling2D"),
-    "GlobalAveragePooling2D": _gap2d,
-}
+SUPPORTED_LAYERS = tuple(sorted(_rules.RULES))
 
 
 def final_activation(model: dict) -> str:
-    """The activation of the model's last layer ("linear" for the builtin MLP's logits):
+    """The activation of the model's output (``"linear"`` for the builtin MLP's logits):
     ``softmax`` means its outputs are probabilities, not logits."""
-    if "builtin" in model and model.get("builtin"):
-        return "linear"
-    obj = parse_keras_json(model.get("keras_json"))
-    cfg = obj.get("config") or {}
-    layers = [l for l in cfg.get("layers") or [] if isinstance(l, dict)]
-    if obj.get("class_name") != "Sequential" and layers:
-        layers, _ = _functional_chain(cfg)
-    for layer in reversed(layers):
-        kind = layer.get("class_name")
-        cfg = layer.get("config") or {}
-        if kind in ("Dropout", "Flatten", "Reshape"):
-            continue
-        if kind in ("Dense", "Conv2D", "Activation"):
-            return _act_name(cfg)
-        if kind == "Softmax":
-            return "softmax"
-        return "linear"
-    return "linear"
+    profile = profile_model(model)
+    by_name = {l.name: l for l in profile.layers}
+    layer = profile.layers[-1] if profile.layers else None
+    while layer is not None and layer.kind in _PASS_ACTIVATION and len(layer.inputs) <= 1:
+        prev = layer.inputs[0] if layer.inputs else None
+        idx = profile.layers.index(layer)
+        layer = by_name.get(prev) if prev else (profile.layers[idx - 1] if idx else None)
+    return layer.activation if layer is not None else "linear"
 
+
+class TensorRef(str):
+    """An input tensor in a layer's call template (``layer_calls``): the producing layer's name,
+    with ``:index`` for a tensor other than its first output."""
+
+
+def layer_calls(model: dict) -> dict[str, tuple[list, dict]]:
+    """How each layer of a keras_json or keras_file model is called: ``{name: (args, kwargs)}``
+    as the model's graph calls it, every input tensor replaced by a ``TensorRef`` and every
+    other argument (``use_causal_mask``, ``mask: None``, ...) kept. A Sequential model's layer
+    takes the previous layer's output (the first: the input, named "input")."""
+    obj = parse_keras_json(model_json(model))
+    entries = [l for l in (obj.get("config") or {}).get("layers") or [] if isinstance(l, dict)]
+    out: dict[str, tuple[list, dict]] = {}
+    if obj.get("class_name") == "Sequential":
+        prev = "input"
+        for e in entries:
+            if e.get("class_name") == "InputLayer":
+                continue
+            name = _layer_name(e)
+            out[name] = ([TensorRef(prev)], {})
+            prev = name
+        return out
+
+    def sub(n: Any) -> Any:
+        t = _tensor(n)
+        if t is not None:
+            return TensorRef(t[0] if t[1] == 0 else f"{t[0]}:{t[1]}")
+        if isinstance(n, list):
+            return [sub(v) for v in n]
+        if isinstance(n, dict):
+            return {k: sub(v) for k, v in n.items()}
+        return n
+
+    for e in entries:
+        if e.get("class_name") == "InputLayer":
+            continue
+        calls = e.get("inbound_nodes") or [{}]
+        call = calls[0] if isinstance(calls[0], dict) else {"args": calls[0], "kwargs": {}}
+        out[_layer_name(e)] = (sub(call.get("args") or []), sub(call.get("kwargs") or {}))
+    return out
+
+
+def layer_entries(model: dict) -> dict[str, dict]:
+    """Each layer's serialized form (module, class_name, config, registered_name) by name, of
+    a keras_json or keras_file model, checked safe."""
+    obj = parse_keras_json(model_json(model))
+    check_keras_json_safe(obj)
+    entries = [l for l in (obj.get("config") or {}).get("layers") or [] if isinstance(l, dict)]
+    return {_layer_name(e): {k: e[k] for k in ("module", "class_name", "config", "registered_name")
+                             if k in e}
+            for e in entries if e.get("class_name") != "InputLayer"}

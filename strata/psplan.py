@@ -135,9 +135,7 @@ def _slots(optimizer: str) -> int:
 def _stored_bytes(layer: LayerProfile, slots: int) -> int:
     """The layer's variables and slots as the allocator holds them."""
     trainable = layer.trainable_params
-    biggest = trainable
-    if layer.kind in ("Dense", "Conv2D") and layer.output_shape:
-        biggest = max(0, trainable - int(layer.output_shape[-1]))
+    biggest = largest_variable_bytes(layer) // 4
     per_copy = 4 * trainable + _half_rounding(4 * biggest)
     return per_copy * (1 + slots) + 4 * layer.non_trainable_params
 

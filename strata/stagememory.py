@@ -81,7 +81,8 @@ from __future__ import annotations
 from strata.errors import SpecError
 
 import math
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Any, Sequence
 
 from strata.memory import (
     FIXED_OVERHEAD, FRAGMENTATION, OPTIMIZER_SLOTS, layer_workspaces, optimizer_buffers,
@@ -268,6 +269,10 @@ class StageCostModel:
             raise ValueError(f"stage layers [{first}, {last}) must be a non-empty range of "
                              f"0..{self.L}")
 
+    def bound(self, i: int) -> int:
+        """The layer boundary of search boundary ``i`` (itself; see ``CutView``)."""
+        return i
+
     def memory(self, first: int, last: int) -> int:
         """The planner's demand for a task holding layers ``[first, last)``: the estimate with
         its transient bounded from one end (separable; see ``__init__``), never below
@@ -356,3 +361,56 @@ def stage_memory(profile: ModelProfile, first: int, last: int, *, microbatch: in
         raise ValueError(f"stage {stage_index} of {num_stages} does not match last layer {last}: "
                          "the last stage is the one that ends at the last layer")
     return model.memory(first, last)
+
+
+@dataclass(frozen=True)
+class _Block:
+    """What a ``CutView`` calls a layer: the layers between two cut points."""
+
+    name: str
+
+
+class CutView:
+    """A ``StageCostModel`` seen only at the model's cut points (``ModelProfile.cut_points``):
+    a unit is the run of layers between two of them, so a split of the units is a split of
+    the layers that cuts only where one tensor crosses. The arrays the planner searches
+    (``_x``, ``_y``, ``_f``) are the model's own at those boundaries, so memory and cost keep
+    their separable form and the search stays exact. ``bound(i)`` maps a unit boundary back
+    to a layer boundary; ``layers`` names the units (``first..last``)."""
+
+    def __init__(self, model: StageCostModel, cuts: Sequence[int]):
+        self.base = model
+        self.points = [0] + [int(c) for c in cuts] + [model.L]
+        p = self.points
+        self.L = len(p) - 1
+        self._x = [model._x[i] for i in p]
+        self._y = [model._y[i] for i in p]
+        self._f = [model._f[i] for i in p]
+        names = [l.name for l in model.layers]
+        self.layers = tuple(
+            _Block(names[p[i]] if p[i + 1] - p[i] == 1 else f"{names[p[i]]}..{names[p[i + 1] - 1]}")
+            for i in range(self.L))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.base, name)
+
+    def bound(self, i: int) -> int:
+        return self.points[i]
+
+    def memory(self, first: int, last: int) -> int:
+        return self.base.memory(self.points[first], self.points[last])
+
+    def estimate(self, first: int, last: int) -> int:
+        return self.base.estimate(self.points[first], self.points[last])
+
+    def cost(self, first: int, last: int) -> float:
+        return self.base.cost(self.points[first], self.points[last])
+
+    def breakdown(self, first: int, last: int) -> dict[str, int]:
+        return self.base.breakdown(self.points[first], self.points[last])
+
+    def total_lower_bound(self, stages: int) -> float:
+        L = self.L
+        cut = min((self._x[c] - self._y[c] for c in range(1, L)), default=0.0)
+        raw = self._x[L] - self._y[0] + (stages - 1) * max(cut, 0.0)
+        return (1 + FRAGMENTATION) * raw + stages * FIXED_OVERHEAD

@@ -527,3 +527,82 @@ def test_suggest_stages_and_format_plan():
     assert plan.feasible and plan.num_stages >= k
     text = format_plan(plan)
     assert f"{k} stages" in text and "hidden_0" in text and "logits" in text
+
+
+# --------------------------------------------------------------------------------------------
+# graphs: cuts only where one tensor crosses
+
+
+def residual_profile(rng: random.Random, n_layers: int) -> ModelProfile:
+    """A random chain with random skip connections (layer i also takes layer j's output)."""
+    from strata.modelspec import ModelInput
+
+    base = random_profile(rng, n_layers)
+    layers = []
+    for i, l in enumerate(base.layers):
+        inputs = ("input",) if i == 0 else (base.layers[i - 1].name,)
+        if i >= 2 and rng.random() < 0.3:
+            inputs += (base.layers[rng.randint(0, i - 2)].name,)
+        layers.append(LayerProfile(l.name, "Add" if len(inputs) > 1 else l.kind, l.params,
+                                   l.output_elems, l.flops, l.non_trainable_params,
+                                   l.output_shape, inputs))
+    return ModelProfile(base.input_shape, tuple(layers),
+                        (ModelInput("input", base.input_shape),))
+
+
+def test_graph_plans_cut_only_at_cut_points_and_are_optimal():
+    rng = random.Random(7)
+    checked = 0
+    for _ in range(200):
+        profile = residual_profile(rng, rng.randint(3, 8))
+        cuts = set(profile.cut_points)
+        model = StageCostModel(profile, microbatch=4, microbatches=2)
+        L = model.L
+        sizes = [model.memory(a, b) for a in range(L) for b in range(a + 1, L + 1)]
+        workers = [WorkerSlot(f"w{i}", rng.choice(sizes) + rng.choice([0, 1, 4096]))
+                   for i in range(rng.randint(2, 4))]
+        for stages in range(0, len(workers) + 1):
+            plan = plan_pipeline(profile, workers, stages=stages, microbatches=2,
+                                 global_batch=8)
+            # brute force over the splits that cut only at cut points
+            best = None
+            depths = [stages] if stages else range(1, len(workers) + 1)
+            for k in depths:
+                for cut in itertools.combinations(sorted(cuts), k - 1):
+                    bounds = (0,) + cut + (L,)
+                    split = list(zip(bounds, bounds[1:]))
+                    need = sorted((model.memory(a, b) for a, b in split), reverse=True)
+                    have = sorted((w.free_bytes for w in workers), reverse=True)
+                    if len(need) > len(have) or any(n > h for n, h in zip(need, have)):
+                        continue
+                    value = (max(model.cost(a, b) for a, b in split), k)
+                    best = value if best is None or value < best else best
+            assert plan.feasible == (best is not None), (profile, workers, stages, plan.reason)
+            if best is None:
+                continue
+            checked += 1
+            assert (plan.bottleneck_cost, plan.num_stages) == best
+            for s in plan.stages:
+                assert s.first_layer == 0 or s.first_layer in cuts
+                assert s.layer_names == tuple(l.name for l in
+                                              profile.layers[s.first_layer:s.last_layer])
+    assert checked > 50
+
+
+def test_too_few_cut_points_says_where_the_model_can_be_cut():
+    import json
+    import os
+
+    with open(os.path.join(os.path.dirname(__file__), "fixtures", "keras_models.json")) as f:
+        fix = json.load(f)
+    profile = profile_model({"keras_json": fix["good"]["residual_cnn"]["json"]})
+    workers = [WorkerSlot(f"w{i}", 4 * GiB) for i in range(8)]
+    plan = plan_pipeline(profile, workers, stages=6, microbatches=2, global_batch=8)
+    assert not plan.feasible
+    assert "at most 5 stages" in plan.reason and "'b0_add'" in plan.reason, plan.reason
+    ok = plan_pipeline(profile, workers, stages=3, microbatches=2, global_batch=8)
+    assert ok.feasible
+    names = [l.name for l in profile.layers]
+    for s in ok.stages:
+        assert s.first_layer == 0 or names[s.first_layer - 1] in ("stem", "b0_add", "b1_add",
+                                                                  "gap")

@@ -106,6 +106,7 @@ kind ``oom``.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import socket
 import threading
@@ -142,7 +143,8 @@ class Layout:
         return self.places[(replica, stage)]
 
 
-def parse_layout(cfg: TaskConfig, layer_names: list[str]) -> Layout:
+def parse_layout(cfg: TaskConfig, layer_names: list[str],
+                 cut_points: tuple[int, ...] | None = None) -> Layout:
     """The contract's pipeline section, checked against the spec and the model's layers (the
     one check on this side: a layout that does not match the model would train the wrong
     thing). Raises ``TaskConfigError``."""
@@ -208,6 +210,10 @@ def parse_layout(cfg: TaskConfig, layer_names: list[str]) -> Layout:
             if s + 1 < S and here.last_layer != places[(r, s + 1)].first_layer:
                 raise TaskConfigError("stage_layout.layout", f"replica {r}: stage {s + 1} does not start "
                                                    f"where stage {s} ends")
+            if s + 1 < S and cut_points is not None and here.last_layer not in cut_points:
+                raise TaskConfigError("stage_layout.layout", f"stage {s} ends after layer "
+                                      f"{layer_names[here.last_layer - 1]!r}, where more than "
+                                      "one tensor crosses (not a cut point of the model)")
     return Layout(S, R, M, m, places)
 
 
@@ -227,15 +233,13 @@ def read_cluster(layout: Layout) -> dict[str, list[str]]:
 # layers
 
 
-def _layer_entries(model_spec: dict, mixed: str) -> list:
-    """One zero-argument factory per layer of the chain, in order (the names are checked
-    against the layout by the caller)."""
+def _layer_entries(model_spec: dict, mixed: str, names: list[str]) -> tuple[list, dict]:
+    """One zero-argument factory per layer, in the profile's order (``names``), and how each
+    layer is called (``strata.modelspec.layer_calls``: its inputs as ``TensorRef``)."""
     import keras
 
-    from strata.modelspec import (
-        ModelSpecError, _functional_chain, check_keras_json_safe, parse_keras_json,
-    )
-    from strata.worker.models import POLICIES, _rewrite_json
+    from strata.modelspec import ModelSpecError, TensorRef, layer_calls, layer_entries
+    from strata.worker.models import POLICIES, _policy_json
 
     policy = POLICIES[mixed]
     if model_spec.get("builtin"):
@@ -249,47 +253,75 @@ def _layer_entries(model_spec: dict, mixed: str) -> list:
                 u, activation="relu", name=f"hidden_{i}", kernel_initializer="he_uniform",
                 dtype=policy))  # as worker.models builds the builtin MLP
         out.append(lambda: keras.layers.Dense(int(b["classes"]), name="logits", dtype="float32"))
-        return out
+        calls, prev = {}, "input"
+        for n in names:
+            calls[n] = ([TensorRef(prev)], {})
+            prev = n
+        return out, calls
+    field = "model.keras_file" if model_spec.get("keras_file") else "model.keras_json"
     try:
-        obj = parse_keras_json(model_spec.get("keras_json"))
-        check_keras_json_safe(obj)
-        if policy != "float32":
-            obj = _rewrite_json(obj, policy, sync_batchnorm=False)
-        cfg = obj.get("config") or {}
-        if obj.get("class_name") == "Sequential":
-            chain = [l for l in cfg.get("layers", []) if isinstance(l, dict)]
-        else:
-            chain, _ = _functional_chain(cfg)
+        entries = layer_entries(model_spec)
+        calls = layer_calls(model_spec)
     except ModelSpecError as e:
         raise TaskConfigError(e.field, e.message) from None
     out = []
-    for entry in chain:
-        if entry.get("class_name") == "InputLayer":
-            continue
-        d = {k: entry[k] for k in ("module", "class_name", "config", "registered_name")
-             if k in entry}
+    for i, name in enumerate(names):
+        d = json.loads(json.dumps(entries[name]))
+        if policy != "float32" and isinstance(d.get("config"), dict):
+            # the output layer keeps float32 so outputs and the loss stay float32
+            d["config"]["dtype"] = _policy_json("float32" if i == len(names) - 1 else policy)
 
         def make(d=d):
             try:
                 layer = keras.saving.deserialize_keras_object(d, safe_mode=True)
             except Exception as e:  # Keras raises ValueError/TypeError for what it refuses
-                raise TaskConfigError("model.keras_json", f"Keras cannot build layer "
-                                                    f"{d.get('config', {}).get('name')!r}: "
-                                                    f"{type(e).__name__}: {e}") from None
+                raise TaskConfigError(field, f"Keras cannot build layer "
+                                             f"{d.get('config', {}).get('name')!r}: "
+                                             f"{type(e).__name__}: {e}") from None
             if not isinstance(layer, keras.layers.Layer):
-                raise TaskConfigError("model.keras_json", f"{d.get('class_name')} is not a layer")
+                raise TaskConfigError(field, f"{d.get('class_name')} is not a layer")
             return layer
         out.append(make)
+    return out, calls
+
+
+def call_layer(layer, call: tuple, env: dict, training: bool):
+    """Calls ``layer`` as the model's graph does, its input tensors taken from ``env`` (by
+    ``TensorRef``); stores its output(s) in ``env`` and returns the first."""
+    from strata.modelspec import TensorRef
+
+    def sub(v):
+        if isinstance(v, TensorRef):
+            return env[str(v)]
+        if isinstance(v, list):
+            return [sub(x) for x in v]
+        if isinstance(v, dict):
+            return {k: sub(x) for k, x in v.items()}
+        return v
+
+    args, kwargs = call
+    a = sub(args)
+    kw = {k: v for k, v in sub(kwargs).items() if k != "training"}
+    out = layer(*a, training=training, **kw)
+    if isinstance(out, (list, tuple)):
+        for i, t in enumerate(out):
+            env[layer.name if i == 0 else f"{layer.name}:{i}"] = t
+        return out[0]
+    env[layer.name] = out
     return out
 
 
 class Stage:
     """One stage task's share of one replica: its layers, variables and optimizer."""
 
-    def __init__(self, place: StageAssignment, device: str, layers: list):
+    def __init__(self, place: StageAssignment, device: str, layers: list, calls: list,
+                 input_ref: str):
         self.place = place
         self.device = device
         self.layers = layers
+        self.calls = calls            # per layer: how the graph calls it (``call_layer``)
+        self.input_ref = input_ref    # the one tensor entering the stage
+
         self.tvars = [v for l in layers for v in l.trainable_variables]
         # per layer: its non-trainable variables (BN statistics, seed generator states)
         self.nt = [list(l.non_trainable_variables) for l in layers]
@@ -380,7 +412,7 @@ class PipelineDriver(TrainingRunner):
 
     def check(self) -> None:
         self.layer_names = [l.name for l in self.profile.layers]
-        self.layout = parse_layout(self.cfg, self.layer_names)
+        self.layout = parse_layout(self.cfg, self.layer_names, self.profile.cut_points)
         self.cluster = read_cluster(self.layout)
 
     def join(self) -> dict[str, Any]:
@@ -410,7 +442,11 @@ class PipelineDriver(TrainingRunner):
 
         # ---- layers, stage by stage (never the whole model in one place)
         keras.utils.set_random_seed(seed)
-        factories = _layer_entries(spec.model, mixed)
+        factories, calls = _layer_entries(spec.model, mixed, layer_names)
+        inputs = profile.model_inputs
+        if len(inputs) != 1:
+            raise TaskConfigError("model", f"the model has {len(inputs)} inputs; pipeline and "
+                                           "hybrid jobs take one-input models")
         if len(factories) != len(layer_names):
             raise TaskConfigError("model", f"the model has {len(factories)} layers, its profile "
                                      f"{len(layer_names)}")
@@ -421,14 +457,18 @@ class PipelineDriver(TrainingRunner):
             for s in range(S):
                 pl = layout.at(r, s)
                 dev = dev_of(pl)
+                in_ref = inputs[0].name if pl.first_layer == 0 else \
+                    layer_names[pl.first_layer - 1]
                 with tf.device(dev):
                     layers = [factories[i]() for i in range(pl.first_layer, pl.last_layer)]
+                    env = {in_ref: h}
                     for layer, want in zip(layers, pl.layers):
                         if layer.name != want:
                             raise TaskConfigError("stage_layout.layout", f"layer {layer.name!r} is where the "
                                                                f"layout has {want!r}")
-                        h = layer(h, training=False)  # builds it here: its variables live on dev
-                row.append(Stage(pl, dev, layers))
+                        # builds it here: its variables live on dev
+                        h = call_layer(layer, calls[want], env, False)
+                row.append(Stage(pl, dev, layers, [calls[n] for n in pl.layers], in_ref))
             stages.append(row)
         from_logits = _from_logits(spec.model)
         loss_fn = wmodels.build_loss(loss_name, from_logits)
@@ -471,7 +511,8 @@ class PipelineDriver(TrainingRunner):
             (one list per layer) and return their new state; the variables are not touched.
             ``casts`` maps id(variable) to its 16-bit copy for this step (mixed precision)."""
             new = []
-            for layer, vars_, vals in zip(st.layers, st.nt, nt_vals):
+            env = {st.input_ref: h}
+            for layer, call, vars_, vals in zip(st.layers, st.calls, st.nt, nt_vals):
                 raw = [(v, casts[id(v)]) for v in layer.trainable_variables if id(v) in casts]
                 if vars_ or raw:
                     scope = keras.StatelessScope(list(zip(vars_, vals)))
@@ -480,10 +521,10 @@ class PipelineDriver(TrainingRunner):
                     for v, val in raw:
                         scope.state_mapping[id(v)] = val
                     with scope:
-                        h = layer(h, training=training)
+                        h = call_layer(layer, call, env, training)
                     new.append([scope.get_current_value(v) for v in vars_])
                 else:
-                    h = layer(h, training=training)
+                    h = call_layer(layer, call, env, training)
                     new.append([])
             return h, new
 
@@ -662,8 +703,9 @@ class PipelineDriver(TrainingRunner):
             h = x
             for st in stages[0]:
                 with tf.device(st.device):
-                    for layer in st.layers:
-                        h = layer(h, training=False)
+                    env = {st.input_ref: h}
+                    for layer, call in zip(st.layers, st.calls):
+                        h = call_layer(layer, call, env, False)
             with tf.device(last_dev):
                 out = tf.cast(h, tf.float32)
                 return eval_sums(tf, loss_fn, y, out, d.classify)
