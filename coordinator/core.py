@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
+import math
 import os
 import secrets
 import time
@@ -23,6 +25,7 @@ from strata import strategies
 from strata.coordinator.agents import (
     AgentCommand, Agents, LiveWorker, StartTaskCommand, StopTaskCommand, reconcile,
 )
+from strata.coordinator.blobs import DEFAULT_MAX_UPLOAD_BYTES, BlobStore
 from strata.coordinator.logs import JobLogs
 from strata.coordinator.placement import Capacity, TaskDemand, place
 from strata.coordinator.store import Store, WorkerRecord
@@ -141,10 +144,12 @@ def probe_spec(spec: JobSpec) -> JobSpec:
 class Coordinator:
     def __init__(self, store: Store, state_dir: str, *, heartbeat_timeout_s: float = 10.0,
                  heartbeat_interval_s: float = 1.0, tick_interval_s: float = 0.5,
-                 start_timeout_s: float = 300.0, clock: Callable[[], float] = time.time):
+                 start_timeout_s: float = 300.0, clock: Callable[[], float] = time.time,
+                 max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES):
         self.store = store
         self.state_dir = state_dir
         self.logs = JobLogs(os.path.join(state_dir, "logs"))
+        self.blobs = BlobStore(state_dir, max_upload_bytes)
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.heartbeat_interval_s = heartbeat_interval_s
         self.tick_interval_s = tick_interval_s
@@ -198,8 +203,37 @@ class Coordinator:
             job.finished_at = self.clock()
         self.store.put_job(job)
         self._event(job, "state", f"{target.value}: {message}" if message else target.value)
+        if target == JobState.SUCCEEDED:
+            self._write_metrics(job)
         if target.final:
             self.wake()  # its reservations are free once its processes are gone
+
+    def _write_metrics(self, job: Job) -> None:
+        """``metrics.json`` among the job's outputs: its final figures, for ``strata
+        download`` (the model comes from the agent that ran the lead task)."""
+        m = job.metrics
+        def num(x: float | None) -> float | None:
+            return x if x is not None and math.isfinite(x) else None
+
+        body = {"job_id": job.id, "name": job.name, "strategy": job.strategy,
+                "state": job.state.value, "steps": m.step, "loss": num(m.loss),
+                "test_loss": num(m.test_loss), "test_accuracy": num(m.test_accuracy),
+                "examples_per_sec": m.examples_per_sec, "finished_at": job.finished_at,
+                "tasks": [{"task": f"{t.role}:{t.index}", "worker": t.worker,
+                           "memory_budget_bytes": t.memory_budget_bytes,
+                           "peak_memory_bytes": t.peak_memory_bytes,
+                           "weights_sha256": t.weights_sha256} for t in job.tasks]}
+        try:
+            self.blobs.write_output(job.id, "metrics.json",
+                                    (json.dumps(body, indent=1) + "\n").encode())
+        except OSError as e:
+            log.warning("cannot write metrics.json of %s: %s", job.id, e)
+
+    def with_outputs(self, job: Job) -> Job:
+        """``job`` with its output directory and files as they are now."""
+        files = self.blobs.outputs(job.id)
+        return dataclasses.replace(job, output_dir=self.blobs.output_dir(job.id) if files else "",
+                                   outputs=files)
 
     def _set_task_state(self, task: Task, target: TaskState) -> bool:
         if task.state == target:

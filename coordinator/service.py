@@ -26,8 +26,9 @@ from strata.protos import strata_pb2_grpc as pb_grpc
 from strata import convert
 from strata.errors import (
     DuplicateAgent, InfeasibleError, InvalidTransition, NotFoundError, SpecError, StrataError,
-    UnknownAgentSession,
+    UnknownAgentSession, UploadError,
 )
+from strata.coordinator.blobs import DEFAULT_MAX_UPLOAD_BYTES, MAX_OUTPUT_FILE_BYTES, check_sha
 from strata.types import TaskReport
 
 log = logging.getLogger("strata.coordinator")
@@ -47,6 +48,7 @@ class MalformedRequest(StrataError):
 STATUS_CODES: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (SpecError, grpc.StatusCode.INVALID_ARGUMENT),
     (MalformedRequest, grpc.StatusCode.INVALID_ARGUMENT),
+    (UploadError, grpc.StatusCode.INVALID_ARGUMENT),
     (NotFoundError, grpc.StatusCode.NOT_FOUND),
     (InfeasibleError, grpc.StatusCode.FAILED_PRECONDITION),
     (InvalidTransition, grpc.StatusCode.FAILED_PRECONDITION),
@@ -115,9 +117,19 @@ class JobServicer(pb_grpc.JobServiceServicer):
     def __init__(self, coord: Coordinator):
         self.coord = coord
 
+    def _stored_files(self, msg: pb.JobSpec) -> pb.JobSpec:
+        """The spec with what the coordinator itself holds of its uploaded files: a
+        ``.keras`` file's config is read from the stored copy, never taken from the client."""
+        if msg.model.HasField("keras_file"):
+            kf = msg.model.keras_file
+            check_sha(kf.sha256, "model.keras_file.sha256")
+            kf.config = self.coord.blobs.keras_config(kf.sha256, kf.name or "model.keras")
+            kf.size = self.coord.blobs.size(kf.sha256)
+        return msg
+
     @rpc
     async def SubmitJob(self, request: pb.SubmitJobRequest, context: Any) -> pb.Job:
-        spec = convert.spec_from_proto(request.spec)
+        spec = convert.spec_from_proto(await asyncio.to_thread(self._stored_files, request.spec))
         # Planning profiles the model and may run the stage planner: kept off the event loop.
         prepared = await asyncio.to_thread(prepare, spec, self.coord.worker_offers(free=False),
                                            dict(self.coord.measured))
@@ -125,7 +137,7 @@ class JobServicer(pb_grpc.JobServiceServicer):
 
     @rpc
     async def GetJob(self, request: pb.GetJobRequest, context: Any) -> pb.Job:
-        return convert.job_to_proto(self.coord.get(request.id))
+        return convert.job_to_proto(self.coord.with_outputs(self.coord.get(request.id)))
 
     @rpc
     async def ListJobs(self, request: pb.ListJobsRequest, context: Any) -> pb.ListJobsResponse:
@@ -157,7 +169,7 @@ class JobServicer(pb_grpc.JobServiceServicer):
 
     @rpc
     async def PlanJob(self, request: pb.PlanJobRequest, context: Any) -> pb.Plan:
-        spec = convert.spec_from_proto(request.spec)
+        spec = convert.spec_from_proto(await asyncio.to_thread(self._stored_files, request.spec))
         prepared = await asyncio.to_thread(prepare, spec, self.coord.worker_offers(free=True),
                                            dict(self.coord.measured))
         return convert.plan_to_proto(self.coord.plan(prepared))
@@ -166,6 +178,22 @@ class JobServicer(pb_grpc.JobServiceServicer):
     async def ListWorkers(self, request: pb.ListWorkersRequest, context: Any) -> pb.ListWorkersResponse:
         return pb.ListWorkersResponse(
             workers=[convert.worker_to_proto(w) for w in self.coord.list_workers()])
+
+    @rpc
+    async def UploadBlob(self, request_iterator: AsyncIterator[pb.FileChunk],
+                         context: Any) -> pb.BlobRef:
+        async def chunks() -> AsyncIterator[bytes]:
+            async for chunk in request_iterator:
+                yield chunk.data
+        sha, size = await self.coord.blobs.put(chunks())
+        return pb.BlobRef(sha256=sha, size=size)
+
+    @rpc
+    async def DownloadOutput(self, request: pb.DownloadOutputRequest,
+                             context: Any) -> AsyncIterator[pb.FileChunk]:
+        job = self.coord.get(request.job_id)
+        for path, offset, size, data in self.coord.blobs.read_outputs(job.id):
+            yield pb.FileChunk(path=path, offset=offset, size=size, data=data)
 
 
 class ClusterServicer(pb_grpc.ClusterServiceServicer):
@@ -211,16 +239,48 @@ class ClusterServicer(pb_grpc.ClusterServiceServicer):
                                request.index, request.data)
         return pb.AppendLogsResponse()
 
+    @rpc
+    async def FetchBlob(self, request: pb.FetchBlobRequest,
+                        context: Any) -> AsyncIterator[pb.FileChunk]:
+        self.coord.agents.check_session(request.name, request.session)
+        size = self.coord.blobs.size(request.sha256)
+        offset = 0
+        for data in self.coord.blobs.read(request.sha256):
+            yield pb.FileChunk(data=data, offset=offset, size=size)
+            offset += len(data)
+
+    @rpc
+    async def UploadOutput(self, request_iterator: AsyncIterator[pb.OutputChunk],
+                           context: Any) -> pb.UploadOutputResponse:
+        f = None
+        size = 0
+        try:
+            async for msg in request_iterator:
+                if f is None:
+                    self.coord.agents.check_session(msg.name, msg.session)
+                    job = self.coord.get(msg.job_id)
+                    f = self.coord.blobs.open_output(job.id, msg.chunk.path)
+                size += len(msg.chunk.data)
+                if size > MAX_OUTPUT_FILE_BYTES:
+                    raise UploadError(f"output file over {MAX_OUTPUT_FILE_BYTES:,} bytes")
+                f.write(msg.chunk.data)
+        finally:
+            if f is not None:
+                f.close()
+        return pb.UploadOutputResponse(size=size)
+
 
 async def serve(listen: str, state_dir: str, *, heartbeat_timeout_s: float = 10.0,
                 heartbeat_interval_s: float = 1.0, start_timeout_s: float = 300.0,
-                ready: asyncio.Future[str] | None = None, port_file: str | None = None) -> None:
+                ready: asyncio.Future[str] | None = None, port_file: str | None = None,
+                max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES) -> None:
     """Runs the coordinator until SIGINT/SIGTERM. Prints (and optionally writes) the bound address."""
     os.makedirs(state_dir, exist_ok=True)
     lock = _lock_state_dir(state_dir)
     store = SqliteStore(os.path.join(state_dir, "strata.db"))
     coord = Coordinator(store, state_dir, heartbeat_timeout_s=heartbeat_timeout_s,
-                        heartbeat_interval_s=heartbeat_interval_s, start_timeout_s=start_timeout_s)
+                        heartbeat_interval_s=heartbeat_interval_s, start_timeout_s=start_timeout_s,
+                        max_upload_bytes=max_upload_bytes)
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

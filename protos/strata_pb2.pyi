@@ -85,13 +85,27 @@ class BuiltinModel(_message.Message):
     no_hidden: bool
     def __init__(self, kind: _Optional[str] = ..., input_shape: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Iterable[int]] = ..., classes: _Optional[int] = ..., no_hidden: _Optional[bool] = ...) -> None: ...
 
+class KerasFile(_message.Message):
+    __slots__ = ("name", "sha256", "size", "config")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    sha256: str
+    size: int
+    config: str
+    def __init__(self, name: _Optional[str] = ..., sha256: _Optional[str] = ..., size: _Optional[int] = ..., config: _Optional[str] = ...) -> None: ...
+
 class ModelSpec(_message.Message):
-    __slots__ = ("keras_json", "builtin")
+    __slots__ = ("keras_json", "builtin", "keras_file")
     KERAS_JSON_FIELD_NUMBER: _ClassVar[int]
     BUILTIN_FIELD_NUMBER: _ClassVar[int]
+    KERAS_FILE_FIELD_NUMBER: _ClassVar[int]
     keras_json: str
     builtin: BuiltinModel
-    def __init__(self, keras_json: _Optional[str] = ..., builtin: _Optional[_Union[BuiltinModel, _Mapping]] = ...) -> None: ...
+    keras_file: KerasFile
+    def __init__(self, keras_json: _Optional[str] = ..., builtin: _Optional[_Union[BuiltinModel, _Mapping]] = ..., keras_file: _Optional[_Union[KerasFile, _Mapping]] = ...) -> None: ...
 
 class DataSpec(_message.Message):
     __slots__ = ("source", "path", "batch_size", "examples")
@@ -238,7 +252,7 @@ class TaskInfo(_message.Message):
     def __init__(self, role: _Optional[str] = ..., index: _Optional[int] = ..., worker: _Optional[str] = ..., state: _Optional[_Union[TaskState, str]] = ..., stage: _Optional[int] = ..., memory_budget_bytes: _Optional[int] = ..., peak_memory_bytes: _Optional[int] = ..., in_use_bytes: _Optional[int] = ..., estimated_memory_bytes: _Optional[int] = ..., failure: _Optional[_Union[FailureKind, str]] = ..., exit_code: _Optional[int] = ..., message: _Optional[str] = ..., address: _Optional[str] = ..., weights_sha256: _Optional[str] = ..., model_path: _Optional[str] = ..., replica: _Optional[int] = ..., layers: _Optional[_Iterable[str]] = ..., replica_weights_sha256: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("id", "name", "state", "strategy", "message", "restarts", "created_at", "finished_at", "metrics", "tasks", "spec", "estimated_memory_bytes", "started_at")
+    __slots__ = ("id", "name", "state", "strategy", "message", "restarts", "created_at", "finished_at", "metrics", "tasks", "spec", "estimated_memory_bytes", "started_at", "output_dir", "outputs")
     ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -252,6 +266,8 @@ class Job(_message.Message):
     SPEC_FIELD_NUMBER: _ClassVar[int]
     ESTIMATED_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_DIR_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     id: str
     name: str
     state: JobState
@@ -265,7 +281,9 @@ class Job(_message.Message):
     spec: JobSpec
     estimated_memory_bytes: int
     started_at: float
-    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., strategy: _Optional[str] = ..., message: _Optional[str] = ..., restarts: _Optional[int] = ..., created_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., metrics: _Optional[_Union[JobMetrics, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[TaskInfo, _Mapping]]] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., estimated_memory_bytes: _Optional[int] = ..., started_at: _Optional[float] = ...) -> None: ...
+    output_dir: str
+    outputs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., strategy: _Optional[str] = ..., message: _Optional[str] = ..., restarts: _Optional[int] = ..., created_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., metrics: _Optional[_Union[JobMetrics, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[TaskInfo, _Mapping]]] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., estimated_memory_bytes: _Optional[int] = ..., started_at: _Optional[float] = ..., output_dir: _Optional[str] = ..., outputs: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class JobEvent(_message.Message):
     __slots__ = ("seq", "time", "kind", "message", "job")
@@ -424,6 +442,32 @@ class PlanJobRequest(_message.Message):
     SPEC_FIELD_NUMBER: _ClassVar[int]
     spec: JobSpec
     def __init__(self, spec: _Optional[_Union[JobSpec, _Mapping]] = ...) -> None: ...
+
+class FileChunk(_message.Message):
+    __slots__ = ("path", "data", "offset", "size")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    data: bytes
+    offset: int
+    size: int
+    def __init__(self, path: _Optional[str] = ..., data: _Optional[bytes] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
+
+class BlobRef(_message.Message):
+    __slots__ = ("sha256", "size")
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    sha256: str
+    size: int
+    def __init__(self, sha256: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
+
+class DownloadOutputRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ()
@@ -597,14 +641,16 @@ class PipelineConfig(_message.Message):
     def __init__(self, stages: _Optional[int] = ..., replicas: _Optional[int] = ..., microbatches: _Optional[int] = ..., microbatch: _Optional[int] = ..., layout: _Optional[_Iterable[_Union[StageAssignment, _Mapping]]] = ...) -> None: ...
 
 class AgentSettings(_message.Message):
-    __slots__ = ("output_dir", "threads", "device")
+    __slots__ = ("output_dir", "threads", "device", "blob_dir")
     OUTPUT_DIR_FIELD_NUMBER: _ClassVar[int]
     THREADS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    BLOB_DIR_FIELD_NUMBER: _ClassVar[int]
     output_dir: str
     threads: int
     device: str
-    def __init__(self, output_dir: _Optional[str] = ..., threads: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
+    blob_dir: str
+    def __init__(self, output_dir: _Optional[str] = ..., threads: _Optional[int] = ..., device: _Optional[str] = ..., blob_dir: _Optional[str] = ...) -> None: ...
 
 class TaskConfig(_message.Message):
     __slots__ = ("version", "job_id", "role", "index", "spec", "memory_budget_bytes", "report_interval_s", "ps_placement", "stage_layout", "agent")
@@ -709,3 +755,31 @@ class AppendLogsRequest(_message.Message):
 class AppendLogsResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class FetchBlobRequest(_message.Message):
+    __slots__ = ("name", "session", "sha256")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    session: str
+    sha256: str
+    def __init__(self, name: _Optional[str] = ..., session: _Optional[str] = ..., sha256: _Optional[str] = ...) -> None: ...
+
+class OutputChunk(_message.Message):
+    __slots__ = ("name", "session", "job_id", "chunk")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    session: str
+    job_id: str
+    chunk: FileChunk
+    def __init__(self, name: _Optional[str] = ..., session: _Optional[str] = ..., job_id: _Optional[str] = ..., chunk: _Optional[_Union[FileChunk, _Mapping]] = ...) -> None: ...
+
+class UploadOutputResponse(_message.Message):
+    __slots__ = ("size",)
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    size: int
+    def __init__(self, size: _Optional[int] = ...) -> None: ...

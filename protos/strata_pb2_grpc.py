@@ -74,6 +74,16 @@ class JobServiceStub:
                 request_serializer=strata_dot_protos_dot_strata__pb2.ListWorkersRequest.SerializeToString,
                 response_deserializer=strata_dot_protos_dot_strata__pb2.ListWorkersResponse.FromString,
                 _registered_method=True)
+        self.UploadBlob = channel.stream_unary(
+                '/strata.v1.JobService/UploadBlob',
+                request_serializer=strata_dot_protos_dot_strata__pb2.FileChunk.SerializeToString,
+                response_deserializer=strata_dot_protos_dot_strata__pb2.BlobRef.FromString,
+                _registered_method=True)
+        self.DownloadOutput = channel.unary_stream(
+                '/strata.v1.JobService/DownloadOutput',
+                request_serializer=strata_dot_protos_dot_strata__pb2.DownloadOutputRequest.SerializeToString,
+                response_deserializer=strata_dot_protos_dot_strata__pb2.FileChunk.FromString,
+                _registered_method=True)
 
 
 class JobServiceServicer:
@@ -127,6 +137,21 @@ class JobServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UploadBlob(self, request_iterator, context):
+        """A file for a job to come (model.keras_file, code.dir's archive), stored by its SHA-256;
+        uploading the same bytes again is free. Size-limited by the coordinator.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DownloadOutput(self, request, context):
+        """Every file of a job's outputs (the trained model, metrics.json), path by path.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_JobServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -169,6 +194,16 @@ def add_JobServiceServicer_to_server(servicer, server):
                     servicer.ListWorkers,
                     request_deserializer=strata_dot_protos_dot_strata__pb2.ListWorkersRequest.FromString,
                     response_serializer=strata_dot_protos_dot_strata__pb2.ListWorkersResponse.SerializeToString,
+            ),
+            'UploadBlob': grpc.stream_unary_rpc_method_handler(
+                    servicer.UploadBlob,
+                    request_deserializer=strata_dot_protos_dot_strata__pb2.FileChunk.FromString,
+                    response_serializer=strata_dot_protos_dot_strata__pb2.BlobRef.SerializeToString,
+            ),
+            'DownloadOutput': grpc.unary_stream_rpc_method_handler(
+                    servicer.DownloadOutput,
+                    request_deserializer=strata_dot_protos_dot_strata__pb2.DownloadOutputRequest.FromString,
+                    response_serializer=strata_dot_protos_dot_strata__pb2.FileChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -397,6 +432,60 @@ class JobService:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def UploadBlob(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/strata.v1.JobService/UploadBlob',
+            strata_dot_protos_dot_strata__pb2.FileChunk.SerializeToString,
+            strata_dot_protos_dot_strata__pb2.BlobRef.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DownloadOutput(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/strata.v1.JobService/DownloadOutput',
+            strata_dot_protos_dot_strata__pb2.DownloadOutputRequest.SerializeToString,
+            strata_dot_protos_dot_strata__pb2.FileChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class ClusterServiceStub:
     """Missing associated documentation comment in .proto file."""
@@ -431,6 +520,16 @@ class ClusterServiceStub:
                 '/strata.v1.ClusterService/AppendLogs',
                 request_serializer=strata_dot_protos_dot_strata__pb2.AppendLogsRequest.SerializeToString,
                 response_deserializer=strata_dot_protos_dot_strata__pb2.AppendLogsResponse.FromString,
+                _registered_method=True)
+        self.FetchBlob = channel.unary_stream(
+                '/strata.v1.ClusterService/FetchBlob',
+                request_serializer=strata_dot_protos_dot_strata__pb2.FetchBlobRequest.SerializeToString,
+                response_deserializer=strata_dot_protos_dot_strata__pb2.FileChunk.FromString,
+                _registered_method=True)
+        self.UploadOutput = channel.stream_unary(
+                '/strata.v1.ClusterService/UploadOutput',
+                request_serializer=strata_dot_protos_dot_strata__pb2.OutputChunk.SerializeToString,
+                response_deserializer=strata_dot_protos_dot_strata__pb2.UploadOutputResponse.FromString,
                 _registered_method=True)
 
 
@@ -468,6 +567,20 @@ class ClusterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchBlob(self, request, context):
+        """A blob a task needs (its job's .keras file or code archive), in chunks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UploadOutput(self, request_iterator, context):
+        """One output file of a job the agent ran (its lead task's model), stored by the coordinator.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ClusterServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -495,6 +608,16 @@ def add_ClusterServiceServicer_to_server(servicer, server):
                     servicer.AppendLogs,
                     request_deserializer=strata_dot_protos_dot_strata__pb2.AppendLogsRequest.FromString,
                     response_serializer=strata_dot_protos_dot_strata__pb2.AppendLogsResponse.SerializeToString,
+            ),
+            'FetchBlob': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchBlob,
+                    request_deserializer=strata_dot_protos_dot_strata__pb2.FetchBlobRequest.FromString,
+                    response_serializer=strata_dot_protos_dot_strata__pb2.FileChunk.SerializeToString,
+            ),
+            'UploadOutput': grpc.stream_unary_rpc_method_handler(
+                    servicer.UploadOutput,
+                    request_deserializer=strata_dot_protos_dot_strata__pb2.OutputChunk.FromString,
+                    response_serializer=strata_dot_protos_dot_strata__pb2.UploadOutputResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -632,6 +755,60 @@ class ClusterService:
             '/strata.v1.ClusterService/AppendLogs',
             strata_dot_protos_dot_strata__pb2.AppendLogsRequest.SerializeToString,
             strata_dot_protos_dot_strata__pb2.AppendLogsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchBlob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/strata.v1.ClusterService/FetchBlob',
+            strata_dot_protos_dot_strata__pb2.FetchBlobRequest.SerializeToString,
+            strata_dot_protos_dot_strata__pb2.FileChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UploadOutput(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/strata.v1.ClusterService/UploadOutput',
+            strata_dot_protos_dot_strata__pb2.OutputChunk.SerializeToString,
+            strata_dot_protos_dot_strata__pb2.UploadOutputResponse.FromString,
             options,
             channel_credentials,
             insecure,

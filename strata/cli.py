@@ -80,9 +80,11 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         raise UsageError("--heartbeat-timeout must be positive")
     if args.start_timeout <= 0:
         raise UsageError("--start-timeout must be positive")
+    max_upload = _size("--max-upload", args.max_upload)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     asyncio.run(serve(args.listen, args.state_dir, heartbeat_timeout_s=args.heartbeat_timeout,
-                      start_timeout_s=args.start_timeout, port_file=args.port_file))
+                      start_timeout_s=args.start_timeout, port_file=args.port_file,
+                      max_upload_bytes=max_upload))
     return EXIT_OK
 
 
@@ -302,6 +304,9 @@ def _print_status(job) -> None:
     for t in job.tasks:
         if t.model_path:
             print(f"  model saved by {t.role}:{t.index} on {t.worker}: {t.model_path}")
+    if job.output_dir:
+        print(f"  outputs: {job.output_dir} ({', '.join(job.outputs)}); fetch with "
+              f"`strata download {job.id} DIR`")
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -313,6 +318,18 @@ def cmd_status(args: argparse.Namespace) -> int:
         _print_json(job_to_json(job))
     else:
         _print_status(job)
+    return EXIT_OK
+
+
+def cmd_download(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        job = c.get(args.job_id)
+        if not job.outputs:
+            print(f"{job.id} ({job.state.value}) has no outputs yet", file=sys.stderr)
+            return EXIT_FAILED
+        files = c.download(args.job_id, args.dest)
+    for path in files:
+        print(path)
     return EXIT_OK
 
 
@@ -414,6 +431,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--start-timeout", type=float, default=300.0, metavar="SECONDS",
                     help="fail a job whose tasks are not all running this long after placement "
                          "(default 300)")
+    sp.add_argument("--max-upload", default="2GiB", metavar="SIZE",
+                    help="the largest file a client may upload with a job: a .keras model or a "
+                         "packed code directory (default 2GiB)")
     sp.add_argument("--port-file", help=argparse.SUPPRESS)
 
     sp = add("worker", cmd_worker, "run a worker agent that owns one device", client=False)
@@ -458,6 +478,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--follow", action="store_true")
     sp = add("workers", cmd_workers, "list worker agents and their memory")
     sp.add_argument("--json", action="store_true")
+    sp = add("download", cmd_download, "fetch a job's outputs (trained model, metrics.json)")
+    sp.add_argument("job_id", metavar="JOB_ID")
+    sp.add_argument("dest", metavar="DIR")
     sp = add("plan", cmd_plan, "show what the coordinator would run; starts nothing")
     sp.add_argument("job", metavar="JOB.yaml")
     sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")

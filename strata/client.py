@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from typing import Any, Iterator, Mapping
@@ -91,25 +92,30 @@ def _wrap(e: grpc.RpcError, address: str) -> CoordinatorError:
 SpecInput = str | Mapping[str, Any] | JobSpec
 
 
-def _spec_proto(spec: SpecInput, overrides: list[str] | None = None) -> pb.JobSpec:
+def _spec_proto(spec: SpecInput, overrides: list[str] | None = None
+                ) -> tuple[pb.JobSpec, list[str]]:
     """Parses and validates locally (the same rules the coordinator applies: one parse on this
-    side) and converts the parsed spec to the message."""
+    side) and converts the parsed spec to the message. Local files the spec names
+    (``model.keras_file``) are read here; returns the message and the files to upload first.
+    Relative paths are relative to the job file's directory (else the current one)."""
     from strata.spec import apply_overrides
+    from strata.uploads import attach_files
 
     try:
         if isinstance(spec, JobSpec) and not overrides:
-            parsed = spec
+            return convert.spec_to_proto(spec), []
+        base_dir = None
+        if isinstance(spec, JobSpec):
+            raw: Any = spec.to_dict()
+        elif isinstance(spec, str):
+            raw = load_spec_file(spec)
+            base_dir = os.path.dirname(os.path.abspath(spec))
         else:
-            if isinstance(spec, JobSpec):
-                raw: Any = spec.to_dict()
-            elif isinstance(spec, str):
-                raw = load_spec_file(spec)
-            else:
-                raw = dict(spec)
-            if overrides:
-                raw = apply_overrides(raw, overrides)
-            parsed = parse_job_spec(raw)
-        return convert.spec_to_proto(parsed)
+            raw = json.loads(json.dumps(dict(spec)))
+        if overrides:
+            raw = apply_overrides(raw, overrides)
+        files = attach_files(raw, base_dir)
+        return convert.spec_to_proto(parse_job_spec(raw)), files
     except SpecError as e:
         raise JobRejected(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.field) from None
 
@@ -139,14 +145,65 @@ class Client:
             raise _wrap(e, self.address) from None
 
     def submit(self, spec: SpecInput, overrides: list[str] | None = None) -> Job:
-        """Submits a job (a path to YAML/JSON, a mapping, or a JobSpec). Raises JobRejected with
-        the field name for an invalid spec, Infeasible if no worker could ever hold it."""
-        return convert.job_from_proto(self._call("SubmitJob", pb.SubmitJobRequest(
-            spec=_spec_proto(spec, overrides))))
+        """Submits a job (a path to YAML/JSON, a mapping, or a JobSpec), uploading the files it
+        names first. Raises JobRejected with the field name for an invalid spec, Infeasible if
+        no worker could ever hold it."""
+        msg, files = _spec_proto(spec, overrides)
+        for path in files:
+            self.upload(path)
+        return convert.job_from_proto(self._call("SubmitJob", pb.SubmitJobRequest(spec=msg)))
 
     def plan(self, spec: SpecInput, overrides: list[str] | None = None) -> Plan:
-        return convert.plan_from_proto(self._call("PlanJob", pb.PlanJobRequest(
-            spec=_spec_proto(spec, overrides))))
+        msg, files = _spec_proto(spec, overrides)
+        for path in files:
+            self.upload(path)
+        return convert.plan_from_proto(self._call("PlanJob", pb.PlanJobRequest(spec=msg)))
+
+    def upload(self, path: str) -> str:
+        """Uploads a file to the coordinator's blob store; returns its SHA-256 (checked)."""
+        from strata.uploads import file_chunks, sha256_file
+
+        sha, size = sha256_file(path)
+        # a slow link must not time out a large file: at least 10 MB/s is assumed
+        timeout = max(self.timeout, 30.0 + size / 10e6)
+        try:
+            ref = self._stub.UploadBlob((pb.FileChunk(data=d) for d in file_chunks(path)),
+                                        timeout=timeout)
+        except grpc.RpcError as e:
+            raise _wrap(e, self.address) from None
+        if ref.sha256 != sha:
+            raise CoordinatorError(grpc.StatusCode.DATA_LOSS,
+                                   f"upload of {path}: the coordinator stored {ref.sha256[:12]}, "
+                                   f"the file is {sha[:12]} (changed while uploading?)")
+        return sha
+
+    def download(self, job_id: str, dest: str, timeout: float | None = None) -> list[str]:
+        """Fetches every output file of a job into ``dest``; returns their local paths."""
+        from strata.uploads import safe_relpath
+
+        os.makedirs(dest, exist_ok=True)
+        written: list[str] = []
+        f = None
+        current = None
+        try:
+            for chunk in self._stub.DownloadOutput(pb.DownloadOutputRequest(job_id=job_id),
+                                                   timeout=timeout):
+                if chunk.path != current:
+                    if f is not None:
+                        f.close()
+                    current = chunk.path
+                    path = os.path.join(dest, safe_relpath(chunk.path))
+                    os.makedirs(os.path.dirname(path), exist_ok=True)
+                    f = open(path, "wb")
+                    written.append(path)
+                assert f is not None
+                f.write(chunk.data)
+        except grpc.RpcError as e:
+            raise _wrap(e, self.address) from None
+        finally:
+            if f is not None:
+                f.close()
+        return written
 
     def get(self, job_id: str) -> Job:
         return convert.job_from_proto(self._call("GetJob", pb.GetJobRequest(id=job_id)))

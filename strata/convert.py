@@ -148,6 +148,7 @@ def job_to_proto(j: Job, with_spec: bool = True) -> pb.Job:
         ),
         tasks=[task_to_proto(t) for t in j.tasks],
         spec=spec_to_proto(j.spec) if j.spec is not None and with_spec else None,
+        output_dir=j.output_dir, outputs=list(j.outputs),
     )
 
 
@@ -168,6 +169,7 @@ def job_from_proto(m: pb.Job) -> Job:
             examples_per_sec=mm.examples_per_sec,
         ),
         tasks=[task_from_proto(m.id, t) for t in m.tasks],
+        output_dir=m.output_dir, outputs=list(m.outputs),
     )
 
 
@@ -256,7 +258,8 @@ def task_config_to_proto(c: TaskConfig) -> pb.TaskConfig:
 
 
 def agent_settings_to_proto(a: AgentSettings) -> pb.AgentSettings:
-    return pb.AgentSettings(output_dir=a.output_dir, threads=a.threads, device=a.device)
+    return pb.AgentSettings(output_dir=a.output_dir, threads=a.threads, device=a.device,
+                            blob_dir=a.blob_dir)
 
 
 def with_agent_settings(m: pb.TaskConfig, a: AgentSettings) -> pb.TaskConfig:
@@ -291,7 +294,8 @@ def task_config_from_proto(m: pb.TaskConfig) -> TaskConfig:
         report_interval_s=m.report_interval_s or TaskConfig.report_interval_s,
         section=section,
         agent=AgentSettings(output_dir=m.agent.output_dir, threads=m.agent.threads,
-                            device=m.agent.device or AgentSettings.device))
+                            device=m.agent.device or AgentSettings.device,
+                            blob_dir=m.agent.blob_dir))
 
 
 # --- agent commands ---------------------------------------------------------------------------

@@ -19,6 +19,10 @@ class SpecError(StrataError, ValueError):
         self.message = message
 
 
+class UploadError(StrataError):
+    """An upload or output path the coordinator refuses (over its size limit, malformed)."""
+
+
 class NotFoundError(StrataError):
     def __init__(self, kind: str, name: str):
         super().__init__(f"{kind} {name!r} not found")

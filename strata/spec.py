@@ -258,11 +258,15 @@ def parse_job_spec(raw: Any) -> JobSpec:
     stages = _int(raw, "stages", "stages", defaults.get("stages", 0), hi=MAX_TASKS)
     microbatches = _int(raw, "microbatches", "microbatches", 1, lo=1, hi=4096)
 
-    model = _section(raw, "model", {"keras_json", "builtin"})
-    if ("keras_json" in model) == ("builtin" in model):
-        raise SpecError("model", "give exactly one of model.keras_json or model.builtin")
+    model = _section(raw, "model", {"keras_json", "builtin", "keras_file"})
+    given = [k for k in ("keras_json", "keras_file", "builtin") if k in model]
+    if len(given) != 1:
+        raise SpecError("model", "give exactly one of model.keras_json, model.keras_file or "
+                                 f"model.builtin (got {', '.join(given) or 'none'})")
     model_out: dict[str, Any]
-    if "keras_json" in model:
+    if "keras_file" in model:
+        model_out = {"keras_file": _keras_file(model["keras_file"])}
+    elif "keras_json" in model:
         text = model["keras_json"]
         if not isinstance(text, str) or not text.strip():
             raise SpecError("model.keras_json", "must be the text of keras.Model.to_json()")
@@ -391,6 +395,46 @@ def _int_list(d: Mapping[str, Any], key: str, field: str, default: list[int],
     return out
 
 
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _keras_file(kf: Any) -> dict[str, Any]:
+    """``model.keras_file`` as it travels: the uploaded file's digest, name, size and the model
+    config read from it. A path is the client's to upload (``strata.client``)."""
+    f = "model.keras_file"
+    if isinstance(kf, str):
+        raise SpecError(f, f"{kf[:200]!r} is a path on the submitting machine; submit through "
+                           "the strata client (strata submit, strata plan, strata.client), which "
+                           "uploads the file")
+    if not isinstance(kf, dict):
+        raise SpecError(f, "must be the path of a .keras file")
+    unknown = sorted(set(kf) - {"name", "sha256", "size", "config"})
+    if unknown:
+        raise SpecError(f"{f}.{unknown[0]}", "unknown field")
+    sha = kf.get("sha256")
+    if not isinstance(sha, str) or not _SHA256.match(sha):
+        raise SpecError(f"{f}.sha256", "must be the SHA-256 of the uploaded file (64 hex digits)")
+    name = kf.get("name", "") or "model.keras"
+    if not isinstance(name, str) or len(name) > 4096:
+        raise SpecError(f"{f}.name", "must be a file name")
+    size = kf.get("size", 0)
+    if isinstance(size, str) and size.isdigit():
+        size = int(size)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise SpecError(f"{f}.size", "must be a byte count")
+    config = kf.get("config", "")
+    if not isinstance(config, str) or not config:
+        raise SpecError(f, f"{name}: no model config; the client reads it from the file")
+    if len(config) > MAX_KERAS_JSON_BYTES:
+        raise SpecError(f, f"{name}'s config is {len(config):,} characters; the limit is "
+                           f"{MAX_KERAS_JSON_BYTES:,}")
+    return {"name": name, "sha256": sha, "size": size, "config": config}
+
+
+def _model_field(spec: JobSpec) -> str:
+    return "model.keras_file" if "keras_file" in spec.model else "model.keras_json"
+
+
 def _check_model(spec: JobSpec) -> None:
     """Profiles the model without building it: refuses unsafe or unsupported layers and checks
     that its input and output fit the data source."""
@@ -400,8 +444,12 @@ def _check_model(spec: JobSpec) -> None:
         profile = profile_model(dict(spec.model))
     except ModelSpecError as e:
         raise SpecError(e.field, e.message) from None
+    if len(profile.model_inputs) != 1:
+        raise SpecError(_model_field(spec), f"the model has {len(profile.model_inputs)} inputs "
+                                            f"({', '.join(i.name for i in profile.model_inputs)})"
+                                            f"; data.source {spec.data.source} gives one")
     if spec.data.source == "digits":
-        field = "model.builtin.input_shape" if "builtin" in spec.model else "model.keras_json"
+        field = "model.builtin.input_shape" if "builtin" in spec.model else _model_field(spec)
         features = 1
         for dim in profile.input_shape:
             features *= dim
@@ -409,7 +457,7 @@ def _check_model(spec: JobSpec) -> None:
             raise SpecError(field, f"the digits data has {DIGITS_FEATURES} features per example; the "
                                    f"model takes input shape {list(profile.input_shape)}")
         if profile.layers and profile.layers[-1].output_elems != DIGITS_CLASSES:
-            field = "model.builtin.classes" if "builtin" in spec.model else "model.keras_json"
+            field = "model.builtin.classes" if "builtin" in spec.model else _model_field(spec)
             raise SpecError(field, f"the digits data has {DIGITS_CLASSES} classes; the model's "
                                    f"last layer has {profile.layers[-1].output_elems} outputs")
 

@@ -70,6 +70,7 @@ class AgentSettings:
     output_dir: str = ""
     threads: int = 0
     device: str = "CPU"
+    blob_dir: str = ""      # the agent's fetched blobs (a job's .keras file), by SHA-256
 
 
 @dataclasses.dataclass(frozen=True)

@@ -147,6 +147,10 @@ class Job:
     estimated_memory_bytes: int = 0
     metrics: JobMetrics = dataclasses.field(default_factory=JobMetrics)
     tasks: list[Task] = dataclasses.field(default_factory=list)
+    #: the coordinator's copy of the job's outputs, and their paths under it (read from the
+    #: files when the job is reported, not stored)
+    output_dir: str = ""
+    outputs: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -269,6 +273,7 @@ def job_to_json(j: Job) -> dict[str, Any]:
                     "test_accuracy": _finite(m.test_accuracy), "test_loss": _finite(m.test_loss),
                     "examples_per_sec": m.examples_per_sec},
         "tasks": [task_to_json(t) for t in j.tasks],
+        "output_dir": j.output_dir or None, "outputs": list(j.outputs),
     }
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -39,6 +40,7 @@ log = logging.getLogger("strata.worker")
 NEAR_BUDGET = 0.9
 
 RPC_TIMEOUT_S = 5.0
+BLOB_TIMEOUT_S = 600.0  # one file a job brings or produces, fetched or sent whole
 STOP_GRACE_S = 5.0
 PORT_POOL = 4
 LOG_FLUSH_INTERVAL_S = 0.5
@@ -105,6 +107,15 @@ def classify_exit(code: int, *, stopped: bool, has_result: bool, error_kind: str
     return TaskState.FAILED, FailureKind.EXIT_CODE, code, message or log_tail()
 
 
+def blobs_needed(cmd: pb.StartTask) -> list[tuple[str, str]]:
+    """The uploaded files a task's job names, as (SHA-256, the suffix its local copy takes:
+    Keras reads a model file only by its extension)."""
+    model = cmd.config.spec.model
+    if model.HasField("keras_file") and model.keras_file.sha256:
+        return [(model.keras_file.sha256, ".keras")]
+    return []
+
+
 class TaskProcess:
     """One task process and the threads that watch it."""
 
@@ -142,9 +153,12 @@ class TaskProcess:
         os.makedirs(self.dir, exist_ok=True)
         # The contract passes through as the coordinator built it; the agent fills only its
         # own settings (the task sees the agent's one GPU as GPU:0: CUDA_VISIBLE_DEVICES below).
+        for sha, suffix in blobs_needed(cmd):
+            self.agent.fetch_blob(sha, suffix)
         config = convert.with_agent_settings(cmd.config, AgentSettings(
             output_dir=os.path.abspath(self.output_dir), threads=self.agent.cfg.threads,
-            device="GPU:0" if self.agent.cfg.device.startswith("GPU") else "CPU"))
+            device="GPU:0" if self.agent.cfg.device.startswith("GPU") else "CPU",
+            blob_dir=os.path.abspath(self.agent.blob_dir)))
         config_path = os.path.join(self.dir, "config.pb")
         with open(config_path, "wb") as f:
             f.write(config.SerializeToString())
@@ -272,10 +286,15 @@ class TaskProcess:
             if t is not threading.current_thread():
                 t.join(timeout=5.0)
         self.agent.flush_logs(self)
-        self._finish(*classify_exit(
+        outcome = classify_exit(
             code, stopped=self.stop_requested, has_result=self.status.test_accuracy is not None,
             error_kind=self.error_kind, message=self.status.message,
-            peak=self.status.peak_bytes, budget=self.budget, log_tail=self._log_tail))
+            peak=self.status.peak_bytes, budget=self.budget, log_tail=self._log_tail)
+        if outcome[0] == TaskState.SUCCEEDED and self.status.model_path:
+            # the job's outputs reach the coordinator before the task is reported done, so a
+            # job that has SUCCEEDED can be downloaded at once
+            self.agent.upload_outputs(self.job_id, self.output_dir)
+        self._finish(*outcome)
 
     def _log_tail(self) -> str:
         try:
@@ -338,6 +357,8 @@ class Agent:
         self.free_ports: list[int] = [_pick_port() for _ in range(PORT_POOL)]
         self.stopping = threading.Event()
         self._reregister = threading.Event()
+        self.blob_dir = os.path.join(cfg.work_dir, "blobs")
+        self._blob_lock = threading.Lock()
 
     # --- coordinator calls --------------------------------------------------------------------
 
@@ -409,6 +430,63 @@ class Agent:
             s = cmd.stop
             threading.Thread(target=self.stop_tasks, args=(s.job_id, s.role, s.index), daemon=True).start()
 
+    def fetch_blob(self, sha: str, suffix: str = "") -> str:
+        """The local copy of blob ``sha`` (a job's .keras file or code archive), fetched from
+        the coordinator once and checked against its digest: ``BLOB_DIR/SHA256SUFFIX``."""
+        path = os.path.join(self.blob_dir, sha + suffix)
+        with self._blob_lock:
+            if os.path.isfile(path):
+                return path
+            os.makedirs(self.blob_dir, exist_ok=True)
+            h = hashlib.sha256()
+            tmp = f"{path}.part-{os.getpid()}"
+            try:
+                with open(tmp, "wb") as f:
+                    for chunk in self.stub.FetchBlob(pb.FetchBlobRequest(
+                            name=self.cfg.name, session=self.session, sha256=sha),
+                            timeout=BLOB_TIMEOUT_S):
+                        h.update(chunk.data)
+                        f.write(chunk.data)
+                if h.hexdigest() != sha:
+                    raise RuntimeError(f"blob {sha[:12]} arrived corrupted "
+                                       f"(digest {h.hexdigest()[:12]})")
+                os.replace(tmp, path)
+            except grpc.RpcError as e:
+                raise RuntimeError(f"cannot fetch blob {sha[:12]} from the coordinator: "
+                                   f"{e.code().name} {e.details()}") from None
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+            log.info("fetched blob %s (%d bytes)", sha[:12], os.path.getsize(path))
+            return path
+
+    def upload_outputs(self, job_id: str, directory: str) -> None:
+        """Sends every file under ``directory`` to the coordinator as the job's outputs."""
+        for base, _dirs, files in os.walk(directory):
+            for name in sorted(files):
+                path = os.path.join(base, name)
+                rel = os.path.relpath(path, directory)
+
+                def chunks(path: str = path, rel: str = rel):
+                    size = os.path.getsize(path)
+                    offset = 0
+                    with open(path, "rb") as f:
+                        while True:
+                            data = f.read(1 << 20)
+                            if not data and offset:
+                                return
+                            yield pb.OutputChunk(name=self.cfg.name, session=self.session,
+                                                 job_id=job_id, chunk=pb.FileChunk(
+                                                     path=rel, data=data, offset=offset, size=size))
+                            offset += len(data)
+                            if not data:
+                                return
+                try:
+                    self.stub.UploadOutput(chunks(), timeout=BLOB_TIMEOUT_S)
+                    log.info("uploaded output %s of %s", rel, job_id)
+                except (grpc.RpcError, OSError) as e:
+                    log.warning("cannot upload output %s of %s: %s", rel, job_id, e)
+
     def start_task(self, start: pb.StartTask) -> None:
         key = (start.job_id, start.role, start.index)
         with self.lock:
@@ -426,7 +504,11 @@ class Agent:
                 pass
             while len(self.free_ports) < PORT_POOL:
                 self.free_ports.append(_pick_port())
-        task.start()
+        if blobs_needed(start):
+            # fetching a large file must not hold up the command stream
+            threading.Thread(target=task.start, daemon=True, name="start-with-blobs").start()
+        else:
+            task.start()
 
     def stop_tasks(self, job_id: str, role: str = "", index: int = 0) -> None:
         with self.lock:

@@ -64,7 +64,8 @@ class MirroredRunner(TrainingRunner):
         keras.utils.set_random_seed(self.seed)
         with strategy.scope():
             model, from_logits = wmodels.build_model(self.spec.model, self.mixed,
-                                                     sync_batchnorm=self.n_replicas > 1)
+                                                     sync_batchnorm=self.n_replicas > 1,
+                                                     blob_dir=self.cfg.agent.blob_dir)
             optimizer = wmodels.build_optimizer(self.spec.training.optimizer, self.mixed)
             loss_fn = wmodels.build_loss(self.spec.training.loss, from_logits)
         self.model, self.loss_fn = model, loss_fn

@@ -10,6 +10,9 @@ Call these under ``strategy.scope()``. Models come from ``spec["model"]``:
   same layers.
 - ``keras_json``: checked by ``strata.modelspec.check_keras_json_safe`` (no Lambda, no custom
   objects) and then deserialized by Keras with ``safe_mode=True`` and no custom objects.
+- ``keras_file``: the same, from the config.json the coordinator read out of the uploaded file;
+  then the file's weights are loaded into it (``model.load_weights``: the user's trained
+  weights are the starting point). The file itself is the agent's copy in ``blob_dir``.
 
 Mixed precision: ``bfloat16`` -> Keras ``mixed_bfloat16`` policy, ``float16`` ->
 ``mixed_float16`` plus a ``LossScaleOptimizer``. Variables stay float32; the last layer is
@@ -22,7 +25,9 @@ import json
 from typing import Any
 
 from strata.spec import OptimizerSpec
-from strata.modelspec import ModelSpecError, check_keras_json_safe, final_activation, parse_keras_json
+from strata.modelspec import (
+    ModelSpecError, check_keras_json_safe, final_activation, model_json, parse_keras_json,
+)
 
 OPTIMIZERS = ("adam", "sgd", "rmsprop", "adagrad", "adamw")
 LOSSES = ("sparse_categorical_crossentropy", "categorical_crossentropy", "mean_squared_error")
@@ -43,20 +48,27 @@ def _rewrite_json(obj: dict, policy: str, sync_batchnorm: bool) -> dict:
     statistics, and so the final weights, are identical on every worker."""
     obj = json.loads(json.dumps(obj))
     layers = obj.get("config", {}).get("layers", [])
+    outputs = obj.get("config", {}).get("output_layers") or []
+    if outputs and isinstance(outputs[0], list):
+        outputs = outputs[0]
+    out_name = outputs[0] if outputs else None
     for i, layer in enumerate(layers):
         cfg = layer.get("config")
         if layer.get("class_name") == "InputLayer" or not isinstance(cfg, dict):
             continue
         if policy != "float32":
-            cfg["dtype"] = _policy_json("float32" if i == len(layers) - 1 else policy)
+            last = cfg.get("name") == out_name if out_name else i == len(layers) - 1
+            cfg["dtype"] = _policy_json("float32" if last else policy)
         if sync_batchnorm and layer.get("class_name") == "BatchNormalization":
             cfg["synchronized"] = True
     return obj
 
 
-def build_model(model_spec: dict, mixed_precision: str = "none", sync_batchnorm: bool = False):
+def build_model(model_spec: dict, mixed_precision: str = "none", sync_batchnorm: bool = False,
+                blob_dir: str = ""):
     """Returns ``(model, from_logits)``. Raises ``ModelSpecError`` for a model it must refuse.
-    ``sync_batchnorm``: see ``_rewrite_json`` (pass True with more than one replica)."""
+    ``sync_batchnorm``: see ``_rewrite_json`` (pass True with more than one replica).
+    ``blob_dir``: where the agent keeps a ``keras_file`` model's file."""
     import keras
 
     policy = POLICIES[mixed_precision]
@@ -79,21 +91,100 @@ def build_model(model_spec: dict, mixed_precision: str = "none", sync_batchnorm:
                                        kernel_initializer="he_uniform")(x)
             out = keras.layers.Dense(int(b["classes"]), name="logits", dtype="float32")(x)
             return keras.Model(inp, out, name="mlp"), True
-        obj = parse_keras_json(model_spec.get("keras_json"))
+        field = "model.keras_file" if model_spec.get("keras_file") else "model.keras_json"
+        obj = parse_keras_json(model_json(model_spec))
         check_keras_json_safe(obj)
         if policy != "float32" or sync_batchnorm:
             obj = _rewrite_json(obj, policy, sync_batchnorm)
         try:
             model = keras.saving.deserialize_keras_object(obj, safe_mode=True)
         except Exception as e:  # Keras raises ValueError/TypeError for what it refuses
-            raise ModelSpecError("model.keras_json", f"Keras cannot build this model: "
-                                                     f"{type(e).__name__}: {e}") from None
+            raise ModelSpecError(field, f"Keras cannot build this model: "
+                                        f"{type(e).__name__}: {e}") from None
         if not isinstance(model, keras.Model):
-            raise ModelSpecError("model.keras_json", "does not describe a keras.Model")
+            raise ModelSpecError(field, "does not describe a keras.Model")
+        if model_spec.get("keras_file"):
+            load_file_weights(model, model_spec, blob_dir)
         from_logits = final_activation(model_spec) != "softmax"
         return model, from_logits
     finally:
         keras.mixed_precision.set_dtype_policy("float32")
+
+
+def keras_file_path(model_spec: dict, blob_dir: str) -> str:
+    """The agent's copy of a ``keras_file`` model's file."""
+    import os
+
+    kf = model_spec["keras_file"]
+    path = os.path.join(blob_dir or ".", kf["sha256"] + ".keras")
+    if not os.path.isfile(path):
+        raise ModelSpecError("model.keras_file", f"{kf.get('name')}: the agent has no copy of "
+                                                 f"the uploaded file ({path})")
+    return path
+
+
+def load_file_weights(model, model_spec: dict, blob_dir: str) -> None:
+    """Loads the weights of the uploaded ``.keras`` file into ``model`` (built from its config)."""
+    path = keras_file_path(model_spec, blob_dir)
+    try:
+        model.load_weights(path)
+    except Exception as e:  # noqa: BLE001 - h5 and shape errors, reported as the file's
+        raise ModelSpecError("model.keras_file", f"cannot load the weights of "
+                                                 f"{model_spec['keras_file'].get('name')}: "
+                                                 f"{type(e).__name__}: {e}") from None
+
+
+def _weight_paths(model_spec: dict) -> dict[str, str]:
+    """Where a ``.keras`` file keeps each layer's weights: Keras names them not by the layer's
+    name but by its class in snake case, numbered in the order of ``model.layers`` (a
+    functional model's input layers count, a Sequential model's do not): ``layers/conv2d_1``."""
+    from keras.src.utils import naming
+
+    obj = parse_keras_json(model_json(model_spec))
+    entries = [e for e in (obj.get("config") or {}).get("layers") or [] if isinstance(e, dict)]
+    if obj.get("class_name") == "Sequential":
+        entries = [e for e in entries if e.get("class_name") != "InputLayer"]
+    used: dict[str, int] = {}
+    out = {}
+    for e in entries:
+        name = naming.to_snake_case(str(e.get("class_name")))
+        if name in used:
+            used[name] += 1
+            name = f"{name}_{used[name]}"
+        else:
+            used[name] = 0
+        out[str((e.get("config") or {}).get("name") or e.get("name"))] = f"layers/{name}"
+    return out
+
+
+def load_layer_weights(layers: list, model_spec: dict, blob_dir: str) -> None:
+    """Loads the uploaded ``.keras`` file's weights into some of its model's layers (a pipeline
+    stage's, built one by one: the whole model never exists in one place). Uses Keras' own
+    reader of the file's ``model.weights.h5`` (``layers/NAME/...``), layer by layer."""
+    import zipfile
+
+    from keras.src.saving import saving_lib
+
+    path = keras_file_path(model_spec, blob_dir)
+    name = model_spec["keras_file"].get("name")
+    try:
+        with zipfile.ZipFile(path) as archive:
+            store = saving_lib.H5IOStore("model.weights.h5", archive=archive, mode="r")
+            try:
+                paths = _weight_paths(model_spec)
+                for layer in layers:
+                    errors: dict = {}
+                    saving_lib._load_state(layer, weights_store=store, assets_store=None,
+                                           inner_path=paths[layer.name],
+                                           visited_saveables=set(), failed_saveables=set(),
+                                           error_msgs=errors)
+                    if errors:
+                        raise ValueError("; ".join(str(e) for e in list(errors.values())[:3]))
+            finally:
+                store.close()
+    except Exception as e:  # noqa: BLE001 - reported as the file's
+        raise ModelSpecError("model.keras_file", f"cannot load the weights of {name}: "
+                                                 f"{type(e).__name__}: {e}") from None
 
 
 def build_optimizer(opt: OptimizerSpec, mixed_precision: str = "none"):

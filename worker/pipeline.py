@@ -115,6 +115,7 @@ from dataclasses import dataclass
 
 from typing import Any, Callable
 
+from strata.modelspec import ModelSpecError
 from strata.taskconfig import PipelineSection, StageAssignment, TaskConfig, TaskConfigError
 from strata.worker.common import (
     Events, cluster_from_tf_config, eval_sums, format_mib, log,
@@ -238,7 +239,7 @@ def _layer_entries(model_spec: dict, mixed: str, names: list[str]) -> tuple[list
     layer is called (``strata.modelspec.layer_calls``: its inputs as ``TensorRef``)."""
     import keras
 
-    from strata.modelspec import ModelSpecError, TensorRef, layer_calls, layer_entries
+    from strata.modelspec import TensorRef, layer_calls, layer_entries
     from strata.worker.models import POLICIES, _policy_json
 
     policy = POLICIES[mixed]
@@ -472,6 +473,14 @@ class PipelineDriver(TrainingRunner):
             stages.append(row)
         from_logits = _from_logits(spec.model)
         loss_fn = wmodels.build_loss(loss_name, from_logits)
+
+        if spec.model.get("keras_file"):
+            # the uploaded model's own weights, stage by stage, into replica 0 (copied below)
+            try:
+                wmodels.load_layer_weights([l for st in stages[0] for l in st.layers],
+                                           spec.model, self.cfg.agent.blob_dir)
+            except ModelSpecError as e:
+                raise TaskConfigError(e.field, e.message) from None
 
         # replicas start identical: replica 0's values everywhere (seed states stay their own)
         for r in range(1, R):

@@ -249,7 +249,7 @@ def _check_placement(tf, model, placement: dict[str, int], slot_log: list,
 
 
 def _build_placed(tf, strategy, spec: JobSpec, mixed: str, placement: dict[str, int],
-                  num_ps: int):
+                  num_ps: int, blob_dir: str = ""):
     from strata.modelspec import ModelSpecError
     from strata.worker import models as wmodels
 
@@ -284,7 +284,8 @@ def _build_placed(tf, strategy, spec: JobSpec, mixed: str, placement: dict[str, 
 
         try:
             with tf.variable_creator_scope(place):
-                model, from_logits = wmodels.build_model(spec.model, mixed)
+                model, from_logits = wmodels.build_model(spec.model, mixed,
+                                                         blob_dir=blob_dir)
             optimizer = wmodels.build_optimizer(spec.training.optimizer, mixed)
             loss_fn = wmodels.build_loss(loss_name, from_logits)
         except ModelSpecError as e:
@@ -341,7 +342,8 @@ class PsChiefRunner(TrainingRunner):
         budgets = self.cfg.section.ps_budgets_bytes
         keras.utils.set_random_seed(seed)
         model, optimizer, loss_fn, per_ps = _build_placed(tf, strategy, self.spec, self.mixed,
-                                                          self.placement, self.num_ps)
+                                                          self.placement, self.num_ps,
+                                                          self.cfg.agent.blob_dir)
         self.model, self.loss_fn = model, loss_fn
         for k in range(self.num_ps):
             names = sorted(n for n, p in self.placement.items() if p == k)

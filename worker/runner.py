@@ -42,8 +42,9 @@ class Data:
 
 
 def load_data(cfg: TaskConfig, input_shape: tuple[int, ...],
-              output_shape: tuple[int, ...]) -> Data:
-    """Loads the spec's data for a model of these shapes. Raises ``TaskConfigError``."""
+              output_shape: tuple[int, ...], input_dtype: str = "float32") -> Data:
+    """Loads the spec's data for a model of these shapes (integer features for a model whose
+    input is integer: token ids for an Embedding). Raises ``TaskConfigError``."""
     import numpy as np
 
     from strata.worker import data as wdata
@@ -60,7 +61,10 @@ def load_data(cfg: TaskConfig, input_shape: tuple[int, ...],
     classify = loss in wdata.CLASSIFICATION_LOSSES or (
         np.issubdtype(splits.y_test.dtype, np.integer) and splits.y_test.ndim == 1)
     steps = wdata.total_steps(spec.training, splits.n_train, spec.data.batch_size)
-    return Data(splits.x_train, y_train, splits.x_test, y_test, bool(classify), steps)
+    x_train, x_test = splits.x_train, splits.x_test
+    if input_dtype.startswith(("int", "uint")):
+        x_train, x_test = x_train.astype(input_dtype), x_test.astype(input_dtype)
+    return Data(x_train, y_train, x_test, y_test, bool(classify), steps)
 
 
 def check_data_available(cfg: TaskConfig) -> None:
@@ -215,7 +219,13 @@ class TrainingRunner:
             f"device {self.cfg.agent.device}, threads {self.cfg.agent.threads or 'default'}, "
             f"TF {self.tf.__version__} (import and join {time.time() - t0:.1f} s); "
             + ", ".join(f"{k} {v}" for k, v in started.items()))
-        self.data = load_data(self.cfg, self.profile.input_shape, self.profile.output_shape)
+        inputs = self.profile.model_inputs
+        if len(inputs) != 1:
+            raise TaskConfigError("model", f"the model has {len(inputs)} inputs "
+                                           f"({', '.join(i.name for i in inputs)}); "
+                                           f"data.source {self.spec.data.source} gives one")
+        self.data = load_data(self.cfg, self.profile.input_shape, self.profile.output_shape,
+                              inputs[0].dtype)
         try:
             self.build()
         except ModelSpecError as e:  # a model Keras refuses to build, optimizer, loss

@@ -1,0 +1,109 @@
+"""Files a job brings from the submitting machine: a ``.keras`` model (``model.keras_file``)
+and a project directory (``code.dir``). Pure Python: the client reads and packs them, the
+coordinator checks what it stored, and neither imports TensorFlow.
+
+Paths in a job file are relative to that file's directory (as docker-compose and kustomize
+resolve theirs), else to the current directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import zipfile
+from typing import Iterator
+
+from strata.errors import SpecError, UploadError
+
+CHUNK_BYTES = 1 << 20
+MAX_KERAS_CONFIG_BYTES = 64 << 20        # config.json inside a .keras file
+
+
+def resolve(path: str, base_dir: str | None) -> str:
+    p = os.path.expanduser(path)
+    if not os.path.isabs(p) and base_dir:
+        p = os.path.join(base_dir, p)
+    return os.path.abspath(p)
+
+
+def sha256_file(path: str) -> tuple[str, int]:
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while True:
+            data = f.read(CHUNK_BYTES)
+            if not data:
+                break
+            h.update(data)
+            size += len(data)
+    return h.hexdigest(), size
+
+
+def file_chunks(path: str) -> Iterator[bytes]:
+    with open(path, "rb") as f:
+        while True:
+            data = f.read(CHUNK_BYTES)
+            if not data:
+                return
+            yield data
+
+
+def keras_config(path: str, name: str = "the file") -> str:
+    """The ``config.json`` text of a ``.keras`` file (a zip archive), checked to be one."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            try:
+                info = z.getinfo("config.json")
+            except KeyError:
+                raise SpecError("model.keras_file", f"{name} has no config.json: is it a .keras "
+                                                    "file saved by keras.Model.save?") from None
+            if info.file_size > MAX_KERAS_CONFIG_BYTES:
+                raise SpecError("model.keras_file", f"{name}'s config.json is "
+                                                    f"{info.file_size:,} bytes; the limit is "
+                                                    f"{MAX_KERAS_CONFIG_BYTES:,}")
+            raw = z.read("config.json")
+            if "model.weights.h5" not in z.namelist():
+                raise SpecError("model.keras_file", f"{name} has no model.weights.h5")
+    except zipfile.BadZipFile:
+        raise SpecError("model.keras_file", f"{name} is not a .keras file (not a zip archive); "
+                                            "save the model with model.save('x.keras')") from None
+    except OSError as e:
+        raise SpecError("model.keras_file", f"cannot read {name}: {e.strerror or e}") from None
+    try:
+        text = raw.decode("utf-8")
+        json.loads(text)
+    except (UnicodeDecodeError, ValueError):
+        raise SpecError("model.keras_file", f"{name}'s config.json is not JSON") from None
+    return text
+
+
+
+
+def attach_files(raw: dict, base_dir: str | None) -> list[str]:
+    """Replaces the local paths of a raw job spec (``model.keras_file``) by what travels with
+    the job (the file's digest, size, name and, for a model, its config), in place. Returns the
+    files to upload before submitting. Raises SpecError naming the field."""
+    uploads: list[str] = []
+    model = raw.get("model")
+    if isinstance(model, dict) and isinstance(model.get("keras_file"), str):
+        field = "model.keras_file"
+        path = resolve(model["keras_file"], base_dir)
+        if not os.path.isfile(path):
+            raise SpecError(field, f"{model['keras_file']!r}: no such file ({path})")
+        config = keras_config(path, os.path.basename(path))
+        sha, size = sha256_file(path)
+        model["keras_file"] = {"name": os.path.basename(path), "sha256": sha, "size": size,
+                               "config": config}
+        uploads.append(path)
+    return uploads
+
+
+def safe_relpath(path: str) -> str:
+    """``path`` as a relative path inside a directory, or UploadError (a path from the wire
+    never escapes the directory it is written into)."""
+    p = os.path.normpath(str(path).replace("\\", "/"))
+    if not path or os.path.isabs(p) or p == "." or p.startswith("..") or "\0" in p:
+        raise UploadError(f"bad output path {str(path)[:200]!r}: must be relative, inside the "
+                          "job's output directory")
+    return p
