@@ -82,10 +82,12 @@ def prepare(spec: JobSpec | Mapping[str, Any], workers: Sequence[WorkerOffer] = 
     field."""
     if not isinstance(spec, JobSpec):
         spec = parse_job_spec(spec)
-    try:
-        profile = profile_model(dict(spec.model))
-    except ModelSpecError as e:
-        raise SpecError(e.field, e.message) from None
+    profile = None  # a model only the job's code builds: measured by a probe (``wants_probe``)
+    if not spec.code_model:
+        try:
+            profile = profile_model(dict(spec.model))
+        except ModelSpecError as e:
+            raise SpecError(e.field, e.message) from None
     plan = strategies.get(spec.strategy).plan(spec, list(workers), profile)
     plan = apply_measured(spec, plan, measured or {}, list(workers), lower=probed)
     offered = {w.name: w.bytes for w in workers}
@@ -121,8 +123,8 @@ def wants_probe(spec: JobSpec, plan: JobPlan) -> bool:
         return True
     if spec.memory.profile == "false" or spec.memory.per_task_budget:
         return False
-    if plan.largest_estimate >= PROBE_FROM_BYTES:
-        return True
+    if plan.largest_estimate >= PROBE_FROM_BYTES or spec.code:
+        return True  # a code model or dataset: nothing was estimated from what it holds
     try:
         return bool(uncalibrated_kinds(profile_model(dict(spec.model))))
     except ModelSpecError:
@@ -145,8 +147,10 @@ class Coordinator:
     def __init__(self, store: Store, state_dir: str, *, heartbeat_timeout_s: float = 10.0,
                  heartbeat_interval_s: float = 1.0, tick_interval_s: float = 0.5,
                  start_timeout_s: float = 300.0, clock: Callable[[], float] = time.time,
-                 max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES):
+                 max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES, allow_user_code: bool = False):
         self.store = store
+        #: jobs may run their own Python (``code:``) on the agents: ``--allow-user-code``
+        self.allow_user_code = allow_user_code
         self.state_dir = state_dir
         self.logs = JobLogs(os.path.join(state_dir, "logs"))
         self.blobs = BlobStore(state_dir, max_upload_bytes)

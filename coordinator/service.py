@@ -26,7 +26,7 @@ from strata.protos import strata_pb2_grpc as pb_grpc
 from strata import convert
 from strata.errors import (
     DuplicateAgent, InfeasibleError, InvalidTransition, NotFoundError, SpecError, StrataError,
-    UnknownAgentSession, UploadError,
+    UnknownAgentSession, UploadError, UserCodeRefused,
 )
 from strata.coordinator.blobs import DEFAULT_MAX_UPLOAD_BYTES, MAX_OUTPUT_FILE_BYTES, check_sha
 from strata.types import TaskReport
@@ -52,6 +52,7 @@ STATUS_CODES: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (NotFoundError, grpc.StatusCode.NOT_FOUND),
     (InfeasibleError, grpc.StatusCode.FAILED_PRECONDITION),
     (InvalidTransition, grpc.StatusCode.FAILED_PRECONDITION),
+    (UserCodeRefused, grpc.StatusCode.FAILED_PRECONDITION),
     (UnknownAgentSession, grpc.StatusCode.FAILED_PRECONDITION),
     (DuplicateAgent, grpc.StatusCode.ALREADY_EXISTS),
     (StrataError, grpc.StatusCode.INTERNAL),
@@ -125,6 +126,19 @@ class JobServicer(pb_grpc.JobServiceServicer):
             check_sha(kf.sha256, "model.keras_file.sha256")
             kf.config = self.coord.blobs.keras_config(kf.sha256, kf.name or "model.keras")
             kf.size = self.coord.blobs.size(kf.sha256)
+        if msg.HasField("code") and (msg.code.sha256 or msg.code.model or msg.code.dataset):
+            if not self.coord.allow_user_code:
+                raise UserCodeRefused(
+                    "this coordinator does not run users' code (code:): start it with "
+                    "--allow-user-code to let jobs run their own Python on the agents (strata "
+                    "up does, for one user on loopback); or give the model as "
+                    "model.keras_file / model.keras_json")
+            check_sha(msg.code.sha256, "code.dir")
+            if not self.coord.blobs.exists(msg.code.sha256):
+                raise SpecError("code.dir", f"{msg.code.dir_name or 'the code directory'} was "
+                                            "not uploaded to this coordinator; submit through "
+                                            "the client, which uploads it first")
+            msg.code.size = self.coord.blobs.size(msg.code.sha256)
         return msg
 
     @rpc
@@ -273,14 +287,15 @@ class ClusterServicer(pb_grpc.ClusterServiceServicer):
 async def serve(listen: str, state_dir: str, *, heartbeat_timeout_s: float = 10.0,
                 heartbeat_interval_s: float = 1.0, start_timeout_s: float = 300.0,
                 ready: asyncio.Future[str] | None = None, port_file: str | None = None,
-                max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES) -> None:
+                max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
+                allow_user_code: bool = False) -> None:
     """Runs the coordinator until SIGINT/SIGTERM. Prints (and optionally writes) the bound address."""
     os.makedirs(state_dir, exist_ok=True)
     lock = _lock_state_dir(state_dir)
     store = SqliteStore(os.path.join(state_dir, "strata.db"))
     coord = Coordinator(store, state_dir, heartbeat_timeout_s=heartbeat_timeout_s,
                         heartbeat_interval_s=heartbeat_interval_s, start_timeout_s=start_timeout_s,
-                        max_upload_bytes=max_upload_bytes)
+                        max_upload_bytes=max_upload_bytes, allow_user_code=allow_user_code)
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

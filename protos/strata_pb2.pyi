@@ -36,6 +36,7 @@ class FailureKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FAILURE_LAUNCH: _ClassVar[FailureKind]
     FAILURE_LOST: _ClassVar[FailureKind]
     FAILURE_BAD_CONFIG: _ClassVar[FailureKind]
+    FAILURE_USER_CODE: _ClassVar[FailureKind]
 
 class WorkerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -65,6 +66,7 @@ FAILURE_SIGNAL: FailureKind
 FAILURE_LAUNCH: FailureKind
 FAILURE_LOST: FailureKind
 FAILURE_BAD_CONFIG: FailureKind
+FAILURE_USER_CODE: FailureKind
 WORKER_STATE_UNSPECIFIED: WorkerState
 READY: WorkerState
 BUSY: WorkerState
@@ -153,6 +155,20 @@ class MemorySpec(_message.Message):
     profile: str
     def __init__(self, per_task_budget: _Optional[str] = ..., mixed_precision: _Optional[str] = ..., recompute: _Optional[bool] = ..., profile: _Optional[str] = ...) -> None: ...
 
+class CodeSpec(_message.Message):
+    __slots__ = ("dir_name", "sha256", "size", "model", "dataset")
+    DIR_NAME_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    dir_name: str
+    sha256: str
+    size: int
+    model: str
+    dataset: str
+    def __init__(self, dir_name: _Optional[str] = ..., sha256: _Optional[str] = ..., size: _Optional[int] = ..., model: _Optional[str] = ..., dataset: _Optional[str] = ...) -> None: ...
+
 class CheckpointSpec(_message.Message):
     __slots__ = ("every_steps",)
     EVERY_STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -166,7 +182,7 @@ class RestartSpec(_message.Message):
     def __init__(self, max_restarts: _Optional[int] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("name", "strategy", "workers", "parameter_servers", "stages", "microbatches", "model", "data", "training", "memory", "checkpoint", "restart")
+    __slots__ = ("name", "strategy", "workers", "parameter_servers", "stages", "microbatches", "model", "data", "training", "memory", "checkpoint", "restart", "code")
     NAME_FIELD_NUMBER: _ClassVar[int]
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -179,6 +195,7 @@ class JobSpec(_message.Message):
     MEMORY_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     RESTART_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
     name: str
     strategy: str
     workers: int
@@ -191,7 +208,8 @@ class JobSpec(_message.Message):
     memory: MemorySpec
     checkpoint: CheckpointSpec
     restart: RestartSpec
-    def __init__(self, name: _Optional[str] = ..., strategy: _Optional[str] = ..., workers: _Optional[int] = ..., parameter_servers: _Optional[int] = ..., stages: _Optional[int] = ..., microbatches: _Optional[int] = ..., model: _Optional[_Union[ModelSpec, _Mapping]] = ..., data: _Optional[_Union[DataSpec, _Mapping]] = ..., training: _Optional[_Union[TrainingSpec, _Mapping]] = ..., memory: _Optional[_Union[MemorySpec, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointSpec, _Mapping]] = ..., restart: _Optional[_Union[RestartSpec, _Mapping]] = ...) -> None: ...
+    code: CodeSpec
+    def __init__(self, name: _Optional[str] = ..., strategy: _Optional[str] = ..., workers: _Optional[int] = ..., parameter_servers: _Optional[int] = ..., stages: _Optional[int] = ..., microbatches: _Optional[int] = ..., model: _Optional[_Union[ModelSpec, _Mapping]] = ..., data: _Optional[_Union[DataSpec, _Mapping]] = ..., training: _Optional[_Union[TrainingSpec, _Mapping]] = ..., memory: _Optional[_Union[MemorySpec, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointSpec, _Mapping]] = ..., restart: _Optional[_Union[RestartSpec, _Mapping]] = ..., code: _Optional[_Union[CodeSpec, _Mapping]] = ...) -> None: ...
 
 class JobMetrics(_message.Message):
     __slots__ = ("step", "total_steps", "loss", "test_accuracy", "examples_per_sec", "test_loss", "has_test_accuracy")

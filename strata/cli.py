@@ -84,7 +84,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     asyncio.run(serve(args.listen, args.state_dir, heartbeat_timeout_s=args.heartbeat_timeout,
                       start_timeout_s=args.start_timeout, port_file=args.port_file,
-                      max_upload_bytes=max_upload))
+                      max_upload_bytes=max_upload, allow_user_code=args.allow_user_code))
     return EXIT_OK
 
 
@@ -434,6 +434,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--max-upload", default="2GiB", metavar="SIZE",
                     help="the largest file a client may upload with a job: a .keras model or a "
                          "packed code directory (default 2GiB)")
+    sp.add_argument("--allow-user-code", action="store_true",
+                    help="run jobs that bring their own Python (code: model / dataset functions) "
+                         "on the agents; only for a cluster whose every submitter may run code "
+                         "there")
     sp.add_argument("--port-file", help=argparse.SUPPRESS)
 
     sp = add("worker", cmd_worker, "run a worker agent that owns one device", client=False)

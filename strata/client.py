@@ -149,15 +149,23 @@ class Client:
         names first. Raises JobRejected with the field name for an invalid spec, Infeasible if
         no worker could ever hold it."""
         msg, files = _spec_proto(spec, overrides)
-        for path in files:
-            self.upload(path)
+        self._upload_all(files)
         return convert.job_from_proto(self._call("SubmitJob", pb.SubmitJobRequest(spec=msg)))
 
     def plan(self, spec: SpecInput, overrides: list[str] | None = None) -> Plan:
         msg, files = _spec_proto(spec, overrides)
-        for path in files:
-            self.upload(path)
+        self._upload_all(files)
         return convert.plan_from_proto(self._call("PlanJob", pb.PlanJobRequest(spec=msg)))
+
+    def _upload_all(self, files: list[str]) -> None:
+        """Uploads the files a spec brings; removes the archives packed for it on the way."""
+        try:
+            for path in files:
+                self.upload(path)
+        finally:
+            for path in files:
+                if os.path.basename(path).startswith("strata-code-"):
+                    os.unlink(path)
 
     def upload(self, path: str) -> str:
         """Uploads a file to the coordinator's blob store; returns its SHA-256 (checked)."""

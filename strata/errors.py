@@ -19,6 +19,10 @@ class SpecError(StrataError, ValueError):
         self.message = message
 
 
+class UserCodeRefused(StrataError):
+    """A job with users' own code, sent to a coordinator that does not run it."""
+
+
 class UploadError(StrataError):
     """An upload or output path the coordinator refuses (over its size limit, malformed)."""
 

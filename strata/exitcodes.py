@@ -15,7 +15,10 @@ exit; the exit status is the authoritative signal when the event pipe is lost):
   strategy or option, unsafe or unparsable model, unreadable data file). Retrying will
   fail again; the ``error`` event's message names the offending field.
 
-75 and 76 come from the BSD ``sysexits.h`` range (EX_TEMPFAIL, EX_PROTOCOL) so they do not
+- ``TASK_EXIT_USER_CODE`` (77): the job's own code (``code.model``, ``code.dataset``) raised;
+  the ``error`` event carries its traceback. Retrying runs the same code again.
+
+75, 76 and 77 come from the BSD ``sysexits.h`` range (EX_TEMPFAIL, EX_PROTOCOL) so they do not
 collide with Python's own 1/2 or with 128+N signal deaths.
 """
 
@@ -23,11 +26,13 @@ TASK_EXIT_OK = 0
 TASK_EXIT_ERROR = 1
 TASK_EXIT_OOM = 75
 TASK_EXIT_BAD_CONFIG = 76
+TASK_EXIT_USER_CODE = 77
 
 #: exit status -> the ``kind`` of the matching ``error`` event (0 has none).
 EXIT_KIND = {
     TASK_EXIT_ERROR: "error",
     TASK_EXIT_OOM: "oom",
     TASK_EXIT_BAD_CONFIG: "bad_config",
+    TASK_EXIT_USER_CODE: "user_code",
 }
 

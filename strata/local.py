@@ -36,8 +36,11 @@ def _die_with_parent() -> None:
 class LocalCluster:
     def __init__(self, workers: int = 2, memory_budget: str = "1GiB", *, state_dir: str | None = None,
                  listen: str = "127.0.0.1:0", threads: int | None = None,
-                 heartbeat_timeout_s: float = 10.0, quiet: bool = True, log_dir: str | None = None):
+                 heartbeat_timeout_s: float = 10.0, quiet: bool = True, log_dir: str | None = None,
+                 allow_user_code: bool = True):
         self.n_workers = workers
+        # one user on loopback: that user's own code may run (``--allow-user-code``)
+        self.allow_user_code = allow_user_code
         self.memory_budget = memory_budget
         self._tmp = None
         if state_dir is None:
@@ -75,7 +78,8 @@ class LocalCluster:
         listen = self.address or self.listen  # a restart keeps the port the agents know
         self.coordinator = self._spawn(
             ["coordinator", "--listen", listen, "--state-dir", self.state_dir,
-             "--heartbeat-timeout", str(self.heartbeat_timeout_s), "--port-file", port_file],
+             "--heartbeat-timeout", str(self.heartbeat_timeout_s), "--port-file", port_file]
+            + (["--allow-user-code"] if self.allow_user_code else []),
             "coordinator.log")
         deadline = time.monotonic() + START_TIMEOUT_S
         while not os.path.exists(port_file):

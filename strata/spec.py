@@ -83,9 +83,27 @@ class JobSpec:
     memory: MemorySpec
     checkpoint_every_steps: int = 0
     max_restarts: int = 0
+    #: users' own code: {"dir_name", "sha256", "size", "model", "dataset"} (empty: none)
+    code: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def code_model(self) -> str:
+        """``module:function`` building the model, when the job's own code builds it."""
+        return str(self.code.get("model") or "") if self.code else ""
+
+    @property
+    def code_dataset(self) -> str:
+        return str(self.code.get("dataset") or "") if self.code else ""
 
     def to_dict(self) -> dict[str, Any]:
-        """The normalized mapping: every field present, the shape of the YAML file."""
+        """The normalized mapping: every field present (``code`` only when the job has code),
+        the shape of the YAML file."""
+        out = self._to_dict()
+        if self.code:
+            out["code"] = json.loads(json.dumps(self.code))
+        return out
+
+    def _to_dict(self) -> dict[str, Any]:
         return {
             "name": self.name,
             "strategy": self.strategy,
@@ -127,7 +145,8 @@ class JobSpec:
                 loss=str(t.get("loss") or TrainingSpec.loss), seed=int(t.get("seed", 0))),
             memory=fill(MemorySpec, sub("memory")),
             checkpoint_every_steps=int(sub("checkpoint").get("every_steps", 0)),
-            max_restarts=int(sub("restart").get("max_restarts", 0)))
+            max_restarts=int(sub("restart").get("max_restarts", 0)),
+            code=json.loads(json.dumps(dict(sub("code")))))
 
     @property
     def per_replica_batch(self) -> int:
@@ -136,7 +155,7 @@ class JobSpec:
 
 _TOP_KEYS = {
     "name", "strategy", "workers", "parameter_servers", "stages", "microbatches", "model", "data",
-    "training", "memory", "checkpoint", "restart",
+    "training", "memory", "checkpoint", "restart", "code",
 }
 
 
@@ -258,13 +277,21 @@ def parse_job_spec(raw: Any) -> JobSpec:
     stages = _int(raw, "stages", "stages", defaults.get("stages", 0), hi=MAX_TASKS)
     microbatches = _int(raw, "microbatches", "microbatches", 1, lo=1, hi=4096)
 
+    code = _code(raw.get("code"))
     model = _section(raw, "model", {"keras_json", "builtin", "keras_file"})
     given = [k for k in ("keras_json", "keras_file", "builtin") if k in model]
+    if code.get("model"):
+        if given:
+            raise SpecError("model", f"code.model builds the model; drop model.{given[0]} "
+                                     "(or code.model)")
+        given = ["code"]
     if len(given) != 1:
         raise SpecError("model", "give exactly one of model.keras_json, model.keras_file or "
                                  f"model.builtin (got {', '.join(given) or 'none'})")
     model_out: dict[str, Any]
-    if "keras_file" in model:
+    if given == ["code"]:
+        model_out = {}
+    elif "keras_file" in model:
         model_out = {"keras_file": _keras_file(model["keras_file"])}
     elif "keras_json" in model:
         text = model["keras_json"]
@@ -357,11 +384,60 @@ def parse_job_spec(raw: Any) -> JobSpec:
         memory=memory,
         checkpoint_every_steps=_int(c, "every_steps", "checkpoint.every_steps", 0, hi=1 << 40),
         max_restarts=_int(r, "max_restarts", "restart.max_restarts", 0, hi=1000),
+        code=code,
     )
     _check_strategy_fields(spec, strategy)
     strategy.validate(spec)
-    _check_model(spec)
+    if code:
+        from strata import strategies
+
+        which = "code.model" if code.get("model") else "code.dataset" \
+            if code.get("dataset") else "code"
+        if not strategy.runs_user_code:
+            able = [s.name for s in strategies.all_strategies() if s.runs_user_code]
+            raise SpecError(which, f"strategy {strategy.name} does not run users' code yet; "
+                                   f"use {' or '.join(able)}, or give the model as "
+                                   "model.keras_file / model.keras_json")
+        if code.get("dataset") and not training.steps:
+            raise SpecError("training.steps", "with code.dataset the data's size is unknown to "
+                                              "Strata: give the number of steps")
+    if not spec.code_model:
+        _check_model(spec)
     return spec
+
+
+_CALLABLE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _code(raw: Any) -> dict[str, Any]:
+    """The ``code`` section as it travels: the uploaded project directory's digest (the client
+    packs ``code.dir``, ``strata.uploads``) and the functions to call in it."""
+    if raw in (None, {}):
+        return {}
+    if not isinstance(raw, dict):
+        raise SpecError("code", "must be a mapping with dir, model and/or dataset")
+    unknown = sorted(set(raw) - {"dir", "dir_name", "sha256", "size", "model", "dataset"})
+    if unknown:
+        raise SpecError(f"code.{unknown[0]}", "unknown field (code takes dir, model, dataset)")
+    if isinstance(raw.get("dir"), str):
+        raise SpecError("code.dir", f"{raw['dir'][:200]!r} is a directory on the submitting "
+                                    "machine; submit through the strata client (strata submit, "
+                                    "strata.client), which packs and uploads it")
+    sha = raw.get("sha256")
+    if not isinstance(sha, str) or not _SHA256.match(sha):
+        raise SpecError("code.dir", "is required: the project directory to run the code from")
+    out: dict[str, Any] = {"dir_name": str(raw.get("dir_name") or "code")[:255], "sha256": sha,
+                           "size": int(raw.get("size") or 0)}
+    for key in ("model", "dataset"):
+        v = raw.get(key) or ""
+        if not isinstance(v, str) or (v and not _CALLABLE.match(v)):
+            raise SpecError(f"code.{key}", f"must be MODULE:FUNCTION (e.g. train:build_"
+                                           f"{'model' if key == 'model' else 'dataset'}), "
+                                           f"got {str(v)[:100]!r}")
+        out[key] = v
+    if not out["model"] and not out["dataset"]:
+        raise SpecError("code", "names neither code.model nor code.dataset: nothing to run")
+    return out
 
 
 def _check_strategy_fields(spec: JobSpec, strategy: Any) -> None:

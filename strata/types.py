@@ -53,6 +53,7 @@ class FailureKind(str, enum.Enum):
     LAUNCH = "LAUNCH"
     LOST = "LOST"
     BAD_CONFIG = "BAD_CONFIG"
+    USER_CODE = "USER_CODE"
 
 
 class WorkerState(str, enum.Enum):

@@ -96,7 +96,59 @@ def attach_files(raw: dict, base_dir: str | None) -> list[str]:
         model["keras_file"] = {"name": os.path.basename(path), "sha256": sha, "size": size,
                                "config": config}
         uploads.append(path)
+    code = raw.get("code")
+    if isinstance(code, dict) and isinstance(code.get("dir"), str):
+        path = resolve(code["dir"], base_dir)
+        if not os.path.isdir(path):
+            raise SpecError("code.dir", f"{code['dir']!r}: no such directory ({path})")
+        archive = pack_dir(path)
+        sha, size = sha256_file(archive)
+        rest = {k: v for k, v in code.items() if k != "dir"}
+        raw["code"] = {"dir_name": os.path.basename(path.rstrip("/")) or "code", "sha256": sha,
+                       "size": size, **rest}
+        uploads.append(archive)
     return uploads
+
+
+#: what packing a code directory leaves out: version control, caches, virtual environments
+PACK_EXCLUDE_DIRS = {".git", ".hg", ".svn", "__pycache__", ".venv", "venv", ".mypy_cache",
+                     ".pytest_cache", ".ruff_cache", "node_modules", ".strata"}
+MAX_CODE_BYTES = 256 << 20
+
+
+def pack_dir(path: str) -> str:
+    """``path`` packed as a .tar.gz in a temporary file (files in sorted order, times and owners
+    zeroed, so the same tree packs to the same bytes and uploads once). Refuses a tree over
+    ``MAX_CODE_BYTES`` before compression, naming the largest files."""
+    import gzip
+    import tarfile
+    import tempfile
+
+    files: list[tuple[str, str, int]] = []
+    for base, dirs, names in os.walk(path):
+        dirs[:] = sorted(d for d in dirs if d not in PACK_EXCLUDE_DIRS)
+        for n in sorted(names):
+            full = os.path.join(base, n)
+            if n.endswith((".pyc", ".pyo")) or os.path.islink(full) or not os.path.isfile(full):
+                continue
+            files.append((full, os.path.relpath(full, path), os.path.getsize(full)))
+    total = sum(f[2] for f in files)
+    if total > MAX_CODE_BYTES:
+        big = sorted(files, key=lambda f: -f[2])[:3]
+        raise SpecError("code.dir", f"{path} holds {total:,} bytes; the limit is "
+                                    f"{MAX_CODE_BYTES:,} (largest: "
+                                    + ", ".join(f"{r} {n:,}" for _, r, n in big)
+                                    + "); keep data out of it and read it by path")
+    fd, out = tempfile.mkstemp(prefix="strata-code-", suffix=".tar.gz")
+    with os.fdopen(fd, "wb") as raw_f, gzip.GzipFile(fileobj=raw_f, mode="wb", mtime=0) as gz, \
+            tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for full, rel, _ in files:
+            info = tar.gettarinfo(full, arcname=rel)
+            info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
+            info.mode = 0o644
+            with open(full, "rb") as f:
+                tar.addfile(info, f)
+    return out
 
 
 def safe_relpath(path: str) -> str:

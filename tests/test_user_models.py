@@ -147,3 +147,137 @@ def test_embedding_text_classifier_on_a_made_corpus(client, tmp_path):
     # Embedding is not among the calibrated kinds: memory.profile auto measured it first
     events = " ".join(e.message for e in client.watch(job.id, timeout=10))
     assert "memory probe" in events, events[:2000]
+
+
+# --------------------------------------------------------------------------------------------
+# users' own code
+
+
+TRAIN_PY = '''
+import glob
+import os
+
+import keras
+import tensorflow as tf
+
+from settings import DATA_DIR, GLOBAL_BATCH
+
+
+def build_model():
+    return keras.Sequential([keras.Input((64,), name="pixels"),
+                             keras.layers.Dense(128, activation="relu"),
+                             keras.layers.Dense(10)])
+
+
+def _parse(record):
+    f = tf.io.parse_single_example(record, {
+        "x": tf.io.FixedLenFeature([64], tf.float32), "y": tf.io.FixedLenFeature([], tf.int64)})
+    return f["x"], f["y"]
+
+
+def make_dataset(input_context, split):
+    files = sorted(glob.glob(os.path.join(DATA_DIR, f"{split}-*.tfrecord")))
+    ds = tf.data.Dataset.from_tensor_slices(files)
+    if split == "train":
+        ds = ds.shard(input_context.num_input_pipelines, input_context.input_pipeline_id)
+        batch = input_context.get_per_replica_batch_size(GLOBAL_BATCH)
+    else:
+        batch = 128
+    ds = ds.interleave(tf.data.TFRecordDataset).map(_parse)
+    if split == "train":
+        ds = ds.shuffle(512, seed=input_context.input_pipeline_id)
+    return ds.batch(batch)
+
+
+def broken_model():
+    return _helper()
+
+
+def _helper():
+    raise ValueError("the layer sizes are wrong on purpose")
+'''
+
+
+def _write_tfrecords(data_dir) -> None:
+    import tensorflow as tf
+
+    from strata.worker.data import load_digits_splits
+
+    s = load_digits_splits()
+    data_dir.mkdir()
+    for split, x, y, shards in (("train", s.x_train, s.y_train, 4), ("test", s.x_test, s.y_test, 1)):
+        for k in range(shards):
+            with tf.io.TFRecordWriter(str(data_dir / f"{split}-{k}.tfrecord")) as w:
+                for xi, yi in zip(x[k::shards], y[k::shards]):
+                    ex = tf.train.Example(features=tf.train.Features(feature={
+                        "x": tf.train.Feature(float_list=tf.train.FloatList(value=xi.tolist())),
+                        "y": tf.train.Feature(int64_list=tf.train.Int64List(value=[int(yi)]))}))
+                    w.write(ex.SerializeToString())
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    root = tmp_path_factory.mktemp("user")
+    _write_tfrecords(root / "data")
+    proj = root / "my_project"
+    proj.mkdir()
+    (proj / "train.py").write_text(TRAIN_PY)
+    (proj / "settings.py").write_text(f"DATA_DIR = {str(root / 'data')!r}\nGLOBAL_BATCH = 64\n")
+    (proj / "__pycache__").mkdir()  # left out of the upload
+    return proj
+
+
+def test_code_job_with_its_own_model_and_tfrecord_dataset(client, project, tmp_path):
+    job_yaml = _job_file(project.parent, {
+        "name": "code-tfrecord", "strategy": "multi_worker_mirrored", "workers": 2,
+        "code": {"dir": "my_project", "model": "train:build_model",
+                 "dataset": "train:make_dataset"},
+        "data": {"batch_size": 64},
+        "training": {"steps": 150, "optimizer": {"name": "adam", "learning_rate": 0.003}}})
+    job = client.submit(job_yaml)
+    final = client.wait(job.id, timeout=TIMEOUT_S)
+    assert final.state == JobState.SUCCEEDED, final.message
+    assert final.metrics.test_accuracy >= 0.9, final.metrics
+    # the code's model was measured first, then planned on what it measured
+    events = " ".join(e.message for e in client.watch(job.id, timeout=10))
+    assert "memory probe" in events and "measured" in events, events[:3000]
+    assert "model.keras" in client.get(job.id).outputs
+
+
+def test_user_exception_is_its_own_failure_with_its_traceback(client, project):
+    from strata.types import FailureKind
+
+    job_yaml = _job_file(project.parent, {
+        "name": "code-broken", "strategy": "multi_worker_mirrored", "workers": 1,
+        "code": {"dir": "my_project", "model": "train:broken_model"},
+        "data": {"source": "digits", "batch_size": 64}, "training": {"steps": 5},
+        "memory": {"per_task_budget": "256MiB"}})
+    final = client.wait(client.submit(job_yaml).id, timeout=TIMEOUT_S)
+    assert final.state == JobState.FAILED
+    t = final.tasks[0]
+    assert t.failure == FailureKind.USER_CODE, (t.failure, final.message)
+    assert "train:broken_model raised ValueError: the layer sizes are wrong on purpose" \
+        in final.message, final.message
+    assert "train.py" in final.message and "_helper" in final.message, final.message
+    logs = b"".join(d for _, _, d in client.logs(final.id)).decode()
+    assert "Traceback" not in logs or "raise ValueError" in logs
+    assert "raise ValueError(\"the layer sizes are wrong on purpose\")" in logs, logs[-2000:]
+
+
+def test_coordinator_without_allow_user_code_refuses_code_jobs(project, tmp_path):
+    from strata.client import CoordinatorError
+    from strata.local import LocalCluster
+
+    c = LocalCluster(workers=0, state_dir=str(tmp_path / "strict"), allow_user_code=False)
+    c.start()
+    try:
+        with c.client() as cl:
+            with pytest.raises(CoordinatorError) as e:
+                cl.submit(_job_file(project.parent, {
+                    "name": "code-refused", "strategy": "multi_worker_mirrored", "workers": 1,
+                    "code": {"dir": "my_project", "model": "train:build_model"},
+                    "data": {"source": "digits"}, "training": {"steps": 5}}))
+            assert "--allow-user-code" in str(e.value), str(e.value)
+            assert cl.jobs() == []
+    finally:
+        c.stop()

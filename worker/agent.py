@@ -90,6 +90,8 @@ def classify_exit(code: int, *, stopped: bool, has_result: bool, error_kind: str
         return TaskState.FAILED, FailureKind.OOM, code, message
     if code == exitcodes.TASK_EXIT_BAD_CONFIG or error_kind == "bad_config":
         return TaskState.FAILED, FailureKind.BAD_CONFIG, code, message
+    if code == exitcodes.TASK_EXIT_USER_CODE or error_kind == "user_code":
+        return TaskState.FAILED, FailureKind.USER_CODE, code, message
     if code < 0:
         sig = -code
         name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else str(sig)
@@ -110,10 +112,13 @@ def classify_exit(code: int, *, stopped: bool, has_result: bool, error_kind: str
 def blobs_needed(cmd: pb.StartTask) -> list[tuple[str, str]]:
     """The uploaded files a task's job names, as (SHA-256, the suffix its local copy takes:
     Keras reads a model file only by its extension)."""
+    out = []
     model = cmd.config.spec.model
     if model.HasField("keras_file") and model.keras_file.sha256:
-        return [(model.keras_file.sha256, ".keras")]
-    return []
+        out.append((model.keras_file.sha256, ".keras"))
+    if cmd.config.spec.HasField("code") and cmd.config.spec.code.sha256:
+        out.append((cmd.config.spec.code.sha256, ".tar.gz"))
+    return out
 
 
 class TaskProcess:

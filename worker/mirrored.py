@@ -22,7 +22,7 @@ from strata.taskconfig import TaskConfig, TaskConfigError
 from strata.worker.common import (
     Events, cluster_from_tf_config, eval_sums, log,
 )
-from strata.worker.runner import TrainingRunner, gradient_step
+from strata.worker.runner import Data, TrainingRunner, gradient_step, load_data
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0   # STRATA_COLLECTIVE_TIMEOUT_S overrides
 
@@ -53,6 +53,53 @@ class MirroredRunner(TrainingRunner):
         self.per_replica = self.gb // self.n_replicas
         return {"workers": self.n_workers, "replicas": self.n_replicas}
 
+    # -- users' own code (``code.model``, ``code.dataset``)
+
+    def _user_model(self) -> Any:
+        """The model ``code.model`` builds, under the strategy's scope and the job's mixed
+        precision policy (built once)."""
+        if getattr(self, "_code_model", None) is None:
+            import keras
+
+            from strata.worker import models as wmodels
+            from strata.worker.usercode import call, load_callable
+
+            fn = load_callable(self.cfg, self.spec.code_model, "code.model")
+            keras.utils.set_random_seed(self.seed)
+            keras.mixed_precision.set_dtype_policy(wmodels.POLICIES[self.mixed])
+            try:
+                with self.strategy.scope():
+                    model = call(self.spec.code_model, fn)
+            finally:
+                keras.mixed_precision.set_dtype_policy("float32")
+            if not isinstance(model, keras.Model):
+                raise TaskConfigError("code.model", f"{self.spec.code_model} returned "
+                                                    f"{type(model).__name__}, not a keras.Model")
+            if len(model.inputs) != 1 and not self.spec.code_dataset:
+                raise TaskConfigError("code.model", f"the model has {len(model.inputs)} inputs; "
+                                                    "data.source gives one (use code.dataset)")
+            self._code_model = model
+        return self._code_model
+
+    def load(self) -> Data:
+        from strata.worker import data as wdata
+
+        if self.spec.code_dataset:
+            # the user's input pipeline: only its step count and loss are known here
+            return Data(None, None, None, None,
+                        self.spec.training.loss in wdata.CLASSIFICATION_LOSSES,
+                        self.spec.training.steps)
+        if not self.spec.code_model:
+            return super().load()
+        model = self._user_model()
+        inp = model.inputs[0]
+        return load_data(self.cfg, tuple(int(d) for d in inp.shape[1:]),
+                         tuple(int(d) for d in model.outputs[0].shape[1:]), str(inp.dtype))
+
+    def param_count(self) -> int:
+        model = getattr(self, "model", None)
+        return int(model.count_params()) if model is not None else super().param_count()
+
     def build(self) -> None:
         import keras
 
@@ -63,18 +110,40 @@ class MirroredRunner(TrainingRunner):
         assert d is not None
         keras.utils.set_random_seed(self.seed)
         with strategy.scope():
-            model, from_logits = wmodels.build_model(self.spec.model, self.mixed,
-                                                     sync_batchnorm=self.n_replicas > 1,
-                                                     blob_dir=self.cfg.agent.blob_dir)
+            if self.spec.code_model:
+                model = self._user_model()
+                last = model.layers[-1] if model.layers else None
+                act = getattr(getattr(last, "activation", None), "__name__", "")
+                from_logits = act != "softmax" and type(last).__name__ != "Softmax"
+            else:
+                model, from_logits = wmodels.build_model(self.spec.model, self.mixed,
+                                                         sync_batchnorm=self.n_replicas > 1,
+                                                         blob_dir=self.cfg.agent.blob_dir)
             optimizer = wmodels.build_optimizer(self.spec.training.optimizer, self.mixed)
             loss_fn = wmodels.build_loss(self.spec.training.loss, from_logits)
         self.model, self.loss_fn = model, loss_fn
         gb, seed, x_train, y_train = self.gb, self.seed, d.x_train, d.y_train
 
-        def dataset_fn(ctx: Any) -> Any:
-            wid, nw = ctx.input_pipeline_id, ctx.num_input_pipelines
-            x, y = wdata.shard(x_train, y_train, wid, nw)
-            return wdata.make_train_dataset(x, y, ctx.get_per_replica_batch_size(gb), seed + wid)
+        if self.spec.code_dataset:
+            from strata.worker.usercode import call, load_callable
+
+            user_fn = load_callable(self.cfg, self.spec.code_dataset, "code.dataset")
+            what = self.spec.code_dataset
+
+            def dataset_fn(ctx: Any) -> Any:
+                ds = call(what, user_fn, ctx, "train")
+                if not isinstance(ds, tf.data.Dataset):
+                    raise TaskConfigError("code.dataset", f"{what} returned "
+                                                          f"{type(ds).__name__}, not a "
+                                                          "tf.data.Dataset")
+                return ds.repeat()  # the job runs training.steps steps, whatever its size
+            self._user_dataset = (user_fn, what)
+        else:
+            def dataset_fn(ctx: Any) -> Any:
+                wid, nw = ctx.input_pipeline_id, ctx.num_input_pipelines
+                x, y = wdata.shard(x_train, y_train, wid, nw)
+                return wdata.make_train_dataset(x, y, ctx.get_per_replica_batch_size(gb),
+                                                seed + wid)
 
         # the input pipeline (and its transient second copy of the shard while the iterator is
         # created) comes before the optimizer slots exist, which keeps this start-up peak low
@@ -109,6 +178,27 @@ class MirroredRunner(TrainingRunner):
 
     def eval_batch_size(self) -> int:
         return max(1, self.per_replica)
+
+    def evaluate(self) -> tuple[float, float]:
+        if not self.spec.code_dataset:
+            return super().evaluate()
+        # the user's "test" split, whole, on every worker (as the NumPy test split is)
+        from strata.worker.usercode import call
+
+        tf = self.tf
+        user_fn, what = self._user_dataset
+        ctx = tf.distribute.InputContext(num_input_pipelines=1, input_pipeline_id=0,
+                                         num_replicas_in_sync=1)
+        ds = call(what, user_fn, ctx, "test")
+        total_loss = total_correct = 0.0
+        n = 0
+        for x, y in ds:
+            loss_sum, correct = self._eval_batch(x, y)
+            total_loss += float(loss_sum)
+            total_correct += float(correct)
+            n += int(tf.shape(y)[0])
+        assert self.data is not None
+        return total_loss / max(1, n), (total_correct / max(1, n) if self.data.classify else 0.0)
 
     def eval_batch(self, x: Any, y: Any) -> tuple[float, float]:
         tf = self.tf

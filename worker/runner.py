@@ -141,15 +141,33 @@ class TrainingRunner:
         self.gb = cfg.spec.data.batch_size
         self.mixed = cfg.spec.memory.mixed_precision
         self.seed = cfg.spec.training.seed
-        try:
-            self.profile: ModelProfile = profile_model(cfg.spec.model)
-        except ModelSpecError as e:
-            raise TaskConfigError(e.field, e.message) from None
+        # None for a model the job's own code builds (``code.model``): its runner knows it
+        # once built
+        self.profile: ModelProfile | None = None
+        if not cfg.spec.code_model:
+            try:
+                self.profile = profile_model(cfg.spec.model)
+            except ModelSpecError as e:
+                raise TaskConfigError(e.field, e.message) from None
         self.tf: Any = None
         self.memory: Callable[[], dict] = lambda: {"current": 0, "peak": 0}
         self.data: Data | None = None
 
     # -- hooks
+
+    def load(self) -> Data:
+        """The job's data as NumPy arrays, for the model's one input (the skeleton's default)."""
+        assert self.profile is not None
+        inputs = self.profile.model_inputs
+        if len(inputs) != 1:
+            raise TaskConfigError("model", f"the model has {len(inputs)} inputs "
+                                           f"({', '.join(i.name for i in inputs)}); "
+                                           f"data.source {self.spec.data.source} gives one")
+        return load_data(self.cfg, self.profile.input_shape, self.profile.output_shape,
+                         inputs[0].dtype)
+
+    def param_count(self) -> int:
+        return self.profile.total_params if self.profile is not None else 0
 
     def check(self) -> None:
         """What can be checked before TensorFlow is imported (the contract against the model
@@ -219,21 +237,16 @@ class TrainingRunner:
             f"device {self.cfg.agent.device}, threads {self.cfg.agent.threads or 'default'}, "
             f"TF {self.tf.__version__} (import and join {time.time() - t0:.1f} s); "
             + ", ".join(f"{k} {v}" for k, v in started.items()))
-        inputs = self.profile.model_inputs
-        if len(inputs) != 1:
-            raise TaskConfigError("model", f"the model has {len(inputs)} inputs "
-                                           f"({', '.join(i.name for i in inputs)}); "
-                                           f"data.source {self.spec.data.source} gives one")
-        self.data = load_data(self.cfg, self.profile.input_shape, self.profile.output_shape,
-                              inputs[0].dtype)
+        self.data = self.load()
         try:
             self.build()
         except ModelSpecError as e:  # a model Keras refuses to build, optimizer, loss
             raise TaskConfigError(e.field, e.message) from None
         steps = self.data.steps
-        log(f"training: {self.profile.total_params:,} params, {steps} steps, global batch "
-            f"{self.gb}, {self.data.n_train} train / {self.data.x_test.shape[0]} test rows, "
-            f"mixed precision {self.mixed}")
+        rows = (f"{self.data.n_train} train / {self.data.x_test.shape[0]} test rows"
+                if self.data.x_train is not None else f"data from {self.spec.code_dataset}")
+        log(f"training: {self.param_count():,} params, {steps} steps, global batch "
+            f"{self.gb}, {rows}, mixed precision {self.mixed}")
         t_train = time.time()
         self.train(steps)
         train_s = time.time() - t_train

@@ -26,8 +26,11 @@ import os
 import traceback
 
 from strata.oom import parse_oom
-from strata.exitcodes import TASK_EXIT_BAD_CONFIG, TASK_EXIT_ERROR, TASK_EXIT_OOM
+from strata.exitcodes import (
+    TASK_EXIT_BAD_CONFIG, TASK_EXIT_ERROR, TASK_EXIT_OOM, TASK_EXIT_USER_CODE,
+)
 from strata.taskconfig import TaskConfigError, read_task_config
+from strata.worker.usercode import UserCodeError
 from strata.worker.common import (
     Events, allocator_figures, exit_task, install_sigterm_handler, is_oom, log, oom_text,
     prepare_environment, start_parent_watchdog, summarize_error,
@@ -62,6 +65,12 @@ def main(argv: list[str] | None = None) -> None:
         log(f"bad config: {e}")
         events.emit("error", kind="bad_config", message=str(e), field=e.field)
         code = TASK_EXIT_BAD_CONFIG
+    except UserCodeError as e:
+        log(f"user code failed: {e}\n{e.details}")
+        tail = e.details.strip().splitlines()
+        events.emit("error", kind="user_code", message=f"{e}; traceback (most recent call "
+                                                       f"last): " + " | ".join(tail[-6:]))
+        code = TASK_EXIT_USER_CODE
     except BaseException as e:  # noqa: BLE001 - every failure must become an event and a code
         if is_oom(e):
             limit = os.environ.get("TF_CPU_BFC_MEM_LIMIT_IN_MB")

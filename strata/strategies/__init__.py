@@ -59,6 +59,11 @@ def names() -> list[str]:
     return list(_REGISTRY)
 
 
+def all_strategies() -> list[Strategy]:
+    _load()
+    return list(_REGISTRY.values())
+
+
 def all_fields() -> list[str]:
     """Every strategy-specific spec field (dotted, as ``JobSpec`` attributes), in a fixed order."""
     _load()

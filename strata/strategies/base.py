@@ -130,6 +130,9 @@ class Strategy(abc.ABC):
     #: True: the lead drives the job, the other tasks serve it and are stopped when it succeeds;
     #: False: every task trains, and the job succeeds when all of them have
     lead_drives: ClassVar[bool] = True
+    #: runs a job's own code (``code.model``, ``code.dataset``): its runner calls the user's
+    #: functions and its ``plan`` takes ``profile=None`` for a model only code can build
+    runs_user_code: ClassVar[bool] = False
 
     # -- spec
 
@@ -144,9 +147,10 @@ class Strategy(abc.ABC):
 
     @abc.abstractmethod
     def plan(self, spec: JobSpec, workers: Sequence[WorkerOffer],
-             profile: ModelProfile) -> JobPlan:
+             profile: ModelProfile | None) -> JobPlan:
         """The job's tasks and budgets against ``workers`` (whole budgets when admitting, free
-        ones for ``strata plan``). Pure. Raises ``SpecError`` for arguments it refuses."""
+        ones for ``strata plan``). Pure. Raises ``SpecError`` for arguments it refuses.
+        ``profile`` is None only for a model the job's code builds (``runs_user_code``)."""
 
     def describe_plan(self, spec: JobSpec, plan: JobPlan) -> str:
         """The submit event's account of the plan."""

@@ -44,7 +44,8 @@ class ParameterServer(Strategy):
             raise SpecError("parameter_servers", f"a {self.name} job needs at least one")
 
     def plan(self, spec: JobSpec, workers: Sequence[WorkerOffer],
-             profile: ModelProfile) -> JobPlan:
+             profile: ModelProfile | None) -> JobPlan:
+        assert profile is not None, "only a strategy that runs_user_code plans a code model"
         from strata.psplan import plan_parameter_servers
 
         p = plan_parameter_servers(

@@ -44,7 +44,8 @@ class Pipeline(Strategy):
                                        "replicas of a pipeline use strategy hybrid")
 
     def plan(self, spec: JobSpec, workers: Sequence[WorkerOffer],
-             profile: ModelProfile) -> JobPlan:
+             profile: ModelProfile | None) -> JobPlan:
+        assert profile is not None, "only a strategy that runs_user_code plans a code model"
         from strata.coordinator.planner import WorkerSlot, plan_pipeline
 
         fixed = spec.memory.per_task_budget_bytes

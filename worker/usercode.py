@@ -1,0 +1,103 @@
+"""Users' own code in a task process (``code:`` in the job spec).
+
+The job's project directory arrives as a ``.tar.gz`` the agent fetched (``BLOB_DIR/SHA.tar.gz``);
+it is unpacked once into the task's working directory (``code/DIR_NAME``: members may not
+leave it, links are dropped) and put first on ``sys.path``, so ``train:build_model`` imports
+``train`` from it. Anything the user's code raises, on import or in the call, becomes a
+``UserCodeError``: the task reports it as its own failure kind (``user_code``) with the
+traceback of the user's frames, and exits with ``TASK_EXIT_USER_CODE``.
+
+Only a coordinator started with ``--allow-user-code`` hands out such tasks; the agent runs
+them like any other task process, with the same memory budget and no more privileges.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import tarfile
+import traceback
+from typing import Any, Callable
+
+from strata.taskconfig import TaskConfig, TaskConfigError
+
+
+class UserCodeError(Exception):
+    """The job's own code raised. ``str()`` is one line; ``details`` the user's traceback."""
+
+    def __init__(self, what: str, exc: BaseException):
+        self.what = what
+        frames = traceback.extract_tb(exc.__traceback__)
+        # the user's frames only: Strata's own call into it says nothing to them
+        mine = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        user = [f for f in frames if not os.path.abspath(f.filename).startswith(mine)]
+        self.details = "".join(traceback.format_list(user or frames)) + "".join(
+            traceback.format_exception_only(type(exc), exc))
+        where = f" at {os.path.basename(user[-1].filename)}:{user[-1].lineno}" if user else ""
+        super().__init__(f"{what} raised {type(exc).__name__}: {exc}{where}")
+
+
+def code_dir(cfg: TaskConfig) -> str:
+    """The unpacked project directory (unpacked on first use)."""
+    code = cfg.spec.code
+    dest = os.path.abspath(os.path.join("code", os.path.basename(str(code["dir_name"])) or "code"))
+    if os.path.isdir(dest):
+        return dest
+    archive = os.path.join(cfg.agent.blob_dir or ".", f"{code['sha256']}.tar.gz")
+    if not os.path.isfile(archive):
+        raise TaskConfigError("code.dir", f"the agent has no copy of the uploaded code ({archive})")
+    tmp = dest + ".part"
+    os.makedirs(tmp, exist_ok=True)
+    try:
+        with tarfile.open(archive, "r:gz") as tar:
+            for m in tar.getmembers():
+                target = os.path.abspath(os.path.join(tmp, m.name))
+                if not target.startswith(os.path.abspath(tmp) + os.sep) or not (
+                        m.isfile() or m.isdir()):
+                    continue  # outside the directory, a link or a device: never unpacked
+                if m.isdir():
+                    os.makedirs(target, exist_ok=True)
+                    continue
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                src = tar.extractfile(m)
+                if src is None:
+                    continue
+                with src, open(target, "wb") as out:
+                    while True:
+                        data = src.read(1 << 20)
+                        if not data:
+                            break
+                        out.write(data)
+    except (tarfile.TarError, OSError) as e:
+        raise TaskConfigError("code.dir", f"cannot unpack the uploaded code: {e}") from None
+    os.replace(tmp, dest)
+    return dest
+
+
+def load_callable(cfg: TaskConfig, ref: str, field: str) -> Callable[..., Any]:
+    """``module:function`` from the job's code."""
+    path = code_dir(cfg)
+    if path not in sys.path:
+        sys.path.insert(0, path)
+    module_name, _, fn_name = ref.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name == module_name or module_name.startswith(f"{e.name}."):
+            raise TaskConfigError(field, f"no module {module_name!r} in "
+                                         f"{cfg.spec.code['dir_name']}") from None
+        raise UserCodeError(f"importing {module_name}", e) from None
+    except Exception as e:  # noqa: BLE001 - the user's module failed to import
+        raise UserCodeError(f"importing {module_name}", e) from None
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        raise TaskConfigError(field, f"{module_name} has no function {fn_name!r}")
+    return fn
+
+
+def call(what: str, fn: Callable[..., Any], *args: Any) -> Any:
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001 - whatever the user's code raises is its failure
+        raise UserCodeError(what, e) from None
