@@ -109,17 +109,42 @@ class ModelSpec(_message.Message):
     keras_file: KerasFile
     def __init__(self, keras_json: _Optional[str] = ..., builtin: _Optional[_Union[BuiltinModel, _Mapping]] = ..., keras_file: _Optional[_Union[KerasFile, _Mapping]] = ...) -> None: ...
 
+class FeatureSpec(_message.Message):
+    __slots__ = ("shape", "dtype")
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
+
 class DataSpec(_message.Message):
-    __slots__ = ("source", "path", "batch_size", "examples")
+    __slots__ = ("source", "path", "batch_size", "examples", "test_path", "features", "label", "image_size", "test_fraction")
+    class FeaturesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: FeatureSpec
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[FeatureSpec, _Mapping]] = ...) -> None: ...
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     EXAMPLES_FIELD_NUMBER: _ClassVar[int]
+    TEST_PATH_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TEST_FRACTION_FIELD_NUMBER: _ClassVar[int]
     source: str
     path: str
     batch_size: int
     examples: int
-    def __init__(self, source: _Optional[str] = ..., path: _Optional[str] = ..., batch_size: _Optional[int] = ..., examples: _Optional[int] = ...) -> None: ...
+    test_path: str
+    features: _containers.MessageMap[str, FeatureSpec]
+    label: str
+    image_size: _containers.RepeatedScalarFieldContainer[int]
+    test_fraction: float
+    def __init__(self, source: _Optional[str] = ..., path: _Optional[str] = ..., batch_size: _Optional[int] = ..., examples: _Optional[int] = ..., test_path: _Optional[str] = ..., features: _Optional[_Mapping[str, FeatureSpec]] = ..., label: _Optional[str] = ..., image_size: _Optional[_Iterable[int]] = ..., test_fraction: _Optional[float] = ...) -> None: ...
 
 class OptimizerSpec(_message.Message):
     __slots__ = ("name", "learning_rate")

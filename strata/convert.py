@@ -30,7 +30,11 @@ def message_to_dict(msg: Message) -> dict[str, Any]:
     """
     out: dict[str, Any] = {}
     for field, value in msg.ListFields():
-        if field.message_type is not None and not _is_repeated(field):
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            vf = field.message_type.fields_by_name["value"]
+            out[field.name] = {k: message_to_dict(v) if vf.message_type is not None else v
+                               for k, v in value.items()}
+        elif field.message_type is not None and not _is_repeated(field):
             out[field.name] = message_to_dict(value)
         elif _is_repeated(field):
             out[field.name] = [message_to_dict(v) if isinstance(v, Message) else v for v in value]

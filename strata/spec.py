@@ -14,7 +14,10 @@ from typing import Any, Mapping
 
 from strata.errors import SpecError
 
-DATA_SOURCES = ("digits", "synthetic", "npz")
+DATA_SOURCES = ("digits", "synthetic", "npz", "tfrecord", "csv", "images")
+#: read from files as a stream (tf.data), sharded per worker; never loaded whole
+STREAMED_SOURCES = ("tfrecord", "csv", "images")
+FEATURE_DTYPES = ("float32", "int64", "string")
 OPTIMIZERS = ("adam", "adamw", "sgd", "rmsprop", "adagrad")
 LOSSES = ("sparse_categorical_crossentropy", "categorical_crossentropy", "mean_squared_error")
 MIXED_PRECISION = ("none", "bfloat16", "float16")
@@ -35,6 +38,16 @@ class DataSpec:
     path: str = ""
     batch_size: int = 256
     examples: int = 0
+    #: the streamed sources (``STREAMED_SOURCES``): where the test split is (a glob, a file, a
+    #: directory), else ``test_fraction`` of the records is held out
+    test_path: str = ""
+    #: tfrecord: feature name -> {"shape": [...], "dtype": ...}; the model's inputs by name
+    features: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    #: tfrecord: the label feature; csv: the label column
+    label: str = ""
+    #: images: [height, width] every image is resized to
+    image_size: tuple[int, ...] = ()
+    test_fraction: float = 0.2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +125,8 @@ class JobSpec:
             "stages": self.stages,
             "microbatches": self.microbatches,
             "model": json.loads(json.dumps(self.model)),
-            "data": dataclasses.asdict(self.data),
+            "data": {**dataclasses.asdict(self.data), "image_size": list(self.data.image_size),
+                     "features": json.loads(json.dumps(self.data.features))},
             "training": dataclasses.asdict(self.training),
             "memory": dataclasses.asdict(self.memory),
             "checkpoint": {"every_steps": self.checkpoint_every_steps},
@@ -138,7 +152,9 @@ class JobSpec:
             name=str(d.get("name", "")), strategy=str(d.get("strategy", "")),
             workers=int(d.get("workers", 0)), parameter_servers=int(d.get("parameter_servers", 0)),
             stages=int(d.get("stages", 0)), microbatches=int(d.get("microbatches", 0)),
-            model=json.loads(json.dumps(dict(sub("model")))), data=fill(DataSpec, sub("data")),
+            model=json.loads(json.dumps(dict(sub("model")))),
+            data=fill(DataSpec, {**sub("data"), "image_size": tuple(
+                int(v) for v in sub("data").get("image_size") or ())}),
             training=TrainingSpec(
                 epochs=int(t.get("epochs", 0)), steps=int(t.get("steps", 0)),
                 optimizer=fill(OptimizerSpec, t.get("optimizer") or {}),
@@ -311,17 +327,21 @@ def parse_job_spec(raw: Any) -> JobSpec:
             "classes": _int(b, "classes", "model.builtin.classes", DIGITS_CLASSES, lo=1, hi=1_000_000),
         }}
 
-    d = _section(raw, "data", {"source", "path", "batch_size", "examples"})
+    d = _section(raw, "data", {"source", "path", "batch_size", "examples", "test_path",
+                               "features", "label", "image_size", "test_fraction"})
+    source = _choice(d, "source", "data.source", "digits", DATA_SOURCES)
     data = DataSpec(
-        source=_choice(d, "source", "data.source", "digits", DATA_SOURCES),
+        source=source,
         path=_str(d, "path", "data.path"),
         batch_size=_int(d, "batch_size", "data.batch_size", 256, lo=1, hi=1 << 24),
         examples=_int(d, "examples", "data.examples", 0, hi=1 << 26),
+        test_path=_str(d, "test_path", "data.test_path"),
+        features=_features(d.get("features")),
+        label=_str(d, "label", "data.label"),
+        image_size=tuple(_int_list(d, "image_size", "data.image_size", [], allow_empty=True)),
+        test_fraction=_fraction(d.get("test_fraction", 0.2)),
     )
-    if data.source == "npz" and not data.path:
-        raise SpecError("data.path", "is required when data.source is npz")
-    if data.source != "npz" and data.path:
-        raise SpecError("data.path", "applies to data.source npz only")
+    _check_data(data)
     if data.source != "synthetic" and data.examples:
         raise SpecError("data.examples", "applies to data.source synthetic only")
     if data.batch_size % workers:
@@ -404,6 +424,63 @@ def parse_job_spec(raw: Any) -> JobSpec:
     if not spec.code_model:
         _check_model(spec)
     return spec
+
+
+def _features(raw: Any) -> dict[str, Any]:
+    if raw in (None, {}):
+        return {}
+    if not isinstance(raw, dict):
+        raise SpecError("data.features", "must map feature names to {shape, dtype}")
+    out: dict[str, Any] = {}
+    for name, f in raw.items():
+        field = f"data.features.{name}"
+        if not isinstance(name, str) or not re.match(r"^[A-Za-z_][A-Za-z0-9_./-]{0,127}$", name):
+            raise SpecError("data.features", f"bad feature name {str(name)[:60]!r}")
+        if not isinstance(f, dict) or set(f) - {"shape", "dtype"}:
+            raise SpecError(field, "must be {shape: [...], dtype: float32 | int64 | string}")
+        shape = _int_list(f, "shape", f"{field}.shape", [], allow_empty=True)
+        out[name] = {"shape": shape,
+                     "dtype": _choice(f, "dtype", f"{field}.dtype", "float32", FEATURE_DTYPES)}
+    return out
+
+
+def _fraction(v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 0.5:
+        raise SpecError("data.test_fraction", f"must be a number in (0, 0.5], got {v!r}")
+    return float(v)
+
+
+def _check_data(data: DataSpec) -> None:
+    """Which data fields go with which source."""
+    src = data.source
+    if src in ("npz",) + STREAMED_SOURCES and not data.path:
+        raise SpecError("data.path", f"is required when data.source is {src}")
+    if src in ("digits", "synthetic") and data.path:
+        raise SpecError("data.path", f"does not apply to data.source {src}")
+    if src != "synthetic" and data.examples:
+        raise SpecError("data.examples", "applies to data.source synthetic only")
+    if data.test_path and src not in STREAMED_SOURCES:
+        raise SpecError("data.test_path", f"applies to data.source {', '.join(STREAMED_SOURCES)}")
+    if src == "tfrecord":
+        if not data.features:
+            raise SpecError("data.features", "is required for tfrecord: each feature's "
+                                             "{shape, dtype}")
+        if data.label not in data.features:
+            raise SpecError("data.label", f"must name one of data.features "
+                                          f"({', '.join(data.features)}), got {data.label!r}")
+        if len(data.features) < 2:
+            raise SpecError("data.features", "needs the label and at least one input feature")
+    elif data.features:
+        raise SpecError("data.features", "applies to data.source tfrecord only")
+    if src == "csv" and not data.label:
+        raise SpecError("data.label", "is required for csv: the label column's name")
+    if src not in ("tfrecord", "csv") and data.label:
+        raise SpecError("data.label", "applies to data.source tfrecord and csv only")
+    if src == "images":
+        if len(data.image_size) != 2:
+            raise SpecError("data.image_size", "is required for images: [height, width]")
+    elif data.image_size:
+        raise SpecError("data.image_size", "applies to data.source images only")
 
 
 _CALLABLE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")

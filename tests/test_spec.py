@@ -20,7 +20,9 @@ def test_defaults_fill_in():
     s = parse_job_spec({"name": "x", "model": {"builtin": {}}})
     d = s.to_dict()
     assert d["strategy"] == "multi_worker_mirrored" and d["workers"] == 1
-    assert d["data"] == {"source": "digits", "path": "", "batch_size": 256, "examples": 0}
+    assert d["data"] == {"source": "digits", "path": "", "batch_size": 256, "examples": 0,
+                         "test_path": "", "features": {}, "label": "", "image_size": [],
+                         "test_fraction": 0.2}
     assert d["training"]["epochs"] == 1 and d["training"]["optimizer"]["name"] == "adam"
     assert d["memory"] == {"per_task_budget": "", "mixed_precision": "none", "recompute": False,
                            "profile": "auto"}
@@ -121,3 +123,50 @@ def test_empty_hidden_list_survives_the_wire():
     assert again.to_dict()["model"]["builtin"]["hidden"] == []
     unset = dict(raw, model={"builtin": {"kind": "mlp", "input_shape": [64], "classes": 10}})
     assert spec_from_proto(raw_spec_to_proto(unset)).to_dict()["model"]["builtin"]["hidden"] == [1024, 512, 256]
+
+
+def test_streamed_sources_fields_and_round_trip():
+    from strata import convert
+
+    base = {"name": "x", "model": {"builtin": {"input_shape": [64], "classes": 10}},
+            "training": {"steps": 5}}
+    tf = dict(base, data={"source": "tfrecord", "path": "/d/train-*", "label": "y",
+                          "features": {"x": {"shape": [64]}, "y": {"shape": [], "dtype": "int64"}}})
+    s = parse_job_spec(tf)
+    assert s.data.features == {"x": {"shape": [64], "dtype": "float32"},
+                               "y": {"shape": [], "dtype": "int64"}}
+    assert convert.spec_from_proto(convert.spec_to_proto(s)) == s  # a map survives the wire
+    for data, field in [
+        ({"source": "tfrecord", "path": "/d/*", "label": "y"}, "data.features"),
+        ({"source": "tfrecord", "path": "/d/*", "label": "z",
+          "features": {"x": {"shape": [64]}, "y": {}}}, "data.label"),
+        ({"source": "csv", "path": "/d.csv"}, "data.label"),
+        ({"source": "csv", "label": "y"}, "data.path"),
+        ({"source": "images", "path": "/imgs"}, "data.image_size"),
+        ({"source": "digits", "label": "y"}, "data.label"),
+        ({"source": "npz", "path": "/a.npz", "test_path": "/b"}, "data.test_path"),
+        ({"source": "csv", "path": "/d.csv", "label": "y", "test_fraction": 0.9},
+         "data.test_fraction"),
+    ]:
+        with pytest.raises(SpecError) as e:
+            parse_job_spec(dict(base, data=data))
+        assert e.value.field == field, (data, e.value)
+
+
+def test_code_section_rules():
+    sha = "a" * 64
+    base = {"name": "x", "training": {"steps": 5}}
+    s = parse_job_spec(dict(base, code={"sha256": sha, "dir_name": "p", "model": "train:build"}))
+    assert s.code_model == "train:build" and s.model == {}
+    for raw, field in [
+        (dict(base, code={"dir": "./p", "model": "train:build"}), "code.dir"),
+        (dict(base, code={"sha256": sha, "model": "train"}), "code.model"),
+        (dict(base, code={"sha256": sha}), "code"),
+        (dict(base, code={"sha256": sha, "model": "t:f"}, model={"builtin": {}}), "model"),
+        (dict(base, code={"sha256": sha, "model": "t:f"}, strategy="pipeline"), "code.model"),
+        (dict(base, code={"sha256": sha, "dataset": "t:f"}, training={"epochs": 2},
+              model={"builtin": {}}), "training.steps"),
+    ]:
+        with pytest.raises(SpecError) as e:
+            parse_job_spec(raw)
+        assert e.value.field == field, (raw, e.value)

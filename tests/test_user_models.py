@@ -281,3 +281,76 @@ def test_coordinator_without_allow_user_code_refuses_code_jobs(project, tmp_path
             assert cl.jobs() == []
     finally:
         c.stop()
+
+
+# --------------------------------------------------------------------------------------------
+# data formats
+
+
+def test_csv_job_streams_its_file_and_holds_out_a_test_split(client, tmp_path):
+    from strata.worker.data import load_digits_splits
+
+    s = load_digits_splits()
+    x = np.concatenate([s.x_train, s.x_test])
+    y = np.concatenate([s.y_train, s.y_test])
+    path = tmp_path / "digits.csv"
+    with open(path, "w") as f:
+        f.write(",".join([f"p{i}" for i in range(32)] + ["digit"] + [f"p{i}" for i in
+                                                                     range(32, 64)]) + "\n")
+        for xi, yi in zip(x, y):
+            row = [f"{v:.4f}" for v in xi[:32]] + [str(int(yi))] + [f"{v:.4f}" for v in xi[32:]]
+            f.write(",".join(row) + "\n")
+    job = client.submit({
+        "name": "csv-digits", "strategy": "multi_worker_mirrored", "workers": 2,
+        "model": {"builtin": {"input_shape": [64], "hidden": [128], "classes": 10}},
+        "data": {"source": "csv", "path": str(path), "label": "digit", "batch_size": 64},
+        "training": {"epochs": 8, "optimizer": {"name": "adam", "learning_rate": 0.003}}})
+    final = client.wait(job.id, timeout=TIMEOUT_S)
+    assert final.state == JobState.SUCCEEDED, final.message
+    # 1,797 rows, every 5th held out: 1,437 train rows -> 22 steps an epoch at 64
+    assert final.metrics.total_steps == 8 * ((1797 - 360) // 64), final.metrics
+    assert final.metrics.test_accuracy >= 0.9, final.metrics
+
+
+def test_images_job_on_a_directory_per_class(client, tmp_path):
+    import keras
+    import tensorflow as tf
+    from keras import layers as L
+
+    rng = np.random.default_rng(3)
+    root = tmp_path / "shapes"
+    for label in ("bright", "dark"):
+        (root / label).mkdir(parents=True)
+        for k in range(60):
+            base = 190 if label == "bright" else 60
+            img = np.clip(rng.normal(base, 40, (20, 24, 3)), 0, 255).astype(np.uint8)
+            (root / label / f"{k}.png").write_bytes(tf.io.encode_png(img).numpy())
+    i = keras.Input((16, 16, 3))
+    x = L.Rescaling(1 / 255.0)(i)
+    x = L.Conv2D(4, 3, activation="relu")(x)
+    x = L.GlobalAveragePooling2D()(x)
+    model = keras.Model(i, L.Dense(2)(x))
+    job = client.submit({
+        "name": "images", "strategy": "multi_worker_mirrored", "workers": 2,
+        "model": {"keras_json": model.to_json()},
+        "data": {"source": "images", "path": str(root), "image_size": [16, 16], "batch_size": 16},
+        "training": {"epochs": 6, "optimizer": {"name": "adam", "learning_rate": 0.01}}})
+    final = client.wait(job.id, timeout=TIMEOUT_S)
+    assert final.state == JobState.SUCCEEDED, final.message
+    assert final.metrics.test_accuracy >= 0.9, final.metrics
+
+
+def test_tfrecord_source_with_a_test_path(client, project):
+    data = project.parent / "data"
+    job = client.submit({
+        "name": "tfrecord-digits", "strategy": "multi_worker_mirrored", "workers": 2,
+        "model": {"builtin": {"input_shape": [64], "hidden": [128], "classes": 10}},
+        "data": {"source": "tfrecord", "path": str(data / "train-*.tfrecord"),
+                 "test_path": str(data / "test-*.tfrecord"), "label": "y",
+                 "features": {"x": {"shape": [64], "dtype": "float32"},
+                              "y": {"shape": [], "dtype": "int64"}},
+                 "batch_size": 64},
+        "training": {"steps": 150, "optimizer": {"name": "adam", "learning_rate": 0.003}}})
+    final = client.wait(job.id, timeout=TIMEOUT_S)
+    assert final.state == JobState.SUCCEEDED, final.message
+    assert final.metrics.test_accuracy >= 0.9, final.metrics

@@ -22,6 +22,9 @@ import math
 import os
 from dataclasses import dataclass
 
+# the examples a worker's shuffle buffer holds of a streamed source, which ``strata.memory``
+# counts in the task's data term
+from strata.memory import STREAM_SHUFFLE_EXAMPLES  # noqa: F401
 from strata.spec import DataSpec, TrainingSpec
 
 import numpy as np
@@ -165,9 +168,12 @@ def load_splits(data: DataSpec, input_shape: tuple[int, ...], output_shape: tupl
         s = load_synthetic_splits(tuple(input_shape), int(output_shape[0]), data.examples)
     elif source == "npz":
         s = load_npz_splits(data.path)
+    elif source in ("tfrecord", "csv", "images"):
+        s = load_streamed_splits(data)
     else:
-        raise DataError("data.source", f"unknown source {source!r}; use digits, synthetic or npz")
-    field = "data.path" if source == "npz" else "data.source"
+        raise DataError("data.source", f"unknown source {source!r}; use digits, synthetic, npz, "
+                                       "tfrecord, csv or images")
+    field = "data.source" if source in ("digits", "synthetic") else "data.path"
     feats_model = int(np.prod(input_shape))
     for name, x in (("x_train", s.x_train), ("x_test", s.x_test)):
         if tuple(x.shape[1:]) != tuple(input_shape):
@@ -246,3 +252,197 @@ def make_train_dataset(x: np.ndarray, y: np.ndarray, per_replica_batch: int, see
     ds = ds.batch(per_replica_batch, drop_remainder=True)
     ds = ds.map(lambda i: (tf.gather(xt, i), tf.gather(yt, i)))
     return ds.prefetch(1)
+
+
+# --------------------------------------------------------------------------------------------
+# streamed sources: tfrecord, csv, images (tf.data over the files, never loaded whole)
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".gif", ".bmp")
+
+
+def _files(pattern: str, field: str) -> list[str]:
+    """The files of ``pattern``: a directory's files, a glob's matches, or one file; sorted."""
+    import glob
+
+    if os.path.isdir(pattern):
+        found = sorted(os.path.join(pattern, f) for f in os.listdir(pattern)
+                       if os.path.isfile(os.path.join(pattern, f)))
+    else:
+        found = sorted(f for f in glob.glob(pattern) if os.path.isfile(f))
+    if not found:
+        raise DataError(field, f"no files match {pattern!r}")
+    return found
+
+
+def _image_files(root: str, field: str) -> tuple[list[str], list[int], list[str]]:
+    """(files, labels, class names) of a directory per class, as Keras'
+    ``image_dataset_from_directory`` reads it (classes in sorted order)."""
+    if not os.path.isdir(root):
+        raise DataError(field, f"{root!r} is not a directory (one sub-directory per class)")
+    classes = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)))
+    if not classes:
+        raise DataError(field, f"{root!r} has no class sub-directories")
+    files, labels = [], []
+    for k, c in enumerate(classes):
+        for base, _dirs, names in sorted(os.walk(os.path.join(root, c))):
+            for n in sorted(names):
+                if n.lower().endswith(IMAGE_EXTENSIONS):
+                    files.append(os.path.join(base, n))
+                    labels.append(k)
+    if not files:
+        raise DataError(field, f"{root!r} holds no images ({', '.join(IMAGE_EXTENSIONS)})")
+    return files, labels, classes
+
+
+def csv_columns(path: str) -> list[str]:
+    """The header of a CSV file."""
+    import csv
+
+    try:
+        with open(path, newline="") as f:
+            header = next(csv.reader(f), None)
+    except OSError as e:
+        raise DataError("data.path", f"cannot read {path}: {e.strerror}") from None
+    if not header:
+        raise DataError("data.path", f"{path} is empty (a header row of column names is needed)")
+    return [h.strip() for h in header]
+
+
+def check_streamed(data: DataSpec) -> None:
+    """What can be checked before TensorFlow is imported: the files exist, the label column."""
+    field = "data.path"
+    if data.source == "images":
+        _image_files(data.path, field)
+        if data.test_path:
+            _image_files(data.test_path, "data.test_path")
+        return
+    files = _files(data.path, field)
+    if data.test_path:
+        _files(data.test_path, "data.test_path")
+    if data.source == "csv":
+        cols = csv_columns(files[0])
+        if data.label not in cols:
+            raise DataError("data.label", f"{files[0]} has no column {data.label!r} (columns: "
+                                          f"{', '.join(cols[:20])})")
+
+
+def stream(data: DataSpec, split: str, *, shards: int = 1, index: int = 0,
+           input_names: tuple[str, ...] = ()):
+    """A tf.data dataset of ``(features, label)`` examples (unbatched) of a streamed source's
+    ``split`` ("train" or "test"), this worker's ``index``-th of ``shards``: by file when there
+    are at least as many files as shards, else by record. Without ``data.test_path`` every
+    ``round(1 / test_fraction)``-th record of each file is the test split (the same records
+    whatever the sharding). Features: one tensor, or a dict by name for several inputs
+    (tfrecord; ``input_names`` are the model's inputs)."""
+    import tensorflow as tf
+
+    held_out = not data.test_path
+    every = max(2, round(1 / data.test_fraction))
+    src_path = data.test_path if (split == "test" and data.test_path) else data.path
+    field = "data.test_path" if src_path is data.test_path and data.test_path else "data.path"
+
+    if data.source == "images":
+        files, labels, _ = _image_files(src_path, field)
+        h, w = data.image_size
+        paths = tf.data.Dataset.from_tensor_slices((files, labels))
+
+        def load(p, y):
+            img = tf.io.decode_image(tf.io.read_file(p), channels=3, expand_animations=False)
+            img = tf.image.resize(img, (h, w))  # float32, 0-255 as Keras reads them
+            return img, tf.cast(y, tf.int64)
+
+        ds = paths
+        if held_out:
+            keep = (lambda i, e: i % every == 0) if split == "test" else (lambda i, e: i % every != 0)
+            ds = ds.enumerate().filter(keep).map(lambda i, e: e)
+        if split == "train" and shards > 1:
+            ds = ds.shard(shards, index)
+        return ds.map(load, num_parallel_calls=2, deterministic=True)
+
+    files = _files(src_path, field)
+    by_file = split == "train" and shards > 1 and len(files) >= shards
+    if by_file:
+        files = files[index::shards]
+
+    if data.source == "tfrecord":
+        spec = {n: tf.io.FixedLenFeature(list(f["shape"]), getattr(tf, f["dtype"]))
+                for n, f in data.features.items()}
+        inputs = [n for n in data.features if n != data.label]
+        if input_names and len(inputs) > 1:
+            missing = [n for n in input_names if n not in inputs]
+            if missing:
+                raise DataError("data.features", f"the model's inputs {missing} are not among "
+                                                 f"the features {inputs}")
+
+        def read(path):
+            return tf.data.TFRecordDataset(path)
+
+        def parse(record):
+            ex = tf.io.parse_single_example(record, spec)
+            x = ex[inputs[0]] if len(inputs) == 1 else {n: ex[n] for n in inputs}
+            return x, ex[data.label]
+    else:  # csv
+        cols = csv_columns(files[0])
+        li = cols.index(data.label)
+
+        def read(path):
+            return tf.data.TextLineDataset(path).skip(1)
+
+        def parse(line):
+            values = tf.io.decode_csv(line, record_defaults=[[0.0]] * len(cols))
+            x = tf.stack([v for i, v in enumerate(values) if i != li])
+            return x, values[li]
+
+    def per_file(path):
+        ds = read(path)
+        if held_out:
+            keep = (lambda i, r: i % every == 0) if split == "test" else (lambda i, r: i % every != 0)
+            ds = ds.enumerate().filter(keep).map(lambda i, r: r)
+        return ds
+
+    ds = tf.data.Dataset.from_tensor_slices(files).interleave(
+        per_file, cycle_length=min(4, len(files)), deterministic=True)
+    if split == "train" and shards > 1 and not by_file:
+        ds = ds.shard(shards, index)
+    return ds.map(parse, num_parallel_calls=2, deterministic=True)
+
+
+def tf_targets(y, loss: str, output_shape: tuple[int, ...]):
+    """``prepare_targets`` on a tensor: labels as ``loss`` expects them."""
+    import tensorflow as tf
+
+    classes = int(output_shape[-1]) if output_shape else 1
+    if loss == "sparse_categorical_crossentropy":
+        return tf.cast(tf.reshape(y, []), tf.int64)
+    if y.dtype.is_integer or (y.shape.rank == 0 and classes > 1):
+        return tf.one_hot(tf.cast(y, tf.int64), classes, dtype=tf.float32)
+    return tf.reshape(tf.cast(y, tf.float32), list(output_shape))
+
+
+def count_examples(data: DataSpec) -> int:
+    """Training examples of a streamed source (one pass over the files: only when the job
+    gives epochs, not steps)."""
+    import tensorflow as tf
+
+    ds = stream(data, "train").map(lambda x, y: 0)
+    return int(ds.reduce(tf.constant(0, tf.int64), lambda n, _: n + 1))
+
+
+def load_streamed_splits(data: DataSpec) -> Splits:
+    """A streamed source read whole into arrays, for the runners that hold their data set in
+    NumPy (parameter-server, pipeline and hybrid drivers; one input only)."""
+    import numpy as np_
+
+    out = []
+    for split in ("train", "test"):
+        xs, ys = [], []
+        for x, y in stream(data, split).as_numpy_iterator():
+            if isinstance(x, dict):
+                raise DataError("data.features", "models with several inputs train "
+                                                 "data-parallel only (multi_worker_mirrored)")
+            xs.append(x)
+            ys.append(y)
+        if not xs:
+            raise DataError("data.path", f"the {split} split is empty")
+        out += [np_.stack(xs), np_.asarray(ys)]
+    return Splits(*out)

@@ -18,6 +18,7 @@ import hashlib
 import os
 from typing import Any, Callable
 
+from strata.spec import STREAMED_SOURCES
 from strata.taskconfig import TaskConfig, TaskConfigError
 from strata.worker.common import (
     Events, cluster_from_tf_config, eval_sums, log,
@@ -84,11 +85,21 @@ class MirroredRunner(TrainingRunner):
     def load(self) -> Data:
         from strata.worker import data as wdata
 
+        classify = self.spec.training.loss in wdata.CLASSIFICATION_LOSSES
         if self.spec.code_dataset:
             # the user's input pipeline: only its step count and loss are known here
-            return Data(None, None, None, None,
-                        self.spec.training.loss in wdata.CLASSIFICATION_LOSSES,
-                        self.spec.training.steps)
+            return Data(None, None, None, None, classify, self.spec.training.steps)
+        if self.spec.data.source in STREAMED_SOURCES:
+            # read as a stream by each worker (``build``); epochs cost one counting pass
+            steps = self.spec.training.steps
+            if not steps:
+                try:
+                    n = wdata.count_examples(self.spec.data)
+                except wdata.DataError as e:
+                    raise TaskConfigError(e.field, e.message) from None
+                steps = wdata.total_steps(self.spec.training, n, self.gb)
+                log(f"{self.spec.data.source} training split: {n:,} examples, {steps} steps")
+            return Data(None, None, None, None, classify, steps)
         if not self.spec.code_model:
             return super().load()
         model = self._user_model()
@@ -138,6 +149,30 @@ class MirroredRunner(TrainingRunner):
                                                           "tf.data.Dataset")
                 return ds.repeat()  # the job runs training.steps steps, whatever its size
             self._user_dataset = (user_fn, what)
+        elif self.spec.data.source in STREAMED_SOURCES:
+            data_spec, loss = self.spec.data, self.spec.training.loss
+            names = tuple(getattr(t, "name", "") for t in model.inputs)
+            dtypes = [str(t.dtype) for t in model.inputs]
+            out_shape = tuple(int(v) for v in model.outputs[0].shape[1:])
+
+            def prepare(x: Any, y: Any) -> Any:
+                if isinstance(x, dict):
+                    x = {k: tf.cast(v, dtypes[0]) for k, v in x.items()}
+                else:
+                    x = tf.cast(x, dtypes[0])
+                return x, wdata.tf_targets(y, loss, out_shape)
+
+            def dataset_fn(ctx: Any) -> Any:
+                wid = ctx.input_pipeline_id
+                ds = wdata.stream(data_spec, "train", shards=ctx.num_input_pipelines,
+                                  index=wid, input_names=names).map(prepare)
+                return ds.shuffle(wdata.STREAM_SHUFFLE_EXAMPLES, seed=seed + wid).repeat() \
+                    .batch(ctx.get_per_replica_batch_size(gb), drop_remainder=True).prefetch(1)
+
+            def test_fn(ctx: Any, split: str) -> Any:
+                return wdata.stream(data_spec, "test", input_names=names).map(prepare) \
+                    .batch(max(1, self.per_replica))
+            self._user_dataset = (test_fn, f"data.source {data_spec.source}")
         else:
             def dataset_fn(ctx: Any) -> Any:
                 wid, nw = ctx.input_pipeline_id, ctx.num_input_pipelines
@@ -180,7 +215,7 @@ class MirroredRunner(TrainingRunner):
         return max(1, self.per_replica)
 
     def evaluate(self) -> tuple[float, float]:
-        if not self.spec.code_dataset:
+        if not hasattr(self, "_user_dataset"):
             return super().evaluate()
         # the user's "test" split, whole, on every worker (as the NumPy test split is)
         from strata.worker.usercode import call

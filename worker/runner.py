@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 from strata.exitcodes import TASK_EXIT_OK
 from strata.modelspec import ModelProfile, ModelSpecError, profile_model
+from strata.spec import STREAMED_SOURCES
 from strata.taskconfig import TaskConfig, TaskConfigError
 from strata.worker.common import (
     Events, configure_device, exit_task, format_mib, install_sigterm_handler, log,
@@ -70,13 +71,17 @@ def load_data(cfg: TaskConfig, input_shape: tuple[int, ...],
 def check_data_available(cfg: TaskConfig) -> None:
     """What can be checked before TensorFlow is imported (a bad config fails in milliseconds):
     a data file's presence and arrays."""
-    if cfg.spec.data.path:
-        from strata.worker.data import DataError, load_npz_keys
+    if cfg.spec.code_dataset:
+        return  # the job's own input pipeline
+    from strata.worker.data import DataError, check_streamed, load_npz_keys
 
-        try:
+    try:
+        if cfg.spec.data.source == "npz":
             load_npz_keys(cfg.spec.data.path)
-        except DataError as e:
-            raise TaskConfigError(e.field, e.message) from None
+        elif cfg.spec.data.source in STREAMED_SOURCES:
+            check_streamed(cfg.spec.data)
+    except DataError as e:
+        raise TaskConfigError(e.field, e.message) from None
 
 
 def gradient_step(tf: Any, model: Any, optimizer: Any, loss_fn: Any, mixed: str,
