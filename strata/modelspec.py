@@ -205,10 +205,35 @@ def keras_file_config(model: dict) -> str:
 
 
 def model_json(model: dict) -> str | dict:
-    """The serialized Keras model of a keras_json or keras_file section."""
+    """The serialized Keras model of a keras_json or keras_file section (for a builtin one,
+    the config of the model ``worker.models`` builds)."""
     if model.get("keras_file"):
         return keras_file_config(model)
+    if model.get("builtin"):
+        return builtin_keras_config(model["builtin"])
     return model.get("keras_json")
+
+
+def builtin_keras_config(b: dict) -> dict:
+    """The builtin MLP as a Keras ``Sequential`` config (what ``model.to_json()`` of the model
+    ``worker.models`` builds says, in its essentials): a saved pipeline model needs it."""
+    def layer(cls: str, **cfg: Any) -> dict:
+        return {"module": "keras.layers", "class_name": cls, "config": cfg,
+                "registered_name": None}
+
+    shape = [int(d) for d in b["input_shape"]]
+    layers = [layer("InputLayer", batch_shape=[None] + shape, dtype="float32", name="input")]
+    if len(shape) > 1:
+        layers.append(layer("Flatten", name="flatten"))
+    he = {"module": "keras.initializers", "class_name": "HeUniform", "config": {"seed": None},
+          "registered_name": None}
+    for i, units in enumerate(b.get("hidden") or []):
+        layers.append(layer("Dense", name=f"hidden_{i}", units=int(units), activation="relu",
+                            kernel_initializer=he))
+    layers.append(layer("Dense", name="logits", units=int(b["classes"]), activation="linear"))
+    return {"module": "keras", "class_name": "Sequential",
+            "config": {"name": "mlp", "trainable": True, "layers": layers},
+            "registered_name": None}
 
 
 # --------------------------------------------------------------------------------------------

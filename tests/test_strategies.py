@@ -207,6 +207,24 @@ def test_hybrid_replicas_stay_identical(client):
         assert 0 < t.peak_memory_bytes <= t.memory_budget_bytes
 
 
+def test_hybrid_model_comes_back_whole_and_matches_its_digest(client, tmp_path):
+    # the builtin MLP's stages, assembled into one .keras file by the chief
+    import hashlib
+
+    import keras
+    import numpy as np
+
+    final, _ = run_job(client, spec(name="digits-hybrid-out", strategy="hybrid", workers=2,
+                                    stages=2, microbatches=2, training={"steps": 5}))
+    assert final.state == JobState.SUCCEEDED, final.message
+    client.download(final.id, str(tmp_path))
+    model = keras.saving.load_model(str(tmp_path / "model.keras"), safe_mode=True)
+    h = hashlib.sha256()
+    for w in model.weights:
+        h.update(np.ascontiguousarray(np.asarray(w.numpy(), dtype=np.float32)).tobytes())
+    assert h.hexdigest() == by_role(final)[("chief", 0)].weights_sha256
+
+
 def test_agents_are_idle_after_the_jobs(cluster, client):
     wait_until(lambda: all(w.memory.reserved_bytes == 0 for w in client.workers()), 30,
                what="every reservation released")

@@ -108,6 +108,17 @@ def test_keras_file_residual_cnn_pipeline_cuts_only_between_blocks(cluster, clie
     final = client.wait(job.id, timeout=TIMEOUT_S)
     assert final.state == JobState.SUCCEEDED, final.message
     assert final.metrics.test_accuracy >= 0.8, final.metrics
+    # the model comes back whole, assembled from the stages, and classifies as reported
+    files = client.download(job.id, str(tmp_path / "out"))
+    assert sorted(os.path.basename(f) for f in files) == ["metrics.json", "model.keras"]
+    import keras
+
+    from strata.worker.data import load_digits_splits
+
+    model = keras.saving.load_model(str(tmp_path / "out" / "model.keras"), safe_mode=True)
+    s = load_digits_splits()
+    pred = model.predict(s.x_test.reshape(-1, 8, 8, 1), verbose=0).argmax(axis=1)
+    assert float((pred == s.y_test).mean()) == pytest.approx(final.metrics.test_accuracy, abs=0.02)
     # too many stages for its cut points: the reason says where it can be cut
     bad = client.plan(dict(spec, stages=6))
     assert not bad.feasible and "at most 5 stages" in bad.reason, bad.reason

@@ -22,6 +22,7 @@ forced to float32 so logits and the loss are float32.
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 from strata.spec import OptimizerSpec
@@ -113,8 +114,6 @@ def build_model(model_spec: dict, mixed_precision: str = "none", sync_batchnorm:
 
 def keras_file_path(model_spec: dict, blob_dir: str) -> str:
     """The agent's copy of a ``keras_file`` model's file."""
-    import os
-
     kf = model_spec["keras_file"]
     path = os.path.join(blob_dir or ".", kf["sha256"] + ".keras")
     if not os.path.isfile(path):
@@ -185,6 +184,79 @@ def load_layer_weights(layers: list, model_spec: dict, blob_dir: str) -> None:
     except Exception as e:  # noqa: BLE001 - reported as the file's
         raise ModelSpecError("model.keras_file", f"cannot load the weights of {name}: "
                                                  f"{type(e).__name__}: {e}") from None
+
+
+#: rows of a variable read from its stage task at a time when the chief writes the model
+WRITE_CHUNK_ELEMS = 1 << 20
+
+
+def write_keras_file(path: str, model_spec: dict, stage_layers: list, tf) -> None:
+    """Writes a ``.keras`` file of a model whose layers live on other tasks (a pipeline's
+    stages, as ``(device, layers)`` pairs): the model's config, and its weights written from
+    each stage's variables a slice at a time, so the chief never holds a whole remote kernel.
+    Keras' own walk over each layer's state (``_save_state``) decides what is saved and where;
+    ``keras.saving.load_model`` reads the file like any other."""
+    import datetime
+    import zipfile
+
+    import h5py
+    import keras
+    import numpy as np
+    from keras.src.saving import saving_lib
+
+    paths = _weight_paths(model_spec)
+
+    class ChunkedStore(saving_lib.H5IOStore):
+        """Keras' H5 store, writing each variable in row slices on its own device."""
+
+        def __init__(self, h5, device):  # noqa: D401 - no file of its own to open
+            self.h5_file, self.mode, self.archive = h5, "w", None
+            self.device = device
+            self._group = None
+
+        def make(self, path, metadata=None):
+            self._group = self.h5_file.require_group(path).require_group("vars")
+            return self
+
+        def __setitem__(self, key, value):
+            v = value.value if hasattr(value, "value") else value
+            shape = tuple(int(d) for d in v.shape)
+            dtype = np.dtype(str(getattr(value, "dtype", v.dtype)).replace("bfloat16", "float32"))
+            ds = self._group.create_dataset(str(key), shape=shape, dtype=dtype)
+            if not shape:
+                with tf.device(self.device):
+                    ds[()] = np.asarray(tf.identity(v).numpy(), dtype=dtype)
+                return
+            row = max(1, int(np.prod(shape[1:])))
+            step = max(1, WRITE_CHUNK_ELEMS // row)
+            for a in range(0, shape[0], step):
+                with tf.device(self.device):
+                    ds[a:a + step] = np.asarray(v[a:a + step].numpy(), dtype=dtype)
+
+        def close(self):
+            pass
+
+    tmp = path + ".part"
+    h5_tmp = path + ".weights.h5"
+    try:
+        with h5py.File(h5_tmp, "w") as h5:
+            for device, layers in stage_layers:
+                store = ChunkedStore(h5, device)
+                for layer in layers:
+                    saving_lib._save_state(layer, weights_store=store, assets_store=None,
+                                           inner_path=paths[layer.name],
+                                           visited_saveables=set())
+        with zipfile.ZipFile(tmp, "w") as z:
+            z.writestr("metadata.json", json.dumps({
+                "keras_version": keras.__version__,
+                "date_saved": datetime.datetime.now().strftime("%Y-%m-%d@%H:%M:%S")}))
+            z.writestr("config.json", json.dumps(parse_keras_json(model_json(model_spec))))
+            z.write(h5_tmp, "model.weights.h5")
+        os.replace(tmp, path)
+    finally:
+        for f in (tmp, h5_tmp):
+            if os.path.exists(f):
+                os.unlink(f)
 
 
 def build_optimizer(opt: OptimizerSpec, mixed_precision: str = "none"):

@@ -96,9 +96,9 @@ As every training runner: ``started`` (cluster connected), ``first_step``, ``pro
 mean loss, examples/s, this chief's allocator memory), ``result`` (test accuracy and loss over
 the full test split, evaluated through replica 0's pipeline; ``weights_sha256`` over replica
 0's weights in layer order as float32 bytes, like ``strata.worker.mirrored``; ``replica_weights_sha256``;
-``model_path`` is None: no stage task holds the whole model and gathering it on the chief
-would defeat the point, so the trained model is not saved in this release), then
-``exit_task(0)``. Config problems raise ``TaskConfigError``; an out-of-memory op on any stage
+``model_path``: the whole model as one ``.keras`` file, assembled by the chief from replica
+0's stages, each variable read a slice at a time (``worker.models.write_keras_file``: no task
+ever holds the whole model, nor a whole remote kernel), then ``exit_task(0)``. Config problems raise ``TaskConfigError``; an out-of-memory op on any stage
 reaches the chief as ``ResourceExhaustedError`` (checked), which ``strata.worker.task`` reports as
 kind ``oom``.
 """
@@ -749,10 +749,18 @@ class PipelineDriver(TrainingRunner):
         digests = [_digest(self.tf, np, row) for row in self.stages]
         R = self.layout.replicas
         same = "identical" if len(set(digests)) == 1 else "DIFFERENT"
+        from strata.worker import models as wmodels
+
+        out_dir = self.cfg.agent.output_dir or os.getcwd()
+        os.makedirs(out_dir, exist_ok=True)
+        model_path = os.path.abspath(os.path.join(out_dir, "model.keras"))
+        # the whole model, assembled from replica 0's stages a slice at a time
+        wmodels.write_keras_file(model_path, self.spec.model,
+                                 [(st.device, st.layers) for st in self.stages[0]], self.tf)
         log(f"weights {digests[0][:12]}" + (f" ({R} replicas {same})" if R > 1 else "")
-            + "; model not saved (pipeline jobs keep the model split across stage tasks)")
+            + f"; model assembled from the {self.layout.stages} stages: {model_path}")
         return {"weights_sha256": digests[0], "replica_weights_sha256": digests,
-                "model_path": None}
+                "model_path": model_path}
 
 
 def run_driver(cfg: TaskConfig, events: Events) -> int:
