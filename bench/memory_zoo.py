@@ -137,6 +137,59 @@ ZOO: list[Model] = [
           dict(SYN), (16, 256)),
 ]
 
+def _text_embedding(k: Any) -> Any:
+    i = k.Input((64,), dtype="int32", name="tokens")
+    x = k.layers.Embedding(5000, 64)(i)
+    x = k.layers.GlobalAveragePooling1D()(x)
+    x = k.layers.Dense(64, activation="relu")(x)
+    return k.Model(i, k.layers.Dense(10)(x))
+
+
+def _transformer(k: Any) -> Any:
+    L = k.layers
+    i = k.Input((32, 64), name="seq")
+    a = L.MultiHeadAttention(num_heads=4, key_dim=16)(i, i)
+    x = L.LayerNormalization()(L.Add()([i, a]))
+    f = L.Dense(64)(L.Dense(256, activation="relu")(x))
+    x = L.LayerNormalization()(L.Add()([x, f]))
+    x = L.GlobalAveragePooling1D()(x)
+    return k.Model(i, L.Dense(10)(x))
+
+
+def _resnet(k: Any) -> Any:
+    L = k.layers
+    i = k.Input((16, 16, 3), name="img")
+    x = L.Conv2D(32, 3, padding="same", activation="relu")(i)
+    for _ in range(2):
+        y = L.Conv2D(32, 3, padding="same")(x)
+        y = L.BatchNormalization()(y)
+        y = L.ReLU()(y)
+        y = L.Conv2D(32, 3, padding="same")(y)
+        x = L.Add()([x, y])
+    x = L.GlobalAveragePooling2D()(x)
+    return k.Model(i, L.Dense(10)(x))
+
+
+#: the layer kinds beyond the chains above (users' own models): embeddings, recurrent layers,
+#: attention, residual graphs, 1-D convolutions
+GRAPH_ZOO: list[Model] = [
+    Model("text-embedding", "64 token ids, embedding 5000 x 64, average, dense",
+          _keras(_text_embedding), dict(SYN), (32, 512)),
+    Model("lstm-seq", "32 x 16 sequence, LSTM 128 (sequences), LSTM 64",
+          _seq((32, 16), lambda L: [L.LSTM(128, return_sequences=True), L.LSTM(64),
+                                    L.Dense(10)]), dict(SYN), (16, 128)),
+    Model("transformer-block", "32 x 64 sequence, attention 4 x 16, FFN 256, residuals",
+          _keras(_transformer), dict(SYN), (16, 128)),
+    Model("resnet-small", "16x16x3, two residual blocks of conv 32 + batch norm",
+          _keras(_resnet), dict(SYN), (8, 64)),
+    Model("conv1d-seq", "128 x 8 sequence, conv1d 64 x 5, max pool, conv1d 64, global max",
+          _seq((128, 8), lambda L: [L.Conv1D(64, 5, activation="relu"), L.MaxPooling1D(2),
+                                    L.Conv1D(64, 3, activation="relu"),
+                                    L.GlobalMaxPooling1D(), L.Dense(10)]),
+          dict(SYN), (16, 128)),
+]
+ZOO += GRAPH_ZOO
+
 STRATEGIES: dict[str, dict[str, Any]] = {
     "multi_worker_mirrored": {"workers": 2},
     "parameter_server": {"workers": 2, "parameter_servers": 1},
@@ -148,6 +201,8 @@ STRATEGIES: dict[str, dict[str, Any]] = {
 ALL_CONFIGS = [(b, p, o) for b in (0, 1) for p in ("none", "bfloat16") for o in ("adam", "sgd")]
 HALF_CONFIGS = [(0, "none", "adam"), (1, "none", "sgd"), (0, "bfloat16", "sgd"),
                 (1, "bfloat16", "adam")]
+# two opposite corners (the graph models' rows)
+PAIR_CONFIGS = [(0, "none", "adam"), (1, "bfloat16", "sgd")]
 # the other optimizers a job accepts, at the large batch (their slots and update temporaries)
 OPTIMIZER_CONFIGS = [(1, "none", "adamw"), (1, "bfloat16", "rmsprop"), (1, "none", "adagrad")]
 
@@ -329,7 +384,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     p.add_argument("--models", default="", help="comma-separated zoo names (default: all)")
     p.add_argument("--strategies", default="", help="comma-separated (default: all four)")
-    p.add_argument("--configs", choices=("all", "half", "optimizers"), default="half")
+    p.add_argument("--configs", choices=("all", "half", "optimizers", "pair"), default="half")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "memory_zoo.jsonl"))
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--agents", type=int, default=4)
@@ -350,7 +405,8 @@ def main() -> None:
     strategies = [s for s in a.strategies.split(",") if s] or list(STRATEGIES)
     if set(strategies) - set(STRATEGIES):
         p.error(f"--strategies: known are {list(STRATEGIES)}")
-    configs = {"all": ALL_CONFIGS, "half": HALF_CONFIGS, "optimizers": OPTIMIZER_CONFIGS}[a.configs]
+    configs = {"all": ALL_CONFIGS, "half": HALF_CONFIGS, "optimizers": OPTIMIZER_CONFIGS,
+               "pair": PAIR_CONFIGS}[a.configs]
     run_rows(models, strategies, configs, a.out, a.steps, a.agents, a.agent_budget, a.timeout,
              a.profile)
 

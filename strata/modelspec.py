@@ -164,8 +164,9 @@ class ModelProfile:
 
     @property
     def activation_elems(self) -> int:
-        """Sum of all layers' output elements per example."""
-        return sum(l.output_elems for l in self.layers)
+        """Sum of all layers' output elements per example, with what they keep inside for the
+        backward pass (``LayerProfile.internal_elems``)."""
+        return sum(l.output_elems + l.internal_elems for l in self.layers)
 
 
 # --------------------------------------------------------------------------------------------

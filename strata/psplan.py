@@ -70,7 +70,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from strata.memory import format_size, largest_variable_bytes, largest_workspace
+from strata.memory import (
+    format_size, gradient_bytes, largest_variable_bytes, largest_workspace,
+)
 from strata.modelspec import LayerProfile, ModelProfile
 
 __all__ = ["PsPlan", "plan_parameter_servers", "layer_share_bytes", "OPTIMIZER_SLOTS"]
@@ -145,11 +147,13 @@ def _update_buffers(optimizer: str, workers: int) -> float:
     return a + b * max(1, int(workers))
 
 
-def layer_share_bytes(layer: LayerProfile, *, workers: int, optimizer: str) -> int:
+def layer_share_bytes(layer: LayerProfile, *, workers: int, optimizer: str,
+                      batch: int = 1) -> int:
     """A layer's share of its PS task: its variables and optimizer slots, and the gradients
-    and update temporaries in flight with ``workers`` workers."""
+    and update temporaries in flight with ``workers`` workers (of ``batch`` examples each: an
+    Embedding's sparse gradient grows with it, ``strata.memory.gradient_bytes``)."""
     stored = _stored_bytes(layer, _slots(optimizer))
-    inflight = 4 * layer.trainable_params * _update_buffers(optimizer, workers)
+    inflight = gradient_bytes(layer, batch) * _update_buffers(optimizer, workers)
     return stored + int(math.ceil(inflight))
 
 
@@ -171,7 +175,8 @@ def plan_parameter_servers(profile: ModelProfile, *, num_ps: int, workers: int, 
         raise ValueError(f"num_ps must be at least 1, got {num_ps}")
     if workers < 1:
         raise ValueError(f"workers must be at least 1, got {workers}")
-    shares = {l.name: layer_share_bytes(l, workers=workers, optimizer=optimizer)
+    shares = {l.name: layer_share_bytes(l, workers=workers, optimizer=optimizer,
+                                        batch=max(1, int(batch_size)))
               for l in profile.layers if l.params > 0}
     loads = [0] * num_ps
     members: list[list[str]] = [[] for _ in range(num_ps)]

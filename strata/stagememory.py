@@ -165,7 +165,7 @@ class StageCostModel:
         for i, layer in enumerate(layers):
             pp[i + 1] = pp[i] + layer.params
             pt[i + 1] = pt[i] + layer.trainable_params
-            pa[i + 1] = pa[i] + layer.output_elems
+            pa[i + 1] = pa[i] + layer.output_elems + layer.internal_elems
         self._pp, self._pt, self._pa = pp, pt, pa
 
         # X[b]: terms that grow with the end b; Y[a]: with the start a (subtracted)

@@ -85,6 +85,14 @@ def attach_files(raw: dict, base_dir: str | None) -> list[str]:
     the job (the file's digest, size, name and, for a model, its config), in place. Returns the
     files to upload before submitting. Raises SpecError naming the field."""
     uploads: list[str] = []
+    data = raw.get("data")
+    if isinstance(data, dict) and base_dir:
+        # data paths are read by the tasks, whose working directory is not the user's: a
+        # relative one is taken relative to the job file, as every other path in it
+        for key in ("path", "test_path"):
+            v = data.get(key)
+            if isinstance(v, str) and v and not os.path.isabs(os.path.expanduser(v)):
+                data[key] = resolve(v, base_dir)
     model = raw.get("model")
     if isinstance(model, dict) and isinstance(model.get("keras_file"), str):
         field = "model.keras_file"

@@ -93,12 +93,20 @@ def load_digits_splits() -> Splits:
     return Splits(x[train], y[train], x[test], y[test])
 
 
-def load_synthetic_splits(input_shape: tuple[int, ...], classes: int, examples: int) -> Splits:
+SYNTHETIC_TOKENS = 100  # integer inputs (token ids) are drawn from [0, SYNTHETIC_TOKENS)
+
+
+def load_synthetic_splits(input_shape: tuple[int, ...], classes: int, examples: int,
+                          integer: bool = False) -> Splits:
     n_train = int(examples) if examples and examples > 0 else SYNTHETIC_DEFAULT_TRAIN
     rng = np.random.default_rng(SYNTHETIC_SEED)
     features = int(np.prod(input_shape))
     teacher = rng.standard_normal((features, classes), dtype=np.float32)
-    x = rng.standard_normal((n_train + SYNTHETIC_TEST,) + tuple(input_shape), dtype=np.float32)
+    shape = (n_train + SYNTHETIC_TEST,) + tuple(input_shape)
+    if integer:  # token ids for a model that embeds them
+        x = rng.integers(0, SYNTHETIC_TOKENS, shape).astype(np.float32)
+    else:
+        x = rng.standard_normal(shape, dtype=np.float32)
     y = np.argmax(x.reshape(x.shape[0], features) @ teacher, axis=1).astype(np.int64)
     return Splits(x[:n_train], y[:n_train], x[n_train:], y[n_train:])
 
@@ -156,7 +164,8 @@ def load_npz_splits(path: str) -> Splits:
     return Splits(*out)
 
 
-def load_splits(data: DataSpec, input_shape: tuple[int, ...], output_shape: tuple[int, ...]) -> Splits:
+def load_splits(data: DataSpec, input_shape: tuple[int, ...], output_shape: tuple[int, ...],
+                input_dtype: str = "float32") -> Splits:
     """Loads the full splits for the spec's ``data`` and checks them against the model's shapes."""
     source = data.source
     if source == "digits":
@@ -165,7 +174,8 @@ def load_splits(data: DataSpec, input_shape: tuple[int, ...], output_shape: tupl
         if len(output_shape) != 1:
             raise DataError("data.source", f"synthetic data needs a model with one output axis "
                                            f"(classes); the model outputs {list(output_shape)}")
-        s = load_synthetic_splits(tuple(input_shape), int(output_shape[0]), data.examples)
+        s = load_synthetic_splits(tuple(input_shape), int(output_shape[0]), data.examples,
+                                  integer=input_dtype.startswith(("int", "uint")))
     elif source == "npz":
         s = load_npz_splits(data.path)
     elif source in ("tfrecord", "csv", "images"):

@@ -54,7 +54,8 @@ def load_data(cfg: TaskConfig, input_shape: tuple[int, ...],
     loss = spec.training.loss
     field = "data.path" if spec.data.path else "data.source"
     try:
-        splits = wdata.load_splits(spec.data, tuple(input_shape), tuple(output_shape))
+        splits = wdata.load_splits(spec.data, tuple(input_shape), tuple(output_shape),
+                                   input_dtype)
         y_train = wdata.prepare_targets(splits.y_train, loss, tuple(output_shape), field)
         y_test = wdata.prepare_targets(splits.y_test, loss, tuple(output_shape), field)
     except wdata.DataError as e:
