@@ -24,7 +24,7 @@ from typing import AsyncIterator, BinaryIO, Iterable, Iterator
 
 from strata.errors import NotFoundError, SpecError, UploadError
 from strata.uploads import (  # noqa: F401 (re-exported)
-    MAX_KERAS_CONFIG_BYTES, keras_config, safe_relpath,
+    MAX_KERAS_CONFIG_BYTES, file_chunks, keras_config, safe_relpath,
 )
 
 CHUNK_BYTES = 1 << 20
@@ -83,12 +83,7 @@ class BlobStore:
         path = self.path(sha)
         if not os.path.isfile(path):
             raise NotFoundError("blob", sha)
-        with open(path, "rb") as f:
-            while True:
-                data = f.read(CHUNK_BYTES)
-                if not data:
-                    return
-                yield data
+        yield from file_chunks(path)
 
     def size(self, sha: str) -> int:
         path = self.path(sha)

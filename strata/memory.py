@@ -385,7 +385,8 @@ def layer_workspaces(profile: ModelProfile) -> list[int]:
     trainable_before = False
     for layer in profile.layers:
         ws = conv_workspace_bytes(layer)
-        out.append(2 * ws if trainable_before else ws)
+        out.append((2 * ws if trainable_before else ws)
+                   + int(getattr(layer, "workspace_bytes", 0)))
         trainable_before = trainable_before or layer.trainable_params > 0
     return out
 

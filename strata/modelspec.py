@@ -78,6 +78,9 @@ class LayerProfile:
     largest_weight: int = 0
     #: its activation function's name ("linear" when it has none)
     activation: str = "linear"
+    #: bytes its backward pass holds whatever the batch (a recurrent layer's per-step kernel
+    #: gradients; ``strata.memory.layer_workspaces``)
+    workspace_bytes: int = 0
 
     @property
     def trainable_params(self) -> int:
@@ -580,7 +583,8 @@ def _profile_graph(obj: dict) -> ModelProfile:
             n.name, n.kind, o.params, sum(_prod(s) for s in shapes[n.name]), o.flops,
             o.non_trainable, out0, refs, o.internal_elems, int(o.extra.get("kernel", 0)),
             _act_name(n.cfg) if "activation" in n.cfg else (
-                "softmax" if n.kind == "Softmax" else "linear")))
+                "softmax" if n.kind == "Softmax" else "linear"),
+            int(o.extra.get("workspace", 0))))
     out_layer = layers[-1]
     if outputs[0][1] != 0:
         raise ModelSpecError(_KJ, f"the model's output is output {outputs[0][1]} of layer "
