@@ -15,12 +15,13 @@ and leaves nothing behind. Paths from the wire are checked: an output path is re
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import re
 import shutil
 import tempfile
-from typing import AsyncIterator, BinaryIO, Iterable, Iterator
+from typing import AsyncIterator, Iterable, Iterator
 
 from strata.errors import NotFoundError, SpecError, UploadError
 from strata.uploads import (  # noqa: F401 (re-exported)
@@ -71,7 +72,7 @@ class BlobStore:
                         raise UploadError(f"upload is over the coordinator's limit of "
                                           f"{self.max_upload_bytes:,} bytes (--max-upload)")
                     h.update(data)
-                    f.write(data)
+                    await asyncio.to_thread(f.write, data)  # a slow disk never stalls the loop
             sha = h.hexdigest()
             os.replace(tmp, os.path.join(self.root, sha))
             return sha, size
@@ -106,16 +107,37 @@ class BlobStore:
             raise UploadError(f"bad job id {job_id[:100]!r}")
         return os.path.join(self.outputs_root, job_id)
 
-    def open_output(self, job_id: str, relpath: str) -> BinaryIO:
-        """A new file under the job's output directory (replacing one of that name)."""
-        rel = safe_relpath(relpath)
-        path = os.path.join(self.output_dir(job_id), rel)
+    def output_path(self, job_id: str, relpath: str) -> str:
+        """Where a job's output file goes (its directory made); the path stays inside it."""
+        path = os.path.join(self.output_dir(job_id), safe_relpath(relpath))
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        return open(path, "wb")
+        return path
+
+    async def put_output(self, job_id: str, relpath: str, chunks: AsyncIterator[bytes],
+                         limit: int) -> int:
+        """Stores one output file from its streamed chunks; returns its size. Written under a
+        temporary name and renamed when whole, so a broken upload leaves no partial file."""
+        path = self.output_path(job_id, relpath)
+        tmp = f"{path}.part"
+        size = 0
+        try:
+            with open(tmp, "wb") as f:
+                async for data in chunks:
+                    size += len(data)
+                    if size > limit:
+                        raise UploadError(f"output file {relpath!r} is over {limit:,} bytes")
+                    await asyncio.to_thread(f.write, data)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        return size
 
     def write_output(self, job_id: str, relpath: str, data: bytes) -> None:
-        with self.open_output(job_id, relpath) as f:
+        path = self.output_path(job_id, relpath)
+        with open(f"{path}.part", "wb") as f:
             f.write(data)
+        os.replace(f"{path}.part", path)
 
     def outputs(self, job_id: str) -> list[str]:
         """The job's output files, relative paths, sorted."""
@@ -123,7 +145,8 @@ class BlobStore:
         out = []
         for base, _dirs, files in os.walk(root):
             for name in files:
-                out.append(os.path.relpath(os.path.join(base, name), root))
+                if not name.endswith(".part"):  # still arriving
+                    out.append(os.path.relpath(os.path.join(base, name), root))
         return sorted(out)
 
     def read_outputs(self, job_id: str) -> Iterable[tuple[str, int, int, bytes]]:

@@ -206,7 +206,9 @@ class JobServicer(pb_grpc.JobServiceServicer):
     async def DownloadOutput(self, request: pb.DownloadOutputRequest,
                              context: Any) -> AsyncIterator[pb.FileChunk]:
         job = self.coord.get(request.job_id)
-        for path, offset, size, data in self.coord.blobs.read_outputs(job.id):
+        chunks = iter(self.coord.blobs.read_outputs(job.id))
+        while (c := await asyncio.to_thread(next, chunks, None)) is not None:
+            path, offset, size, data = c
             yield pb.FileChunk(path=path, offset=offset, size=size, data=data)
 
 
@@ -259,28 +261,28 @@ class ClusterServicer(pb_grpc.ClusterServiceServicer):
         self.coord.agents.check_session(request.name, request.session)
         size = self.coord.blobs.size(request.sha256)
         offset = 0
-        for data in self.coord.blobs.read(request.sha256):
+        chunks = self.coord.blobs.read(request.sha256)
+        while (data := await asyncio.to_thread(next, chunks, None)) is not None:
             yield pb.FileChunk(data=data, offset=offset, size=size)
             offset += len(data)
 
     @rpc
     async def UploadOutput(self, request_iterator: AsyncIterator[pb.OutputChunk],
                            context: Any) -> pb.UploadOutputResponse:
-        f = None
-        size = 0
+        it = request_iterator.__aiter__()
         try:
-            async for msg in request_iterator:
-                if f is None:
-                    self.coord.agents.check_session(msg.name, msg.session)
-                    job = self.coord.get(msg.job_id)
-                    f = self.coord.blobs.open_output(job.id, msg.chunk.path)
-                size += len(msg.chunk.data)
-                if size > MAX_OUTPUT_FILE_BYTES:
-                    raise UploadError(f"output file over {MAX_OUTPUT_FILE_BYTES:,} bytes")
-                f.write(msg.chunk.data)
-        finally:
-            if f is not None:
-                f.close()
+            first = await it.__anext__()
+        except StopAsyncIteration:
+            raise MalformedRequest("an output upload with no chunk") from None
+        self.coord.agents.check_session(first.name, first.session)
+        job = self.coord.get(first.job_id)
+
+        async def chunks() -> AsyncIterator[bytes]:
+            yield first.chunk.data
+            async for msg in it:
+                yield msg.chunk.data
+        size = await self.coord.blobs.put_output(job.id, first.chunk.path, chunks(),
+                                                 MAX_OUTPUT_FILE_BYTES)
         return pb.UploadOutputResponse(size=size)
 
 

@@ -14,6 +14,8 @@ import pytest
 
 from strata.types import JobState
 
+pytestmark = pytest.mark.integration  # starts coordinator, agent and TensorFlow processes
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_S = 300
 
