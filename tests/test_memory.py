@@ -127,15 +127,16 @@ def test_memory_zoo_fast_subset(cluster, tmp_path):
         assert r["state"] == "SUCCEEDED", r
         probed_row = (r["model"], r["strategy"]) in {(m, s) for m, s, _ in probed}
         for k in memory_zoo.kinds(r):
-            # within budget, and not wasteful: tasks planned alike share an estimate, which
-            # the highest of them reaches 0.8 of when measured (tiny tasks sit on the 16 MiB
-            # budget floor). A pipeline stage's peak itself varies from run to run with how
-            # the micro-batches' ops overlap: reshape-conv's first stage peaked at 1.14 and at
-            # 0.69 of one unchanged estimate in two runs, so the estimators' rows are held
-            # to 0.5
+            # never over budget; and, as users get it (probed), not wasteful: tasks planned
+            # alike share an estimate, which the highest of them reaches 0.8 of. The
+            # estimators' rows are not held to a ratio here: a 3-step job's stage servers can
+            # end before their last memory report, and a stage's own peak moves with how the
+            # micro-batches' ops overlap (reshape-conv's first stage: 1.14 and 0.69 of one
+            # unchanged estimate in two runs; mlp-seed's hybrid stage server 0.33 once, 0.8+
+            # otherwise). The zoo's tables (docs/benchmarks.md) carry those ratios.
             assert not k["over"], (r["model"], r["strategy"], k)
-            if k["estimate"] >= memory_zoo.SMALL:
-                assert k["ratio"] >= (0.8 if probed_row else 0.5), (r["model"], r["strategy"], k)
+            if probed_row and k["estimate"] >= memory_zoo.SMALL:
+                assert k["ratio"] >= 0.8, (r["model"], r["strategy"], k)
 
 
 def test_memory_profile_measures_first_and_the_estimate_is_the_peak(cluster):

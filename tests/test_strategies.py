@@ -15,6 +15,8 @@ from strata.types import JobState, TaskState
 
 from tests.conftest import spec, task_processes, wait_until
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 pytestmark = pytest.mark.integration  # starts coordinator, agent or TensorFlow processes
 
 MiB = 1 << 20
@@ -230,3 +232,18 @@ def test_agents_are_idle_after_the_jobs(cluster, client):
                what="every reservation released")
     # no task process of this cluster left behind (their configs live under its state dir)
     assert not task_processes(cluster.state_dir)
+
+
+def test_parameter_server_runs_users_code(client):
+    # the example project's own model and input pipeline, variables round-robin on the PS
+    # tasks; a code model is measured by a probe first
+    project = os.path.join(ROOT, "examples", "own-code", "my_project")
+    final, _ = run_job(client, {
+        "name": "ps-code", "strategy": "parameter_server", "workers": 2, "parameter_servers": 1,
+        "code": {"dir": project, "model": "train:build_model", "dataset": "train:make_dataset"},
+        "data": {"batch_size": 64},
+        "training": {"steps": 200, "optimizer": {"name": "adam", "learning_rate": 0.003}}})
+    assert final.state == JobState.SUCCEEDED, final.message
+    assert final.metrics.test_accuracy >= 0.9, final.metrics
+    for t in final.tasks:
+        assert 0 < t.peak_memory_bytes <= t.memory_budget_bytes, t

@@ -23,7 +23,7 @@ from strata.taskconfig import TaskConfig, TaskConfigError
 from strata.worker.common import (
     Events, cluster_from_tf_config, eval_sums, log,
 )
-from strata.worker.runner import Data, TrainingRunner, gradient_step, load_data
+from strata.worker.runner import Data, TrainingRunner, gradient_step
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0   # STRATA_COLLECTIVE_TIMEOUT_S overrides
 
@@ -54,62 +54,22 @@ class MirroredRunner(TrainingRunner):
         self.per_replica = self.gb // self.n_replicas
         return {"workers": self.n_workers, "replicas": self.n_replicas}
 
-    # -- users' own code (``code.model``, ``code.dataset``)
-
-    def _user_model(self) -> Any:
-        """The model ``code.model`` builds, under the strategy's scope and the job's mixed
-        precision policy (built once)."""
-        if getattr(self, "_code_model", None) is None:
-            import keras
-
-            from strata.worker import models as wmodels
-            from strata.worker.usercode import call, load_callable
-
-            fn = load_callable(self.cfg, self.spec.code_model, "code.model")
-            keras.utils.set_random_seed(self.seed)
-            keras.mixed_precision.set_dtype_policy(wmodels.POLICIES[self.mixed])
-            try:
-                with self.strategy.scope():
-                    model = call(self.spec.code_model, fn)
-            finally:
-                keras.mixed_precision.set_dtype_policy("float32")
-            if not isinstance(model, keras.Model):
-                raise TaskConfigError("code.model", f"{self.spec.code_model} returned "
-                                                    f"{type(model).__name__}, not a keras.Model")
-            if len(model.inputs) != 1 and not self.spec.code_dataset:
-                raise TaskConfigError("code.model", f"the model has {len(model.inputs)} inputs; "
-                                                    "data.source gives one (use code.dataset)")
-            self._code_model = model
-        return self._code_model
-
     def load(self) -> Data:
         from strata.worker import data as wdata
 
-        classify = self.spec.training.loss in wdata.CLASSIFICATION_LOSSES
-        if self.spec.code_dataset:
-            # the user's input pipeline: only its step count and loss are known here
-            return Data(None, None, None, None, classify, self.spec.training.steps)
-        if self.spec.data.source in STREAMED_SOURCES:
-            # read as a stream by each worker (``build``); epochs cost one counting pass
-            steps = self.spec.training.steps
-            if not steps:
-                try:
-                    n = wdata.count_examples(self.spec.data)
-                except wdata.DataError as e:
-                    raise TaskConfigError(e.field, e.message) from None
-                steps = wdata.total_steps(self.spec.training, n, self.gb)
-                log(f"{self.spec.data.source} training split: {n:,} examples, {steps} steps")
-            return Data(None, None, None, None, classify, steps)
-        if not self.spec.code_model:
+        if self.spec.code_dataset or self.spec.data.source not in STREAMED_SOURCES:
             return super().load()
-        model = self._user_model()
-        inp = model.inputs[0]
-        return load_data(self.cfg, tuple(int(d) for d in inp.shape[1:]),
-                         tuple(int(d) for d in model.outputs[0].shape[1:]), str(inp.dtype))
-
-    def param_count(self) -> int:
-        model = getattr(self, "model", None)
-        return int(model.count_params()) if model is not None else super().param_count()
+        # read as a stream by each worker (``build``); epochs cost one counting pass
+        steps = self.spec.training.steps
+        if not steps:
+            try:
+                n = wdata.count_examples(self.spec.data)
+            except wdata.DataError as e:
+                raise TaskConfigError(e.field, e.message) from None
+            steps = wdata.total_steps(self.spec.training, n, self.gb)
+            log(f"{self.spec.data.source} training split: {n:,} examples, {steps} steps")
+        return Data(None, None, None, None,
+                    self.spec.training.loss in wdata.CLASSIFICATION_LOSSES, steps)
 
     def build(self) -> None:
         import keras
@@ -122,7 +82,7 @@ class MirroredRunner(TrainingRunner):
         keras.utils.set_random_seed(self.seed)
         with strategy.scope():
             if self.spec.code_model:
-                model = self._user_model()
+                model = self.user_model()
                 last = model.layers[-1] if model.layers else None
                 act = getattr(getattr(last, "activation", None), "__name__", "")
                 from_logits = act != "softmax" and type(last).__name__ != "Softmax"
@@ -213,27 +173,6 @@ class MirroredRunner(TrainingRunner):
 
     def eval_batch_size(self) -> int:
         return max(1, self.per_replica)
-
-    def evaluate(self) -> tuple[float, float]:
-        if not hasattr(self, "_user_dataset"):
-            return super().evaluate()
-        # the user's "test" split, whole, on every worker (as the NumPy test split is)
-        from strata.worker.usercode import call
-
-        tf = self.tf
-        user_fn, what = self._user_dataset
-        ctx = tf.distribute.InputContext(num_input_pipelines=1, input_pipeline_id=0,
-                                         num_replicas_in_sync=1)
-        ds = call(what, user_fn, ctx, "test")
-        total_loss = total_correct = 0.0
-        n = 0
-        for x, y in ds:
-            loss_sum, correct = self._eval_batch(x, y)
-            total_loss += float(loss_sum)
-            total_correct += float(correct)
-            n += int(tf.shape(y)[0])
-        assert self.data is not None
-        return total_loss / max(1, n), (total_correct / max(1, n) if self.data.classify else 0.0)
 
     def eval_batch(self, x: Any, y: Any) -> tuple[float, float]:
         tf = self.tf

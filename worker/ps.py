@@ -249,7 +249,7 @@ def _check_placement(tf, model, placement: dict[str, int], slot_log: list,
 
 
 def _build_placed(tf, strategy, spec: JobSpec, mixed: str, placement: dict[str, int],
-                  num_ps: int, blob_dir: str = ""):
+                  num_ps: int, blob_dir: str = "", user_model=None):
     from strata.modelspec import ModelSpecError
     from strata.worker import models as wmodels
 
@@ -283,9 +283,17 @@ def _build_placed(tf, strategy, spec: JobSpec, mixed: str, placement: dict[str, 
             return next_creator(**kwargs)
 
         try:
-            with tf.variable_creator_scope(place):
-                model, from_logits = wmodels.build_model(spec.model, mixed,
-                                                         blob_dir=blob_dir)
+            if user_model is not None:
+                # the job's own code builds the model: its variables go round-robin over the
+                # PS tasks (TensorFlow's default; Strata cannot place layers it cannot see)
+                model = user_model()
+                last = model.layers[-1] if model.layers else None
+                act = getattr(getattr(last, "activation", None), "__name__", "")
+                from_logits = act != "softmax" and type(last).__name__ != "Softmax"
+            else:
+                with tf.variable_creator_scope(place):
+                    model, from_logits = wmodels.build_model(spec.model, mixed,
+                                                             blob_dir=blob_dir)
             optimizer = wmodels.build_optimizer(spec.training.optimizer, mixed)
             loss_fn = wmodels.build_loss(loss_name, from_logits)
         except ModelSpecError as e:
@@ -300,6 +308,15 @@ def _build_placed(tf, strategy, spec: JobSpec, mixed: str, placement: dict[str, 
 
         with tf.variable_creator_scope(record):
             optimizer.build(model.trainable_variables)
+    if user_model is not None:
+        per_ps = {k: 0 for k in range(num_ps)}
+        # model weights are Keras variables (their TF variable is .value); the optimizer's,
+        # logged by the creator scope, are TF variables already
+        for vv in [w.value for w in model.weights] + [v for v, _ in slot_log]:
+            job, task = _task_of(tf, vv.device)
+            if job == "ps" and task in per_ps:
+                per_ps[task] += int(vv.shape.num_elements() or 0) * vv.dtype.size
+        return model, optimizer, loss_fn, per_ps
     per_ps = _check_placement(tf, model, placement, slot_log, num_ps)
     return model, optimizer, loss_fn, per_ps
 
@@ -317,7 +334,15 @@ class PsChiefRunner(TrainingRunner):
         if self.spec.workers != self.n_workers:
             log(f"warning: spec has {self.spec.workers} workers, TF_CONFIG {self.n_workers}; "
                 "using TF_CONFIG's")
-        self.placement = _placement_from_config(self.cfg, self.profile, self.num_ps)
+        self.placement = ({} if self.spec.code_model else
+                          _placement_from_config(self.cfg, self.profile, self.num_ps))
+
+    def _user_model_fn(self) -> Any:
+        """For a ``code.model`` job, the model (built by ``load``) as ``_build_placed`` takes
+        it; None otherwise."""
+        if not self.spec.code_model:
+            return None
+        return self.user_model
 
     def join(self) -> dict[str, Any]:
         tf, cluster = self.tf, self.cluster
@@ -343,14 +368,16 @@ class PsChiefRunner(TrainingRunner):
         keras.utils.set_random_seed(seed)
         model, optimizer, loss_fn, per_ps = _build_placed(tf, strategy, self.spec, self.mixed,
                                                           self.placement, self.num_ps,
-                                                          self.cfg.agent.blob_dir)
+                                                          self.cfg.agent.blob_dir,
+                                                          self._user_model_fn())
         self.model, self.loss_fn = model, loss_fn
         for k in range(self.num_ps):
             names = sorted(n for n, p in self.placement.items() if p == k)
             log(f"placement: ps:{k} holds {format_mib(per_ps[k])} of variables and slots "
                 f"({', '.join(names) or 'no layers'})"
                 + (f", budget {format_mib(int(budgets[k]))}" if k < len(budgets) else ""))
-        x_train, y_train, n_train = d.x_train, d.y_train, d.n_train
+        x_train, y_train = d.x_train, d.y_train
+        n_train = d.n_train if x_train is not None else 0
 
         def dataset_fn() -> Any:
             # Traced once on the chief, run on every worker. The shuffle seed comes from the
@@ -366,6 +393,20 @@ class PsChiefRunner(TrainingRunner):
             ds = ds.map(lambda i: (tf.gather(xt, i), tf.gather(yt, i)))
             return ds.prefetch(1)
 
+        if self.spec.code_dataset:
+            from strata.worker.usercode import call, load_callable
+
+            user_fn = load_callable(self.cfg, self.spec.code_dataset, "code.dataset")
+            what = self.spec.code_dataset
+            self._user_dataset = (user_fn, what)
+
+            def dataset_fn() -> Any:  # noqa: F811 - the job's own input pipeline instead
+                # run on every worker; a step is one whole batch on one worker, so the
+                # context is one pipeline of one replica: get_per_replica_batch_size(gb) = gb
+                ctx = tf.distribute.InputContext(num_input_pipelines=1, input_pipeline_id=0,
+                                                 num_replicas_in_sync=1)
+                ds = call(what, user_fn, ctx, "train")
+                return ds.repeat().prefetch(1)
         self.per_worker_iter = iter(self.coordinator.create_per_worker_dataset(dataset_fn))
 
         # steps applied and the sum of their losses, kept on a PS task: a step returns nothing,

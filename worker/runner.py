@@ -162,7 +162,20 @@ class TrainingRunner:
     # -- hooks
 
     def load(self) -> Data:
-        """The job's data as NumPy arrays, for the model's one input (the skeleton's default)."""
+        """The job's data as NumPy arrays, for the model's one input (the skeleton's default);
+        with ``code.dataset`` only the step count (the job's own pipeline feeds the steps);
+        for a ``code.model`` the model is built first, to read its input."""
+        from strata.worker import data as wdata
+
+        if self.spec.code_dataset:
+            return Data(None, None, None, None,
+                        self.spec.training.loss in wdata.CLASSIFICATION_LOSSES,
+                        self.spec.training.steps)
+        if self.spec.code_model:
+            model = self.user_model()
+            inp = model.inputs[0]
+            return load_data(self.cfg, tuple(int(d) for d in inp.shape[1:]),
+                             tuple(int(d) for d in model.outputs[0].shape[1:]), str(inp.dtype))
         assert self.profile is not None
         inputs = self.profile.model_inputs
         if len(inputs) != 1:
@@ -173,7 +186,36 @@ class TrainingRunner:
                          inputs[0].dtype)
 
     def param_count(self) -> int:
+        model = getattr(self, "model", None)
+        if model is not None and hasattr(model, "count_params"):
+            return int(model.count_params())
         return self.profile.total_params if self.profile is not None else 0
+
+    def user_model(self) -> Any:
+        """The model ``code.model`` builds, under the strategy's scope (``self.strategy``) and
+        the job's mixed precision policy (built once)."""
+        if getattr(self, "_code_model", None) is None:
+            import keras
+
+            from strata.worker import models as wmodels
+            from strata.worker.usercode import call, load_callable
+
+            fn = load_callable(self.cfg, self.spec.code_model, "code.model")
+            keras.utils.set_random_seed(self.seed)
+            keras.mixed_precision.set_dtype_policy(wmodels.POLICIES[self.mixed])
+            try:
+                with self.strategy.scope():  # type: ignore[attr-defined]
+                    model = call(self.spec.code_model, fn)
+            finally:
+                keras.mixed_precision.set_dtype_policy("float32")
+            if not isinstance(model, keras.Model):
+                raise TaskConfigError("code.model", f"{self.spec.code_model} returned "
+                                                    f"{type(model).__name__}, not a keras.Model")
+            if len(model.inputs) != 1 and not self.spec.code_dataset:
+                raise TaskConfigError("code.model", f"the model has {len(model.inputs)} inputs; "
+                                                    "data.source gives one (use code.dataset)")
+            self._code_model = model
+        return self._code_model
 
     def check(self) -> None:
         """What can be checked before TensorFlow is imported (the contract against the model
@@ -219,6 +261,8 @@ class TrainingRunner:
                 progress.report(step, read_loss())
 
     def evaluate(self) -> tuple[float, float]:
+        if hasattr(self, "_user_dataset"):
+            return self.evaluate_stream()
         assert self.data is not None
         d = self.data
         total_loss, total_correct = 0.0, 0.0
@@ -231,6 +275,27 @@ class TrainingRunner:
         test_loss = total_loss / max(1, n_test)
         test_acc = total_correct / max(1, n_test) if d.classify else 0.0
         return test_loss, test_acc
+
+    def evaluate_stream(self) -> tuple[float, float]:
+        """The test split of a pipeline given as ``self._user_dataset`` (``(fn, what)``, fn
+        ``(input_context, split) -> tf.data.Dataset`` of batches: the job's ``code.dataset``,
+        or a streamed source), whole, through ``self._eval_batch``."""
+        from strata.worker.usercode import call
+
+        tf = self.tf
+        user_fn, what = self._user_dataset  # type: ignore[attr-defined]
+        ctx = tf.distribute.InputContext(num_input_pipelines=1, input_pipeline_id=0,
+                                         num_replicas_in_sync=1)
+        ds = call(what, user_fn, ctx, "test")
+        total_loss = total_correct = 0.0
+        n = 0
+        for x, y in ds:
+            loss_sum, correct = self._eval_batch(x, y)  # type: ignore[attr-defined]
+            total_loss += float(loss_sum)
+            total_correct += float(correct)
+            n += int(tf.shape(y)[0])
+        assert self.data is not None
+        return total_loss / max(1, n), (total_correct / max(1, n) if self.data.classify else 0.0)
 
     def run(self) -> int:
         t0 = time.time()

@@ -211,3 +211,29 @@ class Strategy(abc.ABC):
     def runner(self, role: str) -> Runner:
         """The function that runs a task of ``role`` in the task process. Imports its
         TensorFlow code lazily. Raises ``TaskConfigError`` for a role it does not run."""
+
+
+def code_model_plan(name: str, spec: JobSpec, workers: Sequence[WorkerOffer],
+                    tasks: Sequence[tuple[str, int]]) -> JobPlan:
+    """The plan of a model only the job's code can build: it has no size before it runs. With
+    ``memory.per_task_budget`` that is each task's budget; without it every task is planned for
+    a whole worker (the ``len(tasks)``-th largest budget: the most every task can have), a probe
+    run measures them (``memory.profile``, which a code model always takes), and the job is
+    planned again on what the probe measured."""
+    n = len(tasks)
+    if spec.memory.per_task_budget:
+        budget = spec.memory.per_task_budget_bytes
+    else:
+        sizes = sorted((w.bytes for w in workers), reverse=True)
+        if len(sizes) < n:
+            return JobPlan(name, False, f"a model built by code.model is measured by a probe "
+                                        f"run on {n} workers before it is planned; {len(sizes)} "
+                                        f"{'is' if len(sizes) == 1 else 'are'} connected "
+                                        f"(or give memory.per_task_budget)",
+                           tuple(TaskPlan(r, i, 0, 0) for r, i in tasks))
+        budget = sizes[n - 1]
+    plan = tuple(TaskPlan(r, i, budget, budget) for r, i in tasks)
+    if too_big(plan, workers) is None:
+        return JobPlan(name, True, "", plan)
+    return JobPlan(name, False, f"each task asks for memory.per_task_budget "
+                                f"{format_size(budget)}, more than any worker has", plan)

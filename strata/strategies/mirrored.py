@@ -13,7 +13,9 @@ from typing import TYPE_CHECKING, ClassVar, Sequence
 
 from strata.memory import estimate_task_memory, format_size, label_bytes_of
 from strata.strategies import register
-from strata.strategies.base import Strategy, budget_for, offer_for_estimate, too_big
+from strata.strategies.base import (
+    Strategy, budget_for, code_model_plan, offer_for_estimate, too_big,
+)
 from strata.taskconfig import TaskConfigError
 from strata.types import Job, JobPlan, Task, TaskPlan, WorkerOffer
 
@@ -34,7 +36,8 @@ class MultiWorkerMirrored(Strategy):
     def plan(self, spec: JobSpec, workers: Sequence[WorkerOffer],
              profile: ModelProfile | None) -> JobPlan:
         if profile is None:
-            return _code_model_plan(self.name, spec, workers)
+            return code_model_plan(self.name, spec, workers,
+                                   [("worker", i) for i in range(spec.workers)])
         e = estimate_task_memory(spec.to_dict(), spec.per_replica_batch, profile,
                                  collective=True)
         estimate = e.total
@@ -70,31 +73,6 @@ class MultiWorkerMirrored(Strategy):
         from strata.worker.mirrored import run
 
         return run
-
-
-def _code_model_plan(name: str, spec: JobSpec, workers: Sequence[WorkerOffer]) -> JobPlan:
-    """A model only the job's code can build has no size before it runs. With
-    ``memory.per_task_budget`` that is each task's budget; without it the tasks are planned
-    for whole workers (the ``workers``-th largest budget: the most every task can have), a
-    probe run measures them (``memory.profile``, which a code model always takes), and the job
-    is planned again on what the probe measured."""
-    n = spec.workers
-    if spec.memory.per_task_budget:
-        budget = spec.memory.per_task_budget_bytes
-    else:
-        sizes = sorted((w.bytes for w in workers), reverse=True)
-        if len(sizes) < n:
-            return JobPlan(name, False, f"a model built by code.model is measured by a probe "
-                                        f"run on {n} workers before it is planned; {len(sizes)} "
-                                        f"{'is' if len(sizes) == 1 else 'are'} connected "
-                                        f"(or give memory.per_task_budget)",
-                           tuple(TaskPlan("worker", i, 0, 0) for i in range(n)))
-        budget = sizes[n - 1]
-    tasks = tuple(TaskPlan("worker", i, budget, budget) for i in range(n))
-    if too_big(tasks, workers) is None:
-        return JobPlan(name, True, "", tasks)
-    return JobPlan(name, False, f"each task asks for memory.per_task_budget "
-                                f"{format_size(budget)}, more than any worker has", tasks)
 
 
 def _pipeline_hint(spec: JobSpec, profile: ModelProfile, workers: Sequence[WorkerOffer]) -> str:

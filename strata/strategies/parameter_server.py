@@ -17,9 +17,8 @@ from strata.memory import dataset_bytes, format_size
 from strata.memory import largest_variable_bytes
 from strata.strategies import register
 from strata.strategies.base import (
-    FailureAction, FailureDecision, Strategy, budget_for, describe_failure, largest_training_alloc,
-    largest_variable,
-    too_big,
+    FailureAction, FailureDecision, Strategy, budget_for, code_model_plan, describe_failure,
+    largest_training_alloc, largest_variable, too_big,
 )
 from strata.taskconfig import ParameterServerSection, TaskConfigError
 from strata.types import Job, JobPlan, Task, TaskPlan, WorkerOffer
@@ -35,6 +34,7 @@ class ParameterServer(Strategy):
     name = "parameter_server"
     summary = "asynchronous: a chief, workers, and layers placed on parameter-server tasks"
     fields = frozenset({"parameter_servers"})
+    runs_user_code = True
 
     def defaults(self) -> Mapping[str, int]:
         return {"parameter_servers": 1}
@@ -45,8 +45,12 @@ class ParameterServer(Strategy):
 
     def plan(self, spec: JobSpec, workers: Sequence[WorkerOffer],
              profile: ModelProfile | None) -> JobPlan:
-        assert profile is not None, "only a strategy that runs_user_code plans a code model"
         from strata.psplan import plan_parameter_servers
+
+        if profile is None:  # a code model: its variables go round-robin over the PS tasks
+            return code_model_plan(self.name, spec, workers, [("chief", 0)] + [
+                ("worker", i) for i in range(spec.workers)] + [
+                ("ps", j) for j in range(spec.parameter_servers)])
 
         p = plan_parameter_servers(
             profile, num_ps=spec.parameter_servers, workers=spec.workers,
