@@ -18,25 +18,22 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
-import re
 import shutil
 import tempfile
 from typing import AsyncIterator, Iterable, Iterator
 
 from strata.errors import NotFoundError, SpecError, UploadError
 from strata.uploads import (  # noqa: F401 (re-exported)
-    MAX_KERAS_CONFIG_BYTES, file_chunks, keras_config, safe_relpath,
+    CHUNK_BYTES, MAX_KERAS_CONFIG_BYTES, SHA256_RE, file_chunks, keras_config, safe_relpath,
 )
 
-CHUNK_BYTES = 1 << 20
 DEFAULT_MAX_UPLOAD_BYTES = 2 << 30       # a .keras file or a code archive
 MAX_OUTPUT_FILE_BYTES = 64 << 30
 
-_SHA = re.compile(r"^[0-9a-f]{64}$")
 
 
 def check_sha(sha: str, field: str = "sha256") -> str:
-    if not isinstance(sha, str) or not _SHA.match(sha):
+    if not isinstance(sha, str) or not SHA256_RE.match(sha):
         raise SpecError(field, f"must be a SHA-256 digest (64 lower-case hex digits), got "
                                f"{str(sha)[:80]!r}")
     return sha

@@ -26,7 +26,8 @@ from typing import Any, Callable
 
 Shape = tuple[int, ...]
 
-__all__ = ["Out", "RULES", "LayerRuleError", "SHAPE_PRESERVING", "REFUSED", "rule_for"]
+__all__ = ["Out", "RULES", "LayerRuleError", "SHAPE_PRESERVING", "REFUSED", "rule_for",
+           "activation_name"]
 
 
 class LayerRuleError(Exception):
@@ -60,7 +61,8 @@ def _one(name: str, ins: list[Shape], kind: str) -> Shape:
     return ins[0]
 
 
-def _act(cfg: dict) -> str:
+def activation_name(cfg: dict) -> str:
+    """A layer config's activation function by name ("linear" when it has none)."""
     a = cfg.get("activation", "linear")
     if a is None:
         return "linear"
@@ -71,7 +73,7 @@ def _act(cfg: dict) -> str:
 
 
 def _act_flops(cfg: dict, n: int) -> int:
-    return 0 if _act(cfg) == "linear" else n
+    return 0 if activation_name(cfg) == "linear" else n
 
 
 def _tuple(v: Any, n: int, name: str, what: str, allow_zero: bool = False) -> tuple[int, ...]:
@@ -331,30 +333,28 @@ def adaptive_pool(rank: int, kind: str):
     return rule
 
 
+def _steps_or_spatial(name: str, cfg: dict, shape: Shape, rank: int, kind: str):
+    """(dims, channels, channels_first) of a 1-D layer's (steps, features) input or a 2-3-D
+    layer's spatial one."""
+    if rank == 1:
+        if len(shape) != 2:
+            raise LayerRuleError(f"layer {name!r} ({kind}) needs (steps, features)")
+        return (shape[0],), shape[1], False
+    return _spatial(name, cfg, shape, rank, kind)
+
+
 def upsampling(rank: int, kind: str):
     def rule(name, cfg, ins, kw):
-        shape = _one(name, ins, kind)
-        if rank == 1:
-            if len(shape) != 2:
-                raise LayerRuleError(f"layer {name!r} ({kind}) needs (steps, features)")
-            size = _tuple(cfg.get("size", 2), 1, name, "size")[0]
-            return Out([(shape[0] * size, shape[1])], flops=0)
-        dims, c, cf = _spatial(name, cfg, shape, rank, kind)
+        dims, c, cf = _steps_or_spatial(name, cfg, _one(name, ins, kind), rank, kind)
         size = _tuple(cfg.get("size", 2), rank, name, "size")
         out = _join(tuple(n * f for n, f in zip(dims, size)), c, cf)
-        return Out([out], flops=_prod(out))
+        return Out([out], flops=0 if rank == 1 else _prod(out))
     return rule
 
 
 def cropping(rank: int, kind: str):
     def rule(name, cfg, ins, kw):
-        shape = _one(name, ins, kind)
-        if rank == 1:
-            dims, c, cf = (shape[0],), shape[1], False
-            if len(shape) != 2:
-                raise LayerRuleError(f"layer {name!r} ({kind}) needs (steps, features)")
-        else:
-            dims, c, cf = _spatial(name, cfg, shape, rank, kind)
+        dims, c, cf = _steps_or_spatial(name, cfg, _one(name, ins, kind), rank, kind)
         crop = _pads(cfg.get("cropping"), rank, name, "cropping")
         out_dims = tuple(n - a - b for n, (a, b) in zip(dims, crop))
         if any(n < 1 for n in out_dims):
@@ -365,13 +365,7 @@ def cropping(rank: int, kind: str):
 
 def zeropad(rank: int, kind: str):
     def rule(name, cfg, ins, kw):
-        shape = _one(name, ins, kind)
-        if rank == 1:
-            if len(shape) != 2:
-                raise LayerRuleError(f"layer {name!r} ({kind}) needs (steps, features)")
-            dims, c, cf = (shape[0],), shape[1], False
-        else:
-            dims, c, cf = _spatial(name, cfg, shape, rank, kind)
+        dims, c, cf = _steps_or_spatial(name, cfg, _one(name, ins, kind), rank, kind)
         pad = _pads(cfg.get("padding", 1), rank, name, "padding")
         out_dims = tuple(n + a + b for n, (a, b) in zip(dims, pad))
         return Out([_join(out_dims, c, cf)])

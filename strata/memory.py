@@ -70,6 +70,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from strata.modelspec import ModelProfile, profile_model
+from strata.spec import STREAMED_SOURCES
 
 __all__ = [
     "MemoryEstimate", "estimate_task_memory", "default_budget", "parse_size", "format_size",
@@ -104,9 +105,8 @@ FIXED_OVERHEAD = 1 * MiB
 FRAGMENTATION = 0.05           # BFC rounding, as a fraction of the rest
 BFC_ROUND_FROM = 1 * MiB       # single tensors from this size get a power-of-two region
 
-#: sources read as a stream (``strata.spec.STREAMED_SOURCES``) and the examples a worker's
-#: shuffle buffer holds of them (``worker.data.STREAM_SHUFFLE_EXAMPLES``)
-STREAMED = ("tfrecord", "csv", "images")
+#: the examples a worker's shuffle buffer holds of a source read as a stream
+#: (``strata.spec.STREAMED_SOURCES``; ``worker.data`` uses this figure)
 STREAM_SHUFFLE_EXAMPLES = 256
 
 DIGITS_TRAIN = 1437            # worker/data.py: ceil(20%) of 1,797 rows are the test split
@@ -286,7 +286,7 @@ def dataset_bytes(spec: dict[str, Any], profile: ModelProfile | None = None, *, 
     if profile is None:
         profile = profile_model(spec["model"])
     n_train, feat_bytes, label_bytes = _data_shape(spec, profile, train_examples)
-    if _get(spec, "data", "source", default="digits") in STREAMED:
+    if _get(spec, "data", "source", default="digits") in STREAMED_SOURCES:
         # read as a stream: what a worker holds is its shuffle buffer of decoded examples
         return _bfc_round(STREAM_SHUFFLE_EXAMPLES * (feat_bytes + label_bytes))
     rows = -(-n_train // max(1, shards)) if n_train else 0

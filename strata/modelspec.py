@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from strata import layers as _rules
+from strata.layers import _pos, _prod, activation_name
 
 __all__ = [
     "ModelSpecError",
@@ -244,10 +245,6 @@ def builtin_keras_config(b: dict) -> dict:
 # builtin
 
 
-def _pos_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
 def _profile_builtin(b: Any) -> ModelProfile:
     if not isinstance(b, dict):
         raise ModelSpecError(_B, "must be a mapping like {kind: mlp, input_shape: [64], "
@@ -257,14 +254,14 @@ def _profile_builtin(b: Any) -> ModelProfile:
         raise ModelSpecError(f"{_B}.kind", f"unknown builtin model {kind!r}; supported: mlp")
     shape = b.get("input_shape")
     if (not isinstance(shape, (list, tuple)) or not shape
-            or not all(_pos_int(d) for d in shape)):
+            or not all(_pos(d) for d in shape)):
         raise ModelSpecError(f"{_B}.input_shape",
                              f"must be a non-empty list of positive integers, got {shape!r}")
     hidden = b.get("hidden", [])
-    if not isinstance(hidden, (list, tuple)) or not all(_pos_int(h) for h in hidden):
+    if not isinstance(hidden, (list, tuple)) or not all(_pos(h) for h in hidden):
         raise ModelSpecError(f"{_B}.hidden", f"must be a list of positive integers, got {hidden!r}")
     classes = b.get("classes")
-    if not _pos_int(classes):
+    if not _pos(classes):
         raise ModelSpecError(f"{_B}.classes", f"must be a positive integer, got {classes!r}")
     shape = tuple(int(d) for d in shape)
     layers: list[LayerProfile] = []
@@ -490,7 +487,7 @@ def _dims(shape: Any) -> tuple[int, ...] | None:
     if not isinstance(shape, (list, tuple)) or len(shape) < 2:
         return None
     dims = shape[1:]
-    if not all(_pos_int(d) for d in dims):
+    if not all(_pos(d) for d in dims):
         return None
     return tuple(int(d) for d in dims)
 
@@ -582,15 +579,13 @@ def _profile_graph(obj: dict) -> ModelProfile:
         layers.append(LayerProfile(
             n.name, n.kind, o.params, sum(_prod(s) for s in shapes[n.name]), o.flops,
             o.non_trainable, out0, refs, o.internal_elems, int(o.extra.get("kernel", 0)),
-            _act_name(n.cfg) if "activation" in n.cfg else (
+            activation_name(n.cfg) if "activation" in n.cfg else (
                 "softmax" if n.kind == "Softmax" else "linear"),
             int(o.extra.get("workspace", 0))))
-    out_layer = layers[-1]
     if outputs[0][1] != 0:
         raise ModelSpecError(_KJ, f"the model's output is output {outputs[0][1]} of layer "
                                   f"{out_name!r}; use a model whose output is a layer's first "
                                   "output")
-    del out_layer
     return ModelProfile(model_inputs[0].shape, tuple(layers), tuple(model_inputs))
 
 
@@ -599,7 +594,7 @@ def _check_shape(batch_shape: Any) -> tuple[int, ...]:
         raise ModelSpecError(_KJ, f"input shape {batch_shape!r} must have a batch axis and at "
                                   "least one more dimension")
     dims = batch_shape[1:]
-    if not all(_pos_int(d) for d in dims):
+    if not all(_pos(d) for d in dims):
         raise ModelSpecError(_KJ, f"input shape {list(dims)!r} must have known positive "
                                   "dimensions (apart from the batch axis)")
     return tuple(int(d) for d in dims)
@@ -627,23 +622,6 @@ def _sequential_input_shape(obj: dict, layers: list[dict]) -> Any:
         if bc.get("input_shape"):
             return bc["input_shape"]
     return None
-
-
-def _prod(xs: Any) -> int:
-    p = 1
-    for x in xs:
-        p *= int(x)
-    return p
-
-
-def _act_name(cfg: dict) -> str:
-    a = cfg.get("activation", "linear")
-    if a is None:
-        return "linear"
-    if isinstance(a, dict):  # a serialized built-in function, e.g. {"config": "relu", ...}
-        c = a.get("config")
-        return c if isinstance(c, str) else str(a.get("class_name"))
-    return str(a)
 
 
 #: layers that keep their input's activation (a softmax before them stays the output's)

@@ -13,6 +13,7 @@ import re
 from typing import Any, Mapping
 
 from strata.errors import SpecError
+from strata.uploads import SHA256_RE
 
 DATA_SOURCES = ("digits", "synthetic", "npz", "tfrecord", "csv", "images")
 #: read from files as a stream (tf.data), sharded per worker; never loaded whole
@@ -501,7 +502,7 @@ def _code(raw: Any) -> dict[str, Any]:
                                     "machine; submit through the strata client (strata submit, "
                                     "strata.client), which packs and uploads it")
     sha = raw.get("sha256")
-    if not isinstance(sha, str) or not _SHA256.match(sha):
+    if not isinstance(sha, str) or not SHA256_RE.match(sha):
         raise SpecError("code.dir", "is required: the project directory to run the code from")
     out: dict[str, Any] = {"dir_name": str(raw.get("dir_name") or "code")[:255], "sha256": sha,
                            "size": int(raw.get("size") or 0)}
@@ -548,9 +549,6 @@ def _int_list(d: Mapping[str, Any], key: str, field: str, default: list[int],
     return out
 
 
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
-
-
 def _keras_file(kf: Any) -> dict[str, Any]:
     """``model.keras_file`` as it travels: the uploaded file's digest, name, size and the model
     config read from it. A path is the client's to upload (``strata.client``)."""
@@ -565,7 +563,7 @@ def _keras_file(kf: Any) -> dict[str, Any]:
     if unknown:
         raise SpecError(f"{f}.{unknown[0]}", "unknown field")
     sha = kf.get("sha256")
-    if not isinstance(sha, str) or not _SHA256.match(sha):
+    if not isinstance(sha, str) or not SHA256_RE.match(sha):
         raise SpecError(f"{f}.sha256", "must be the SHA-256 of the uploaded file (64 hex digits)")
     name = kf.get("name", "") or "model.keras"
     if not isinstance(name, str) or len(name) > 4096:

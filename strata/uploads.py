@@ -11,12 +11,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import zipfile
 from typing import Iterator
 
 from strata.errors import SpecError, UploadError
 
 CHUNK_BYTES = 1 << 20
+#: a blob's name: the SHA-256 of its bytes, lower-case hex
+SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 MAX_KERAS_CONFIG_BYTES = 64 << 20        # config.json inside a .keras file
 
 
