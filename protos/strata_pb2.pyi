@@ -16,6 +16,7 @@ class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SUCCEEDED: _ClassVar[JobState]
     FAILED: _ClassVar[JobState]
     CANCELLED: _ClassVar[JobState]
+    RESTARTING: _ClassVar[JobState]
 
 class TaskState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -37,6 +38,8 @@ class FailureKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FAILURE_LOST: _ClassVar[FailureKind]
     FAILURE_BAD_CONFIG: _ClassVar[FailureKind]
     FAILURE_USER_CODE: _ClassVar[FailureKind]
+    FAILURE_COLLECTIVE_TIMEOUT: _ClassVar[FailureKind]
+    FAILURE_CANCELLED: _ClassVar[FailureKind]
 
 class WorkerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -52,6 +55,7 @@ RUNNING: JobState
 SUCCEEDED: JobState
 FAILED: JobState
 CANCELLED: JobState
+RESTARTING: JobState
 TASK_STATE_UNSPECIFIED: TaskState
 TASK_PENDING: TaskState
 TASK_STARTING: TaskState
@@ -67,6 +71,8 @@ FAILURE_LAUNCH: FailureKind
 FAILURE_LOST: FailureKind
 FAILURE_BAD_CONFIG: FailureKind
 FAILURE_USER_CODE: FailureKind
+FAILURE_COLLECTIVE_TIMEOUT: FailureKind
+FAILURE_CANCELLED: FailureKind
 WORKER_STATE_UNSPECIFIED: WorkerState
 READY: WorkerState
 BUSY: WorkerState
@@ -195,16 +201,22 @@ class CodeSpec(_message.Message):
     def __init__(self, dir_name: _Optional[str] = ..., sha256: _Optional[str] = ..., size: _Optional[int] = ..., model: _Optional[str] = ..., dataset: _Optional[str] = ...) -> None: ...
 
 class CheckpointSpec(_message.Message):
-    __slots__ = ("every_steps",)
+    __slots__ = ("every_steps", "keep")
     EVERY_STEPS_FIELD_NUMBER: _ClassVar[int]
+    KEEP_FIELD_NUMBER: _ClassVar[int]
     every_steps: int
-    def __init__(self, every_steps: _Optional[int] = ...) -> None: ...
+    keep: int
+    def __init__(self, every_steps: _Optional[int] = ..., keep: _Optional[int] = ...) -> None: ...
 
 class RestartSpec(_message.Message):
-    __slots__ = ("max_restarts",)
+    __slots__ = ("max_restarts", "backoff_s", "retry_user_errors")
     MAX_RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    BACKOFF_S_FIELD_NUMBER: _ClassVar[int]
+    RETRY_USER_ERRORS_FIELD_NUMBER: _ClassVar[int]
     max_restarts: int
-    def __init__(self, max_restarts: _Optional[int] = ...) -> None: ...
+    backoff_s: float
+    retry_user_errors: bool
+    def __init__(self, max_restarts: _Optional[int] = ..., backoff_s: _Optional[float] = ..., retry_user_errors: _Optional[bool] = ...) -> None: ...
 
 class JobSpec(_message.Message):
     __slots__ = ("name", "strategy", "workers", "parameter_servers", "stages", "microbatches", "model", "data", "training", "memory", "checkpoint", "restart", "code")
@@ -295,7 +307,7 @@ class TaskInfo(_message.Message):
     def __init__(self, role: _Optional[str] = ..., index: _Optional[int] = ..., worker: _Optional[str] = ..., state: _Optional[_Union[TaskState, str]] = ..., stage: _Optional[int] = ..., memory_budget_bytes: _Optional[int] = ..., peak_memory_bytes: _Optional[int] = ..., in_use_bytes: _Optional[int] = ..., estimated_memory_bytes: _Optional[int] = ..., failure: _Optional[_Union[FailureKind, str]] = ..., exit_code: _Optional[int] = ..., message: _Optional[str] = ..., address: _Optional[str] = ..., weights_sha256: _Optional[str] = ..., model_path: _Optional[str] = ..., replica: _Optional[int] = ..., layers: _Optional[_Iterable[str]] = ..., replica_weights_sha256: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("id", "name", "state", "strategy", "message", "restarts", "created_at", "finished_at", "metrics", "tasks", "spec", "estimated_memory_bytes", "started_at", "output_dir", "outputs")
+    __slots__ = ("id", "name", "state", "strategy", "message", "restarts", "created_at", "finished_at", "metrics", "tasks", "spec", "estimated_memory_bytes", "started_at", "output_dir", "outputs", "checkpoint_step", "steps_repeated")
     ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -311,6 +323,8 @@ class Job(_message.Message):
     STARTED_AT_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_DIR_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
+    STEPS_REPEATED_FIELD_NUMBER: _ClassVar[int]
     id: str
     name: str
     state: JobState
@@ -326,7 +340,9 @@ class Job(_message.Message):
     started_at: float
     output_dir: str
     outputs: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., strategy: _Optional[str] = ..., message: _Optional[str] = ..., restarts: _Optional[int] = ..., created_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., metrics: _Optional[_Union[JobMetrics, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[TaskInfo, _Mapping]]] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., estimated_memory_bytes: _Optional[int] = ..., started_at: _Optional[float] = ..., output_dir: _Optional[str] = ..., outputs: _Optional[_Iterable[str]] = ...) -> None: ...
+    checkpoint_step: int
+    steps_repeated: int
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., strategy: _Optional[str] = ..., message: _Optional[str] = ..., restarts: _Optional[int] = ..., created_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., metrics: _Optional[_Union[JobMetrics, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[TaskInfo, _Mapping]]] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., estimated_memory_bytes: _Optional[int] = ..., started_at: _Optional[float] = ..., output_dir: _Optional[str] = ..., outputs: _Optional[_Iterable[str]] = ..., checkpoint_step: _Optional[int] = ..., steps_repeated: _Optional[int] = ...) -> None: ...
 
 class JobEvent(_message.Message):
     __slots__ = ("seq", "time", "kind", "message", "job")
@@ -403,7 +419,7 @@ class WorkerTask(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., role: _Optional[str] = ..., index: _Optional[int] = ..., state: _Optional[_Union[TaskState, str]] = ..., memory_budget_bytes: _Optional[int] = ..., in_use_bytes: _Optional[int] = ..., peak_bytes: _Optional[int] = ...) -> None: ...
 
 class Worker(_message.Message):
-    __slots__ = ("name", "address", "state", "device", "memory", "tasks", "last_seen")
+    __slots__ = ("name", "address", "state", "device", "memory", "tasks", "last_seen", "shared_dir")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -411,6 +427,7 @@ class Worker(_message.Message):
     MEMORY_FIELD_NUMBER: _ClassVar[int]
     TASKS_FIELD_NUMBER: _ClassVar[int]
     LAST_SEEN_FIELD_NUMBER: _ClassVar[int]
+    SHARED_DIR_FIELD_NUMBER: _ClassVar[int]
     name: str
     address: str
     state: WorkerState
@@ -418,13 +435,22 @@ class Worker(_message.Message):
     memory: MemoryStatus
     tasks: _containers.RepeatedCompositeFieldContainer[WorkerTask]
     last_seen: float
-    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[_Union[WorkerState, str]] = ..., device: _Optional[str] = ..., memory: _Optional[_Union[MemoryStatus, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[WorkerTask, _Mapping]]] = ..., last_seen: _Optional[float] = ...) -> None: ...
+    shared_dir: str
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[_Union[WorkerState, str]] = ..., device: _Optional[str] = ..., memory: _Optional[_Union[MemoryStatus, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[WorkerTask, _Mapping]]] = ..., last_seen: _Optional[float] = ..., shared_dir: _Optional[str] = ...) -> None: ...
 
 class SubmitJobRequest(_message.Message):
-    __slots__ = ("spec",)
+    __slots__ = ("spec", "request_id")
     SPEC_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     spec: JobSpec
-    def __init__(self, spec: _Optional[_Union[JobSpec, _Mapping]] = ...) -> None: ...
+    request_id: str
+    def __init__(self, spec: _Optional[_Union[JobSpec, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class DrainWorkerRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class GetJobRequest(_message.Message):
     __slots__ = ("id",)
@@ -523,7 +549,7 @@ class ListWorkersResponse(_message.Message):
     def __init__(self, workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ...) -> None: ...
 
 class TaskStatus(_message.Message):
-    __slots__ = ("job_id", "role", "index", "state", "failure", "exit_code", "message", "in_use_bytes", "peak_bytes", "step", "total_steps", "loss", "examples_per_sec", "has_result", "test_accuracy", "test_loss", "weights_sha256", "model_path", "first_step_time", "attempt", "replica_weights_sha256", "oom")
+    __slots__ = ("job_id", "role", "index", "state", "failure", "exit_code", "message", "in_use_bytes", "peak_bytes", "step", "total_steps", "loss", "examples_per_sec", "has_result", "test_accuracy", "test_loss", "weights_sha256", "model_path", "first_step_time", "attempt", "replica_weights_sha256", "oom", "checkpoint_step", "resumed_step")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -546,6 +572,8 @@ class TaskStatus(_message.Message):
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     REPLICA_WEIGHTS_SHA256_FIELD_NUMBER: _ClassVar[int]
     OOM_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_STEP_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     role: str
     index: int
@@ -568,7 +596,9 @@ class TaskStatus(_message.Message):
     attempt: int
     replica_weights_sha256: _containers.RepeatedScalarFieldContainer[str]
     oom: OutOfMemory
-    def __init__(self, job_id: _Optional[str] = ..., role: _Optional[str] = ..., index: _Optional[int] = ..., state: _Optional[_Union[TaskState, str]] = ..., failure: _Optional[_Union[FailureKind, str]] = ..., exit_code: _Optional[int] = ..., message: _Optional[str] = ..., in_use_bytes: _Optional[int] = ..., peak_bytes: _Optional[int] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., loss: _Optional[float] = ..., examples_per_sec: _Optional[float] = ..., has_result: _Optional[bool] = ..., test_accuracy: _Optional[float] = ..., test_loss: _Optional[float] = ..., weights_sha256: _Optional[str] = ..., model_path: _Optional[str] = ..., first_step_time: _Optional[float] = ..., attempt: _Optional[int] = ..., replica_weights_sha256: _Optional[_Iterable[str]] = ..., oom: _Optional[_Union[OutOfMemory, _Mapping]] = ...) -> None: ...
+    checkpoint_step: int
+    resumed_step: int
+    def __init__(self, job_id: _Optional[str] = ..., role: _Optional[str] = ..., index: _Optional[int] = ..., state: _Optional[_Union[TaskState, str]] = ..., failure: _Optional[_Union[FailureKind, str]] = ..., exit_code: _Optional[int] = ..., message: _Optional[str] = ..., in_use_bytes: _Optional[int] = ..., peak_bytes: _Optional[int] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., loss: _Optional[float] = ..., examples_per_sec: _Optional[float] = ..., has_result: _Optional[bool] = ..., test_accuracy: _Optional[float] = ..., test_loss: _Optional[float] = ..., weights_sha256: _Optional[str] = ..., model_path: _Optional[str] = ..., first_step_time: _Optional[float] = ..., attempt: _Optional[int] = ..., replica_weights_sha256: _Optional[_Iterable[str]] = ..., oom: _Optional[_Union[OutOfMemory, _Mapping]] = ..., checkpoint_step: _Optional[int] = ..., resumed_step: _Optional[int] = ...) -> None: ...
 
 class OutOfMemory(_message.Message):
     __slots__ = ("task", "allocation_bytes", "shape", "dtype", "op")
@@ -585,7 +615,7 @@ class OutOfMemory(_message.Message):
     def __init__(self, task: _Optional[str] = ..., allocation_bytes: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., op: _Optional[str] = ...) -> None: ...
 
 class RegisterAgentRequest(_message.Message):
-    __slots__ = ("name", "host", "device", "budget_bytes", "free_ports", "tasks", "work_dir", "pid")
+    __slots__ = ("name", "host", "device", "budget_bytes", "free_ports", "tasks", "work_dir", "pid", "shared_dir", "draining")
     NAME_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -594,6 +624,8 @@ class RegisterAgentRequest(_message.Message):
     TASKS_FIELD_NUMBER: _ClassVar[int]
     WORK_DIR_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    SHARED_DIR_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     name: str
     host: str
     device: str
@@ -602,7 +634,9 @@ class RegisterAgentRequest(_message.Message):
     tasks: _containers.RepeatedCompositeFieldContainer[TaskStatus]
     work_dir: str
     pid: int
-    def __init__(self, name: _Optional[str] = ..., host: _Optional[str] = ..., device: _Optional[str] = ..., budget_bytes: _Optional[int] = ..., free_ports: _Optional[_Iterable[int]] = ..., tasks: _Optional[_Iterable[_Union[TaskStatus, _Mapping]]] = ..., work_dir: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
+    shared_dir: str
+    draining: bool
+    def __init__(self, name: _Optional[str] = ..., host: _Optional[str] = ..., device: _Optional[str] = ..., budget_bytes: _Optional[int] = ..., free_ports: _Optional[_Iterable[int]] = ..., tasks: _Optional[_Iterable[_Union[TaskStatus, _Mapping]]] = ..., work_dir: _Optional[str] = ..., pid: _Optional[int] = ..., shared_dir: _Optional[str] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class RegisterAgentResponse(_message.Message):
     __slots__ = ("session", "heartbeat_interval_s")
@@ -684,19 +718,21 @@ class PipelineConfig(_message.Message):
     def __init__(self, stages: _Optional[int] = ..., replicas: _Optional[int] = ..., microbatches: _Optional[int] = ..., microbatch: _Optional[int] = ..., layout: _Optional[_Iterable[_Union[StageAssignment, _Mapping]]] = ...) -> None: ...
 
 class AgentSettings(_message.Message):
-    __slots__ = ("output_dir", "threads", "device", "blob_dir")
+    __slots__ = ("output_dir", "threads", "device", "blob_dir", "shared_dir")
     OUTPUT_DIR_FIELD_NUMBER: _ClassVar[int]
     THREADS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     BLOB_DIR_FIELD_NUMBER: _ClassVar[int]
+    SHARED_DIR_FIELD_NUMBER: _ClassVar[int]
     output_dir: str
     threads: int
     device: str
     blob_dir: str
-    def __init__(self, output_dir: _Optional[str] = ..., threads: _Optional[int] = ..., device: _Optional[str] = ..., blob_dir: _Optional[str] = ...) -> None: ...
+    shared_dir: str
+    def __init__(self, output_dir: _Optional[str] = ..., threads: _Optional[int] = ..., device: _Optional[str] = ..., blob_dir: _Optional[str] = ..., shared_dir: _Optional[str] = ...) -> None: ...
 
 class TaskConfig(_message.Message):
-    __slots__ = ("version", "job_id", "role", "index", "spec", "memory_budget_bytes", "report_interval_s", "ps_placement", "stage_layout", "agent")
+    __slots__ = ("version", "job_id", "role", "index", "spec", "memory_budget_bytes", "report_interval_s", "ps_placement", "stage_layout", "agent", "restart")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -707,6 +743,7 @@ class TaskConfig(_message.Message):
     PS_PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     STAGE_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     AGENT_FIELD_NUMBER: _ClassVar[int]
+    RESTART_FIELD_NUMBER: _ClassVar[int]
     version: int
     job_id: str
     role: str
@@ -717,7 +754,8 @@ class TaskConfig(_message.Message):
     ps_placement: ParameterServerConfig
     stage_layout: PipelineConfig
     agent: AgentSettings
-    def __init__(self, version: _Optional[int] = ..., job_id: _Optional[str] = ..., role: _Optional[str] = ..., index: _Optional[int] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., memory_budget_bytes: _Optional[int] = ..., report_interval_s: _Optional[float] = ..., ps_placement: _Optional[_Union[ParameterServerConfig, _Mapping]] = ..., stage_layout: _Optional[_Union[PipelineConfig, _Mapping]] = ..., agent: _Optional[_Union[AgentSettings, _Mapping]] = ...) -> None: ...
+    restart: int
+    def __init__(self, version: _Optional[int] = ..., job_id: _Optional[str] = ..., role: _Optional[str] = ..., index: _Optional[int] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., memory_budget_bytes: _Optional[int] = ..., report_interval_s: _Optional[float] = ..., ps_placement: _Optional[_Union[ParameterServerConfig, _Mapping]] = ..., stage_layout: _Optional[_Union[PipelineConfig, _Mapping]] = ..., agent: _Optional[_Union[AgentSettings, _Mapping]] = ..., restart: _Optional[int] = ...) -> None: ...
 
 class StartTask(_message.Message):
     __slots__ = ("job_id", "role", "index", "tf_config", "memory_budget_bytes", "attempt", "config")
@@ -826,3 +864,17 @@ class UploadOutputResponse(_message.Message):
     SIZE_FIELD_NUMBER: _ClassVar[int]
     size: int
     def __init__(self, size: _Optional[int] = ...) -> None: ...
+
+class DrainAgentRequest(_message.Message):
+    __slots__ = ("name", "session")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    session: str
+    def __init__(self, name: _Optional[str] = ..., session: _Optional[str] = ...) -> None: ...
+
+class DrainAgentResponse(_message.Message):
+    __slots__ = ("tasks",)
+    TASKS_FIELD_NUMBER: _ClassVar[int]
+    tasks: int
+    def __init__(self, tasks: _Optional[int] = ...) -> None: ...

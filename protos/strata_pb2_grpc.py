@@ -84,6 +84,11 @@ class JobServiceStub:
                 request_serializer=strata_dot_protos_dot_strata__pb2.DownloadOutputRequest.SerializeToString,
                 response_deserializer=strata_dot_protos_dot_strata__pb2.FileChunk.FromString,
                 _registered_method=True)
+        self.DrainWorker = channel.unary_unary(
+                '/strata.v1.JobService/DrainWorker',
+                request_serializer=strata_dot_protos_dot_strata__pb2.DrainWorkerRequest.SerializeToString,
+                response_deserializer=strata_dot_protos_dot_strata__pb2.Worker.FromString,
+                _registered_method=True)
 
 
 class JobServiceServicer:
@@ -152,6 +157,13 @@ class JobServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DrainWorker(self, request, context):
+        """No new placements on the worker; its jobs are restarted elsewhere from their checkpoints.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_JobServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -204,6 +216,11 @@ def add_JobServiceServicer_to_server(servicer, server):
                     servicer.DownloadOutput,
                     request_deserializer=strata_dot_protos_dot_strata__pb2.DownloadOutputRequest.FromString,
                     response_serializer=strata_dot_protos_dot_strata__pb2.FileChunk.SerializeToString,
+            ),
+            'DrainWorker': grpc.unary_unary_rpc_method_handler(
+                    servicer.DrainWorker,
+                    request_deserializer=strata_dot_protos_dot_strata__pb2.DrainWorkerRequest.FromString,
+                    response_serializer=strata_dot_protos_dot_strata__pb2.Worker.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -486,6 +503,33 @@ class JobService:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def DrainWorker(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/strata.v1.JobService/DrainWorker',
+            strata_dot_protos_dot_strata__pb2.DrainWorkerRequest.SerializeToString,
+            strata_dot_protos_dot_strata__pb2.Worker.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class ClusterServiceStub:
     """Missing associated documentation comment in .proto file."""
@@ -530,6 +574,11 @@ class ClusterServiceStub:
                 '/strata.v1.ClusterService/UploadOutput',
                 request_serializer=strata_dot_protos_dot_strata__pb2.OutputChunk.SerializeToString,
                 response_deserializer=strata_dot_protos_dot_strata__pb2.UploadOutputResponse.FromString,
+                _registered_method=True)
+        self.DrainAgent = channel.unary_unary(
+                '/strata.v1.ClusterService/DrainAgent',
+                request_serializer=strata_dot_protos_dot_strata__pb2.DrainAgentRequest.SerializeToString,
+                response_deserializer=strata_dot_protos_dot_strata__pb2.DrainAgentResponse.FromString,
                 _registered_method=True)
 
 
@@ -581,6 +630,13 @@ class ClusterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DrainAgent(self, request, context):
+        """The agent was asked to stop (SIGTERM): drain it as DrainWorker does.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ClusterServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -618,6 +674,11 @@ def add_ClusterServiceServicer_to_server(servicer, server):
                     servicer.UploadOutput,
                     request_deserializer=strata_dot_protos_dot_strata__pb2.OutputChunk.FromString,
                     response_serializer=strata_dot_protos_dot_strata__pb2.UploadOutputResponse.SerializeToString,
+            ),
+            'DrainAgent': grpc.unary_unary_rpc_method_handler(
+                    servicer.DrainAgent,
+                    request_deserializer=strata_dot_protos_dot_strata__pb2.DrainAgentRequest.FromString,
+                    response_serializer=strata_dot_protos_dot_strata__pb2.DrainAgentResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -809,6 +870,33 @@ class ClusterService:
             '/strata.v1.ClusterService/UploadOutput',
             strata_dot_protos_dot_strata__pb2.OutputChunk.SerializeToString,
             strata_dot_protos_dot_strata__pb2.UploadOutputResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DrainAgent(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/strata.v1.ClusterService/DrainAgent',
+            strata_dot_protos_dot_strata__pb2.DrainAgentRequest.SerializeToString,
+            strata_dot_protos_dot_strata__pb2.DrainAgentResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -152,7 +152,8 @@ def job_to_proto(j: Job, with_spec: bool = True) -> pb.Job:
         ),
         tasks=[task_to_proto(t) for t in j.tasks],
         spec=spec_to_proto(j.spec) if j.spec is not None and with_spec else None,
-        output_dir=j.output_dir, outputs=list(j.outputs),
+        output_dir=j.output_dir, outputs=list(j.outputs), checkpoint_step=j.checkpoint_step,
+        steps_repeated=j.steps_repeated,
     )
 
 
@@ -173,7 +174,8 @@ def job_from_proto(m: pb.Job) -> Job:
             examples_per_sec=mm.examples_per_sec,
         ),
         tasks=[task_from_proto(m.id, t) for t in m.tasks],
-        output_dir=m.output_dir, outputs=list(m.outputs),
+        output_dir=m.output_dir, outputs=list(m.outputs), checkpoint_step=m.checkpoint_step,
+        steps_repeated=m.steps_repeated,
     )
 
 
@@ -203,7 +205,7 @@ def memory_from_proto(m: pb.MemoryStatus) -> MemoryStatus:
 def worker_to_proto(w: WorkerInfo) -> pb.Worker:
     return pb.Worker(
         name=w.name, address=w.address, state=pb.WorkerState.Value(w.state.value), device=w.device,
-        memory=memory_to_proto(w.memory), last_seen=w.last_seen,
+        memory=memory_to_proto(w.memory), last_seen=w.last_seen, shared_dir=w.shared_dir,
         tasks=[pb.WorkerTask(job_id=t.job_id, role=t.role, index=t.index,
                              state=_task_state_to_proto(t.state),
                              memory_budget_bytes=t.memory_budget_bytes,
@@ -214,7 +216,7 @@ def worker_to_proto(w: WorkerInfo) -> pb.Worker:
 def worker_from_proto(m: pb.Worker) -> WorkerInfo:
     return WorkerInfo(
         name=m.name, address=m.address, device=m.device, state=WorkerState(pb.WorkerState.Name(m.state)),
-        memory=memory_from_proto(m.memory), last_seen=m.last_seen,
+        memory=memory_from_proto(m.memory), last_seen=m.last_seen, shared_dir=m.shared_dir,
         tasks=[WorkerTask(job_id=t.job_id, role=t.role, index=t.index,
                           state=_task_state_from_proto(t.state),
                           memory_budget_bytes=t.memory_budget_bytes, in_use_bytes=t.in_use_bytes,
@@ -244,7 +246,7 @@ def task_config_to_proto(c: TaskConfig) -> pb.TaskConfig:
     msg = pb.TaskConfig(
         version=c.version, job_id=c.job_id, role=c.role, index=c.index,
         spec=spec_to_proto(c.spec), memory_budget_bytes=c.memory_budget_bytes,
-        report_interval_s=c.report_interval_s,
+        report_interval_s=c.report_interval_s, restart=c.restart,
         agent=agent_settings_to_proto(c.agent))
     s = c.section
     if isinstance(s, ParameterServerSection):
@@ -263,7 +265,7 @@ def task_config_to_proto(c: TaskConfig) -> pb.TaskConfig:
 
 def agent_settings_to_proto(a: AgentSettings) -> pb.AgentSettings:
     return pb.AgentSettings(output_dir=a.output_dir, threads=a.threads, device=a.device,
-                            blob_dir=a.blob_dir)
+                            blob_dir=a.blob_dir, shared_dir=a.shared_dir)
 
 
 def with_agent_settings(m: pb.TaskConfig, a: AgentSettings) -> pb.TaskConfig:
@@ -296,10 +298,10 @@ def task_config_from_proto(m: pb.TaskConfig) -> TaskConfig:
         version=m.version, job_id=m.job_id, role=m.role, index=m.index,
         spec=spec_from_proto(m.spec), memory_budget_bytes=m.memory_budget_bytes,
         report_interval_s=m.report_interval_s or TaskConfig.report_interval_s,
-        section=section,
+        section=section, restart=m.restart,
         agent=AgentSettings(output_dir=m.agent.output_dir, threads=m.agent.threads,
                             device=m.agent.device or AgentSettings.device,
-                            blob_dir=m.agent.blob_dir))
+                            blob_dir=m.agent.blob_dir, shared_dir=m.agent.shared_dir))
 
 
 # --- agent commands ---------------------------------------------------------------------------
@@ -330,6 +332,7 @@ def report_to_proto(r: TaskReport) -> pb.TaskStatus:
         oom=pb.OutOfMemory(task=r.oom.task, allocation_bytes=r.oom.allocation_bytes,
                            shape=list(r.oom.shape), dtype=r.oom.dtype, op=r.oom.op)
         if r.oom is not None else None,
+        checkpoint_step=r.checkpoint_step, resumed_step=r.resumed_step,
     )
 
 
@@ -347,4 +350,5 @@ def report_from_proto(m: pb.TaskStatus) -> TaskReport:
         oom=OutOfMemory(task=m.oom.task[:64], allocation_bytes=max(0, m.oom.allocation_bytes),
                         shape=tuple(m.oom.shape)[:16], dtype=m.oom.dtype[:32], op=m.oom.op[:200])
         if m.HasField("oom") else None,
+        checkpoint_step=max(0, m.checkpoint_step), resumed_step=max(0, m.resumed_step),
     )

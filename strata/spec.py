@@ -97,6 +97,12 @@ class JobSpec:
     memory: MemorySpec
     checkpoint_every_steps: int = 0
     max_restarts: int = 0
+    #: checkpoints kept (the newest), with ``checkpoint_every_steps``
+    checkpoint_keep: int = 3
+    #: seconds between a failure and the restart's placement (``restart.backoff_s``)
+    restart_backoff_s: float = 5.0
+    #: restart also after the job's own code raised (``restart.retry_user_errors``)
+    retry_user_errors: bool = False
     #: users' own code: {"dir_name", "sha256", "size", "model", "dataset"} (empty: none)
     code: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -130,8 +136,10 @@ class JobSpec:
                      "features": json.loads(json.dumps(self.data.features))},
             "training": dataclasses.asdict(self.training),
             "memory": dataclasses.asdict(self.memory),
-            "checkpoint": {"every_steps": self.checkpoint_every_steps},
-            "restart": {"max_restarts": self.max_restarts},
+            "checkpoint": {"every_steps": self.checkpoint_every_steps,
+                           "keep": self.checkpoint_keep},
+            "restart": {"max_restarts": self.max_restarts, "backoff_s": self.restart_backoff_s,
+                        "retry_user_errors": self.retry_user_errors},
         }
 
     @classmethod
@@ -163,6 +171,9 @@ class JobSpec:
             memory=fill(MemorySpec, sub("memory")),
             checkpoint_every_steps=int(sub("checkpoint").get("every_steps", 0)),
             max_restarts=int(sub("restart").get("max_restarts", 0)),
+            checkpoint_keep=int(sub("checkpoint").get("keep", cls.checkpoint_keep)),
+            restart_backoff_s=float(sub("restart").get("backoff_s", cls.restart_backoff_s)),
+            retry_user_errors=bool(sub("restart").get("retry_user_errors", False)),
             code=json.loads(json.dumps(dict(sub("code")))))
 
     @property
@@ -390,8 +401,11 @@ def parse_job_spec(raw: Any) -> JobSpec:
         profile=_profile(m.get("profile")),
     )
 
-    c = _section(raw, "checkpoint", {"every_steps"})
-    r = _section(raw, "restart", {"max_restarts"})
+    c = _section(raw, "checkpoint", {"every_steps", "keep"})
+    r = _section(raw, "restart", {"max_restarts", "backoff_s", "retry_user_errors"})
+    backoff = _float(r, "backoff_s", "restart.backoff_s", JobSpec.restart_backoff_s)
+    if not 0 <= backoff <= 3600:
+        raise SpecError("restart.backoff_s", f"must be between 0 and 3600 seconds, got {backoff:g}")
     spec = JobSpec(
         name=name,
         strategy=strategy.name,
@@ -405,6 +419,9 @@ def parse_job_spec(raw: Any) -> JobSpec:
         memory=memory,
         checkpoint_every_steps=_int(c, "every_steps", "checkpoint.every_steps", 0, hi=1 << 40),
         max_restarts=_int(r, "max_restarts", "restart.max_restarts", 0, hi=1000),
+        checkpoint_keep=_int(c, "keep", "checkpoint.keep", JobSpec.checkpoint_keep, lo=1, hi=1000),
+        restart_backoff_s=backoff,
+        retry_user_errors=_bool(r, "retry_user_errors", "restart.retry_user_errors", False),
         code=code,
     )
     _check_strategy_fields(spec, strategy)

@@ -71,6 +71,7 @@ class AgentSettings:
     threads: int = 0
     device: str = "CPU"
     blob_dir: str = ""      # the agent's fetched blobs (a job's .keras file), by SHA-256
+    shared_dir: str = ""    # --shared-dir: every agent of the cluster sees it at this path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,10 +85,36 @@ class TaskConfig:
     section: StrategySection = None
     agent: AgentSettings = AgentSettings()
     version: int = TASK_CONFIG_VERSION
+    #: the job's restart count when this task was started: its checkpoint generation
+    #: (``checkpoint_dir``)
+    restart: int = 0
 
     @property
     def task_name(self) -> str:
         return f"{self.role}:{self.index}"
+
+    @property
+    def job_dir(self) -> str:
+        """The job's directory on the shared storage (empty without ``--shared-dir``)."""
+        if not self.agent.shared_dir:
+            return ""
+        import os
+
+        return os.path.join(self.agent.shared_dir, "jobs", self.job_id)
+
+    @property
+    def checkpoint_root(self) -> str:
+        """``JOB_DIR/checkpoints``: one ``gen-N`` directory per restart generation N. A task
+        of generation N writes only into ``gen-N`` and resumes from the newest checkpoint of
+        the generations before it, so a task of an earlier generation still running somewhere
+        (a partitioned host) can never overwrite what the current one reads or writes."""
+        import os
+
+        return os.path.join(self.job_dir, "checkpoints") if self.job_dir else ""
+
+    @property
+    def checkpoints_enabled(self) -> bool:
+        return self.spec.checkpoint_every_steps > 0 and bool(self.agent.shared_dir)
 
 
 class TaskConfigError(Exception):

@@ -26,6 +26,9 @@ class JobState(str, enum.Enum):
     SUCCEEDED = "SUCCEEDED"
     FAILED = "FAILED"
     CANCELLED = "CANCELLED"
+    #: a task failed and the restart policy restarts the job: its other tasks are stopped,
+    #: then (after ``restart.backoff_s``) it is placed again and resumes from its checkpoint
+    RESTARTING = "RESTARTING"
 
     @property
     def final(self) -> bool:
@@ -54,6 +57,8 @@ class FailureKind(str, enum.Enum):
     LOST = "LOST"
     BAD_CONFIG = "BAD_CONFIG"
     USER_CODE = "USER_CODE"
+    COLLECTIVE_TIMEOUT = "COLLECTIVE_TIMEOUT"   # a collective or a peer's RPC timed out/aborted
+    CANCELLED = "CANCELLED"                     # stopped on purpose: cancel, restart, drain
 
 
 class WorkerState(str, enum.Enum):
@@ -67,8 +72,10 @@ class WorkerState(str, enum.Enum):
 JOB_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     JobState.PENDING: frozenset({JobState.SCHEDULED, JobState.FAILED, JobState.CANCELLED}),
     JobState.SCHEDULED: frozenset({JobState.RUNNING, JobState.SUCCEEDED, JobState.FAILED,
-                                   JobState.CANCELLED}),
-    JobState.RUNNING: frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED}),
+                                   JobState.CANCELLED, JobState.RESTARTING}),
+    JobState.RUNNING: frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED,
+                                 JobState.RESTARTING}),
+    JobState.RESTARTING: frozenset({JobState.SCHEDULED, JobState.FAILED, JobState.CANCELLED}),
     JobState.SUCCEEDED: frozenset(),
     JobState.FAILED: frozenset(),
     JobState.CANCELLED: frozenset(),
@@ -152,6 +159,11 @@ class Job:
     #: files when the job is reported, not stored)
     output_dir: str = ""
     outputs: list[str] = dataclasses.field(default_factory=list)
+    #: the step of the latest checkpoint the lead task saved
+    checkpoint_step: int = 0
+    #: steps trained again after restarts (the steps between a job's last checkpoint and its
+    #: failure), summed over its restarts
+    steps_repeated: int = 0
 
 
 @dataclasses.dataclass
@@ -182,6 +194,7 @@ class WorkerInfo:
     memory: MemoryStatus
     tasks: list[WorkerTask] = dataclasses.field(default_factory=list)
     last_seen: float = 0.0
+    shared_dir: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,6 +288,7 @@ def job_to_json(j: Job) -> dict[str, Any]:
                     "examples_per_sec": m.examples_per_sec},
         "tasks": [task_to_json(t) for t in j.tasks],
         "output_dir": j.output_dir or None, "outputs": list(j.outputs),
+        "checkpoint_step": j.checkpoint_step, "steps_repeated": j.steps_repeated,
     }
 
 
@@ -285,7 +299,7 @@ def worker_to_json(w: WorkerInfo) -> dict[str, Any]:
         "tasks": [{"job_id": t.job_id, "role": t.role, "index": t.index, "state": t.state.value,
                    "memory_budget_bytes": t.memory_budget_bytes, "in_use_bytes": t.in_use_bytes,
                    "peak_bytes": t.peak_bytes} for t in w.tasks],
-        "last_seen": w.last_seen,
+        "last_seen": w.last_seen, "shared_dir": w.shared_dir,
     }
 
 
@@ -323,6 +337,8 @@ class TaskReport:
     first_step_time: float = 0.0
     replica_weights_sha256: list[str] = dataclasses.field(default_factory=list)
     oom: OutOfMemory | None = None
+    checkpoint_step: int = 0     # the latest checkpoint the task saved
+    resumed_step: int = 0        # the checkpoint it resumed from (0: started afresh)
 
     @property
     def key(self) -> tuple[str, str, int]:

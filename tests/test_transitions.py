@@ -12,6 +12,10 @@ LEGAL_JOB = {
     (JobState.SCHEDULED, JobState.SUCCEEDED), (JobState.SCHEDULED, JobState.FAILED),
     (JobState.SCHEDULED, JobState.CANCELLED), (JobState.RUNNING, JobState.SUCCEEDED),
     (JobState.RUNNING, JobState.FAILED), (JobState.RUNNING, JobState.CANCELLED),
+    # restarts: a failed task stops the rest; the job is placed again, or given up
+    (JobState.SCHEDULED, JobState.RESTARTING), (JobState.RUNNING, JobState.RESTARTING),
+    (JobState.RESTARTING, JobState.SCHEDULED), (JobState.RESTARTING, JobState.FAILED),
+    (JobState.RESTARTING, JobState.CANCELLED),
 }
 
 
