@@ -18,7 +18,11 @@ exit; the exit status is the authoritative signal when the event pipe is lost):
 - ``TASK_EXIT_USER_CODE`` (77): the job's own code (``code.model``, ``code.dataset``) raised;
   the ``error`` event carries its traceback. Retrying runs the same code again.
 
-75, 76 and 77 come from the BSD ``sysexits.h`` range (EX_TEMPFAIL, EX_PROTOCOL) so they do not
+- ``TASK_EXIT_COLLECTIVE`` (78): a collective operation or a call to a peer task timed out or
+  was aborted (a peer died or was stopped): the task is a casualty of another's failure, and
+  a restart of the job resumes it.
+
+75 to 78 come from the BSD ``sysexits.h`` range (EX_TEMPFAIL, EX_PROTOCOL) so they do not
 collide with Python's own 1/2 or with 128+N signal deaths.
 """
 
@@ -27,6 +31,7 @@ TASK_EXIT_ERROR = 1
 TASK_EXIT_OOM = 75
 TASK_EXIT_BAD_CONFIG = 76
 TASK_EXIT_USER_CODE = 77
+TASK_EXIT_COLLECTIVE = 78
 
 #: exit status -> the ``kind`` of the matching ``error`` event (0 has none).
 EXIT_KIND = {
@@ -34,5 +39,6 @@ EXIT_KIND = {
     TASK_EXIT_OOM: "oom",
     TASK_EXIT_BAD_CONFIG: "bad_config",
     TASK_EXIT_USER_CODE: "user_code",
+    TASK_EXIT_COLLECTIVE: "collective_timeout",
 }
 
