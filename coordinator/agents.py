@@ -79,7 +79,8 @@ class Agents:
     def __init__(self, records: Iterable[WorkerRecord], now: float):
         # Known from before a restart: not schedulable until the agent registers again, and
         # declared LOST if it has not done so within one heartbeat timeout.
-        self.workers: dict[str, LiveWorker] = {r.name: LiveWorker(record=r, last_seen=now)
+        self.workers: dict[str, LiveWorker] = {r.name: LiveWorker(record=r, last_seen=now,
+                                                                  pid=r.pid)
                                                for r in records}
 
     def get(self, name: str) -> LiveWorker | None:
@@ -99,8 +100,10 @@ class Agents:
         if live is None:
             live = self.workers[rec.name] = LiveWorker(record=rec)
         else:
-            rec.draining = live.record.draining
+            # a drain lasts until the agent restarts (a new process: a new pid)
+            rec.draining = live.record.draining and live.pid == pid
             live.record = rec
+        rec.pid = pid
         old_queue = live.queue
         live.session = secrets.token_hex(8)
         live.pid = pid
@@ -145,11 +148,14 @@ class Agents:
                 return
             yield cmd
 
-    def capacities(self, reserved: Mapping[str, int]) -> list[Capacity]:
+    def capacities(self, reserved: Mapping[str, int], shared: bool = False) -> list[Capacity]:
+        """The agents that can take tasks now; ``shared``: only those with a shared directory
+        (for a job that checkpoints)."""
         return [Capacity(name=w.name, budget_bytes=w.record.budget_bytes,
                          free_bytes=w.record.budget_bytes - reserved.get(w.name, 0),
                          free_ports=len(w.free_ports))
-                for w in self.workers.values() if w.connected and not w.record.draining]
+                for w in self.workers.values() if w.connected and not w.record.draining
+                and (w.record.shared_dir or not shared)]
 
     def close(self) -> None:
         for w in self.workers.values():
@@ -192,7 +198,10 @@ def reconcile(worker: str, reports: Iterable[TaskReport],
             continue
         if mine and job is not None and job.state.final:
             out.stop_again.append(r)  # a stop lost while the agent was away
-        elif not mine or job is None or task is None or task.state.final:
+        elif not mine or job is None or task is None or task.state.final \
+                or r.attempt != task.attempt or job.state == JobState.RESTARTING:
+            # not this agent's, or an attempt the job has moved on from (it was restarted
+            # while the agent was away): never two processes of one task
             out.stop.append(StopTaskCommand(job_id=r.job_id, role=r.role, index=r.index,
                                             reason="not assigned to this worker"))
         else:

@@ -143,6 +143,14 @@ def probe_spec(spec: JobSpec) -> JobSpec:
         memory=dataclasses.replace(spec.memory, profile="false"))
 
 
+def _tasks_of(job_id: str, plan: JobPlan, attempt: int = 0) -> list[Task]:
+    return [Task(job_id=job_id, role=t.role, index=t.index, stage=t.stage, replica=t.replica,
+                 first_layer=t.first_layer, last_layer=t.last_layer, layers=list(t.layers),
+                 memory_budget_bytes=t.memory_budget_bytes,
+                 estimated_memory_bytes=t.estimated_memory_bytes, attempt=attempt)
+            for t in plan.tasks]
+
+
 class Coordinator:
     def __init__(self, store: Store, state_dir: str, *, heartbeat_timeout_s: float = 10.0,
                  heartbeat_interval_s: float = 1.0, tick_interval_s: float = 0.5,
@@ -161,6 +169,9 @@ class Coordinator:
         self._scheduled_at: dict[str, float] = {}  # job id -> when it was placed (this process)
         self.clock = clock
         self.jobs: dict[str, Job] = {j.id: j for j in store.load_jobs()}
+        #: client request id -> the job its SubmitJob created (a retried submit returns it)
+        self._by_request: dict[str, str] = {j.recovery.request_id: j.id
+                                            for j in self.jobs.values() if j.recovery.request_id}
         #: task kind -> bytes it was measured to need (``strata.measured``)
         self.measured: dict[str, int] = store.load_measured()
         self.agents = Agents(store.load_workers(), clock())
@@ -173,6 +184,10 @@ class Coordinator:
         #: job id -> its memory probe's job id (``memory.profile``), while the job waits for it.
         #: Not persisted: after a coordinator restart a waiting job runs on its estimates.
         self._probe_of: dict[str, str] = {}
+        #: job id -> (role, index, budget) of the task whose out-of-memory failure restarts it:
+        #: the re-plan must give that task more (in memory: after a coordinator restart the
+        #: measured need, which is stored, raises the plan anyway)
+        self._oom_budget: dict[str, tuple[str, int, int]] = {}
 
     # --- notifications ------------------------------------------------------------------------
 
@@ -249,30 +264,62 @@ class Coordinator:
 
     # --- job API ------------------------------------------------------------------------------
 
-    def worker_offers(self, free: bool) -> list[WorkerOffer]:
+    def worker_offers(self, free: bool, shared: bool = False) -> list[WorkerOffer]:
         """The connected workers as the job planner sees them: whole budgets (admission: could
-        the job ever run here) or free budgets (``strata plan``: where would it run now)."""
+        the job ever run here) or free budgets (``strata plan``: where would it run now);
+        ``shared``: only those with a shared directory (a job that checkpoints)."""
         if free:
-            return [WorkerOffer(c.name, c.free_bytes) for c in self._capacities()]
+            return [WorkerOffer(c.name, c.free_bytes) for c in self._capacities(shared)]
         return [WorkerOffer(w.name, w.record.budget_bytes)
-                for w in self.agents.values() if not w.lost and not w.record.draining]
+                for w in self.agents.values() if not w.lost and not w.record.draining
+                and (w.record.shared_dir or not shared)]
 
-    def submit(self, spec: JobSpec | Mapping[str, Any] | PreparedJob) -> Job:
-        prepared = (spec if isinstance(spec, PreparedJob)
-                    else prepare(spec, self.worker_offers(free=False), self.measured))
+    def _check_shared(self, spec: JobSpec) -> None:
+        """A job that checkpoints needs agents with ``--shared-dir``: refused when agents are
+        registered and none has one (with none registered yet it waits for them)."""
+        if not spec.checkpoint_every_steps:
+            return
+        known = [w for w in self.agents.values() if not w.lost]
+        if known and not any(w.record.shared_dir for w in known):
+            raise InfeasibleError(
+                f"job {spec.name!r} asks for checkpoints (checkpoint.every_steps "
+                f"{spec.checkpoint_every_steps}) but no worker has a shared directory: start "
+                "the workers with --shared-dir DIR, a directory every worker sees at the same "
+                "path (NFS, a ReadWriteMany volume; `strata up` makes one)",
+                estimate_bytes=0, largest_budget_bytes=0)
+
+    def job_for_request(self, request_id: str) -> Job | None:
+        """The job an earlier ``SubmitJob`` with this client request id created."""
+        job_id = self._by_request.get(request_id) if request_id else None
+        return self.jobs.get(job_id) if job_id else None
+
+    def submit(self, spec: JobSpec | Mapping[str, Any] | PreparedJob,
+               request_id: str = "") -> Job:
+        """Accepts a job. ``request_id``: the client's id of this submission; a retry with the
+        same id (its first reply lost) returns the job the first created."""
+        done = self.job_for_request(request_id)
+        if done is not None:
+            return done
+        if isinstance(spec, PreparedJob):
+            prepared = spec
+        else:
+            parsed = spec if isinstance(spec, JobSpec) else parse_job_spec(spec)
+            prepared = prepare(parsed, self.worker_offers(
+                False, bool(parsed.checkpoint_every_steps)), self.measured)
         spec, plan = prepared.spec, prepared.plan
+        self._check_shared(spec)
         if not plan.feasible:
             budgets = [w.record.budget_bytes for w in self.agents.values() if not w.lost]
             raise InfeasibleError(f"job {spec.name!r} cannot run on this cluster: {plan.reason}",
                                   estimate_bytes=plan.largest_estimate,
                                   largest_budget_bytes=max(budgets, default=0))
         if not wants_probe(spec, plan) or measured_kinds(spec, self.measured):
-            return self._add_job(spec, plan)
+            return self._add_job(spec, plan, request_id=request_id)
         # memory.profile: a short run of the same plan measures every task first; the job
         # waits for it, then is planned with what it measured (``_after_probe``)
         probing = probe_spec(spec)
         probe = self._add_job(probing, plan, note=f"memory probe of job {spec.name!r}")
-        job = self._add_job(spec, plan)
+        job = self._add_job(spec, plan, request_id=request_id)
         self._probe_of[job.id] = probe.id
         job.message = f"waiting for its memory probe {probe.id}"
         self.store.put_job(job)
@@ -281,7 +328,8 @@ class Coordinator:
                                     "task's peak; the job is planned with those figures")
         return job
 
-    def _add_job(self, spec: JobSpec, plan: JobPlan, note: str = "") -> Job:
+    def _add_job(self, spec: JobSpec, plan: JobPlan, note: str = "",
+                 request_id: str = "") -> Job:
         now = self.clock()
         job_id = f"{spec.name}-{secrets.token_hex(3)}"
         while job_id in self.jobs:
@@ -289,13 +337,13 @@ class Coordinator:
         job = Job(id=job_id, name=spec.name, state=JobState.PENDING, strategy=spec.strategy,
                   spec=spec, created_at=now, estimated_memory_bytes=plan.largest_estimate,
                   message="waiting for workers")
-        job.tasks = [Task(job_id=job_id, role=t.role, index=t.index, stage=t.stage,
-                          replica=t.replica, first_layer=t.first_layer, last_layer=t.last_layer,
-                          layers=list(t.layers), memory_budget_bytes=t.memory_budget_bytes,
-                          estimated_memory_bytes=t.estimated_memory_bytes) for t in plan.tasks]
+        job.recovery.request_id = request_id
+        job.tasks = _tasks_of(job_id, plan)
         self.store.put_job(job)
         self.store.put_tasks(job.tasks)
         self.jobs[job_id] = job  # only once stored: a failed write leaves no phantom job
+        if request_id:
+            self._by_request[request_id] = job_id
         what = strategies.get(spec.strategy).describe_plan(spec, plan)
         self._event(job, "state", f"PENDING: submitted{'; ' + note if note else ''}; {what}")
         low = [t for t in plan.tasks if t.memory_budget_bytes < t.estimated_memory_bytes]
@@ -334,6 +382,10 @@ class Coordinator:
         reports the process gone (or the agent is lost), so budgets are never double-booked.
         """
         self._set_job_state(job, target, message)
+        self._stop_tasks(job, message)
+
+    def _stop_tasks(self, job: Job, message: str) -> None:
+        """Tells the agents to stop the job's remaining processes (see ``_stop_job``)."""
         by_worker: set[str] = set()
         for t in job.tasks:
             if t.state.final:
@@ -419,11 +471,13 @@ class Coordinator:
     # --- cluster API --------------------------------------------------------------------------
 
     def register(self, name: str, host: str, device: str, budget_bytes: int, free_ports: list[int],
-                 reports: list[TaskReport], work_dir: str = "", pid: int = 0) -> str:
+                 reports: list[TaskReport], work_dir: str = "", pid: int = 0,
+                 shared_dir: str = "", draining: bool = False) -> str:
         now = self.clock()
         rec = WorkerRecord(name=name, address=host, device=device, budget_bytes=budget_bytes,
-                           work_dir=work_dir, last_seen=now)
+                           work_dir=work_dir, last_seen=now, shared_dir=shared_dir)
         live = self.agents.register(rec, pid, free_ports, now, self.heartbeat_timeout_s)
+        live.record.draining = live.record.draining or draining
         self.store.put_worker(live.record)
         self._reconcile(live, reports)
         self.wake()
@@ -464,8 +518,14 @@ class Coordinator:
             self.wake()
         for r in reports:
             self.report(name, session, r)
+            if r.state.final:
+                continue
             job = self.jobs.get(r.job_id)
-            if job is not None and job.state.final and not r.state.final:
+            task = self._task(*r.key)
+            if job is None or task is None or job.state.final or task.worker != name \
+                    or (job.state == JobState.RESTARTING and r.attempt == task.attempt):
+                # a process of an ended job, of an attempt that moved elsewhere, or of a job
+                # that is restarting: its stop may have been lost
                 self._resend_stop(live, r)
 
     def _resend_stop(self, live: LiveWorker, r: TaskReport) -> None:
@@ -475,6 +535,30 @@ class Coordinator:
             self._stops_sent[key] = now
             self.agents.send(live.name, StopTaskCommand(job_id=r.job_id, role=r.role,
                                                         index=r.index, reason="its job has ended"))
+
+    def tasks_on(self, name: str) -> int:
+        """Tasks assigned to the worker that have not ended."""
+        return sum(1 for j in self.jobs.values() for t in j.tasks
+                   if t.worker == name and not t.state.final)
+
+    def drain(self, name: str) -> WorkerInfo:
+        """``strata drain``: no new placements on the worker; every running job with a task
+        there restarts elsewhere from its latest checkpoint (not counted against
+        ``restart.max_restarts``: nothing failed). The worker stays DRAINING until it
+        registers again without asking to drain."""
+        live = self.agents.get(name)
+        if live is None:
+            raise NotFoundError("worker", name)
+        if not live.record.draining:
+            live.record.draining = True
+            self.store.put_worker(live.record)
+            log.info("worker %s draining", name)
+        for job in list(self.jobs.values()):
+            if job.state in (JobState.SCHEDULED, JobState.RUNNING) and any(
+                    t.worker == name and not t.state.final for t in job.tasks):
+                self._restart(job, f"worker {name} is draining", failure=False)
+        self.wake()
+        return next(w for w in self.list_workers() if w.name == name)
 
     def commands(self, name: str, session: str) -> AsyncIterator[AgentCommand]:
         return self.agents.commands(name, session)
@@ -506,6 +590,24 @@ class Coordinator:
         if r.model_path:
             task.model_path = r.model_path
         lead = strategy.is_lead(task)
+        if lead and r.checkpoint_step > job.checkpoint_step:
+            job.checkpoint_step = r.checkpoint_step
+            self.store.put_job(job)
+        if lead and r.resumed_step and job.recovery.step_at_failure:
+            repeated = max(0, job.recovery.step_at_failure - r.resumed_step)
+            job.steps_repeated += repeated
+            job.recovery.step_at_failure = 0
+            self.store.put_job(job)
+            self._event(job, "message", f"resumed from the checkpoint at step {r.resumed_step}; "
+                                        f"{repeated} step(s) trained again")
+        elif lead and r.step and job.recovery.step_at_failure and job.restarts \
+                and not r.resumed_step:
+            # the lead started afresh (no checkpoint): everything before is trained again
+            job.steps_repeated += job.recovery.step_at_failure
+            self._event(job, "message", f"no checkpoint to resume from: "
+                                        f"{job.recovery.step_at_failure} step(s) trained again")
+            job.recovery.step_at_failure = 0
+            self.store.put_job(job)
         if lead and r.step:
             m = job.metrics
             m.step, m.total_steps, m.loss = r.step, r.total_steps, r.loss
@@ -599,21 +701,109 @@ class Coordinator:
         self.store.put_tasks([task])
         self._event(job, "task", f"task {task.role}:{task.index} on {task.worker} failed "
                                  f"({failure.value}): {describe_failure(task)}")
-        if job.state.final:
-            return
+        if job.state not in (JobState.SCHEDULED, JobState.RUNNING):
+            return  # ended, or restarting: a casualty of the stop, not a new failure
         # the policy judges the process that died: a driver that failed on another task's
         # device is still a dead driver (``_fail_oom`` names where memory ran out)
         decision = strategies.get(job.strategy).on_failure(job, task)
         if decision.action == FailureAction.CONTINUE:
             self._event(job, "message", decision.message)
             return
+        if decision.action == FailureAction.RESTART:
+            self._restart(job, decision.message, failure=True,
+                          oom=task if failure == FailureKind.OOM else None)
+            return
         self._stop_job(job, JobState.FAILED, decision.message)
+
+    def _restart(self, job: Job, cause: str, *, failure: bool, oom: Task | None = None) -> None:
+        """RESTARTING: the job's remaining tasks are stopped; once they are gone and
+        ``restart.backoff_s`` has passed, the tick plans the job again on the workers there are
+        and places it (``_resume``); its tasks resume from the latest checkpoint."""
+        assert job.spec is not None
+        rec = job.recovery
+        job.restarts += 1
+        if failure:
+            rec.failures += 1
+        if not rec.requested_workers:
+            rec.requested_workers = job.spec.workers
+        rec.restart_at = self.clock() + job.spec.restart_backoff_s
+        rec.step_at_failure = max(rec.step_at_failure, job.metrics.step)
+        rec.last_cause = cause
+        rec.replanned = False
+        self._oom_budget.pop(job.id, None)
+        if oom is not None:
+            # out of memory is not retried on the same plan: the re-plan must give it more
+            self._oom_budget[job.id] = (oom.role, oom.index, oom.memory_budget_bytes)
+        left = (f"{rec.failures} of {job.spec.max_restarts}" if failure
+                else "not counted against restart.max_restarts")
+        self._set_job_state(job, JobState.RESTARTING,
+                            f"restart {job.restarts} ({left}) in "
+                            f"{job.spec.restart_backoff_s:g} s: {cause}")
+        self._event(job, "restart", f"restart {job.restarts}: {cause}; resumes from "
+                    + (f"the checkpoint at step {job.checkpoint_step}" if job.checkpoint_step
+                       else "the start (no checkpoint yet)"))
+        self._stop_tasks(job, f"its job restarts: {cause}")
+
+    def _resume(self, job: Job) -> None:
+        """A RESTARTING job whose tasks are gone and whose backoff has passed: planned again
+        on the workers available now (narrower when fewer are left: ``Strategy.narrow``), then
+        placed like a pending job. A plan that no longer fits fails the job with the reason."""
+        assert job.spec is not None
+        rec = job.recovery
+        shared = bool(job.spec.checkpoint_every_steps)
+        offers = self.worker_offers(False, shared)
+        strategy = strategies.get(job.strategy)
+        wanted = dataclasses.replace(job.spec, workers=rec.requested_workers or job.spec.workers)
+        spec = strategy.narrow(wanted, len(offers)) if offers else wanted
+        try:
+            plan = prepare(spec, offers, self.measured).plan
+        except SpecError as e:
+            self._stop_job(job, JobState.FAILED, f"cannot restart: {e}")
+            return
+        oom = self._oom_budget.pop(job.id, None)
+        if not plan.feasible:
+            self._stop_job(job, JobState.FAILED, f"cannot restart on this cluster: {plan.reason}"
+                           + (f" (after {rec.last_cause})" if oom else ""))
+            return
+        if oom is not None:
+            role, index, old = oom
+            new = next((t.memory_budget_bytes for t in plan.tasks
+                        if (t.role, t.index) == (role, index)), 0)
+            if new and new <= old:
+                self._stop_job(job, JobState.FAILED, (
+                    f"{rec.last_cause}; not restarted: a new plan gives {role}:{index} the same "
+                    f"{format_size(old)} (memory.per_task_budget fixes it); it needs more"))
+                return
+        if spec.workers != job.spec.workers:
+            self._event(job, "message", f"restart {job.restarts}: {spec.workers} of "
+                                        f"{wanted.workers} workers available; the job runs "
+                                        f"{spec.workers} wide, global batch "
+                                        f"{spec.data.batch_size} kept")
+        attempt = max((t.attempt for t in job.tasks), default=0)
+        job.spec = spec
+        job.tasks = _tasks_of(job.id, plan, attempt)
+        job.estimated_memory_bytes = plan.largest_estimate
+        rec.replanned = True
+        job.message = f"restart {job.restarts}: waiting for workers"
+        self.store.replace_tasks(job.id, job.tasks)
+        self.store.put_job(job)
 
     def _after_task_change(self, job: Job, task: Task) -> None:
         self._event(job, "task", f"task {task.role}:{task.index} on {task.worker}: {task.state.value}")
-        if job.state.final:
+        if job.state.final or job.state == JobState.RESTARTING:
             if task.state.final:
                 self.wake()
+            return
+        if task.state == TaskState.CANCELLED and job.state in (JobState.SCHEDULED,
+                                                                JobState.RUNNING):
+            # stopped although its job runs (its agent shut down): the job lost a task
+            task.failure = FailureKind.CANCELLED
+            self.store.put_tasks([task])
+            decision = strategies.get(job.strategy).on_failure(job, task)
+            if decision.action == FailureAction.RESTART:
+                self._restart(job, decision.message, failure=True)
+            elif decision.action == FailureAction.FAIL_JOB:
+                self._stop_job(job, JobState.FAILED, decision.message)
             return
         if task.state.final:
             end = strategies.get(job.strategy).decide_on_end(job, task)
@@ -639,8 +829,8 @@ class Coordinator:
                     out[t.worker] = out.get(t.worker, 0) + t.memory_budget_bytes
         return out
 
-    def _capacities(self) -> list[Capacity]:
-        return self.agents.capacities(self._reserved())
+    def _capacities(self, shared: bool = False) -> list[Capacity]:
+        return self.agents.capacities(self._reserved(), shared)
 
     def tick(self) -> None:
         """One step of the control loop: detect lost agents, then schedule pending jobs."""
@@ -651,6 +841,16 @@ class Coordinator:
             if job.state == JobState.PENDING:
                 if job.id in self._probe_of and not self._after_probe(job):
                     continue
+                self._try_schedule(job)
+            elif job.state == JobState.RESTARTING:
+                if any(not t.state.final for t in job.tasks) and job.recovery.replanned is False:
+                    continue  # its processes are being stopped
+                if not job.recovery.replanned:
+                    if now < job.recovery.restart_at:
+                        continue
+                    self._resume(job)
+                    if job.state != JobState.RESTARTING:
+                        continue
                 self._try_schedule(job)
             elif job.state == JobState.SCHEDULED:
                 # Tasks that never all reach RUNNING (a peer that cannot start, a rendezvous that
@@ -734,7 +934,8 @@ class Coordinator:
 
     def _try_schedule(self, job: Job) -> None:
         demands = [TaskDemand(t.role, t.index, t.memory_budget_bytes) for t in job.tasks]
-        placement = place(demands, self._capacities())
+        assert job.spec is not None
+        placement = place(demands, self._capacities(bool(job.spec.checkpoint_every_steps)))
         if not placement.assignments:
             if job.message != placement.reason:
                 job.message = placement.reason
@@ -761,7 +962,7 @@ class Coordinator:
         assert job.spec is not None
         return TaskConfig(job_id=job.id, role=t.role, index=t.index, spec=job.spec,
                           memory_budget_bytes=t.memory_budget_bytes,
-                          report_interval_s=REPORT_INTERVAL_S,
+                          report_interval_s=REPORT_INTERVAL_S, restart=job.restarts,
                           section=strategies.get(job.strategy).task_section(job, t))
 
     def _send_start(self, job: Job, t: Task, cluster: dict[str, list[str]] | None = None) -> None:
@@ -815,5 +1016,5 @@ class Coordinator:
                                     reserved_bytes=reserved.get(w.name, 0),
                                     in_use_bytes=w.memory.in_use_bytes,
                                     peak_bytes=w.memory.peak_bytes),
-                tasks=tasks, last_seen=w.last_seen))
+                tasks=tasks, last_seen=w.last_seen, shared_dir=w.record.shared_dir))
         return out

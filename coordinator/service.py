@@ -143,11 +143,21 @@ class JobServicer(pb_grpc.JobServiceServicer):
 
     @rpc
     async def SubmitJob(self, request: pb.SubmitJobRequest, context: Any) -> pb.Job:
+        request_id = request.request_id
+        if len(request_id) > 128:
+            raise SpecError("request_id", f"at most 128 characters, got {len(request_id)}")
+        done = self.coord.job_for_request(request_id)
+        if done is not None:  # a retry whose first reply was lost
+            return convert.job_to_proto(done, with_spec=False)
         spec = convert.spec_from_proto(await asyncio.to_thread(self._stored_files, request.spec))
         # Planning profiles the model and may run the stage planner: kept off the event loop.
-        prepared = await asyncio.to_thread(prepare, spec, self.coord.worker_offers(free=False),
-                                           dict(self.coord.measured))
-        return convert.job_to_proto(self.coord.submit(prepared), with_spec=False)
+        offers = self.coord.worker_offers(False, bool(spec.checkpoint_every_steps))
+        prepared = await asyncio.to_thread(prepare, spec, offers, dict(self.coord.measured))
+        return convert.job_to_proto(self.coord.submit(prepared, request_id), with_spec=False)
+
+    @rpc
+    async def DrainWorker(self, request: pb.DrainWorkerRequest, context: Any) -> pb.Worker:
+        return convert.worker_to_proto(self.coord.drain(request.name))
 
     @rpc
     async def GetJob(self, request: pb.GetJobRequest, context: Any) -> pb.Job:
@@ -224,7 +234,7 @@ class ClusterServicer(pb_grpc.ClusterServiceServicer):
         session = self.coord.register(
             request.name, request.host, request.device or "CPU", request.budget_bytes,
             list(request.free_ports), _reports(request.tasks), work_dir=request.work_dir,
-            pid=request.pid)
+            pid=request.pid, shared_dir=request.shared_dir, draining=request.draining)
         return pb.RegisterAgentResponse(session=session,
                                         heartbeat_interval_s=self.coord.heartbeat_interval_s)
 
@@ -248,6 +258,13 @@ class ClusterServicer(pb_grpc.ClusterServiceServicer):
         (report,) = _reports([request.status])
         self.coord.report(request.name, request.session, report)
         return pb.ReportTaskResponse()
+
+    @rpc
+    async def DrainAgent(self, request: pb.DrainAgentRequest,
+                         context: Any) -> pb.DrainAgentResponse:
+        self.coord.agents.check_session(request.name, request.session)
+        self.coord.drain(request.name)
+        return pb.DrainAgentResponse(tasks=self.coord.tasks_on(request.name))
 
     @rpc
     async def AppendLogs(self, request: pb.AppendLogsRequest, context: Any) -> pb.AppendLogsResponse:

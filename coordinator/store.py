@@ -16,7 +16,7 @@ import threading
 from typing import Any, Iterable
 
 from strata.spec import JobSpec
-from strata.types import FailureKind, Job, JobMetrics, JobState, Task, TaskState
+from strata.types import FailureKind, Job, JobMetrics, JobRecovery, JobState, Task, TaskState
 
 
 @dataclasses.dataclass
@@ -28,6 +28,8 @@ class WorkerRecord:
     work_dir: str = ""
     last_seen: float = 0.0
     draining: bool = False
+    shared_dir: str = ""          # --shared-dir as the agent sees it (empty: none)
+    pid: int = 0                  # the agent process (a drain lasts while it lives)
 
 
 @dataclasses.dataclass
@@ -51,6 +53,14 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def load_jobs(self) -> list[Job]:
         """Every job with its tasks, oldest first."""
+
+    @abc.abstractmethod
+    def replace_tasks(self, job_id: str, tasks: Iterable[Task]) -> None:
+        """The job's task rows become ``tasks`` (a restart re-planned it), atomically."""
+
+    @abc.abstractmethod
+    def job_for_request(self, request_id: str) -> str | None:
+        """The id of the job a ``SubmitJob`` with this client request id created, if any."""
 
     @abc.abstractmethod
     def add_event(self, job_id: str, time: float, kind: str, message: str) -> int:
@@ -98,6 +108,10 @@ CREATE TABLE IF NOT EXISTS measured_memory (
   kind TEXT PRIMARY KEY, bytes INTEGER NOT NULL, job_id TEXT NOT NULL, time REAL NOT NULL
 );
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS job_recovery (
+  job_id TEXT PRIMARY KEY, request_id TEXT NOT NULL, body TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS job_recovery_request ON job_recovery (request_id);
 """
 SCHEMA_VERSION = "1"
 
@@ -131,14 +145,34 @@ class SqliteStore(Store):
                 (job.id, job.name, job.state.value, job.strategy, spec, job.message,
                  job.restarts, job.created_at, job.finished_at, job.started_at,
                  job.estimated_memory_bytes, json.dumps(m)))
+            r = job.recovery
+            self._db.execute("INSERT OR REPLACE INTO job_recovery VALUES (?,?,?)", (
+                job.id, r.request_id, json.dumps({
+                    **dataclasses.asdict(r), "checkpoint_step": job.checkpoint_step,
+                    "steps_repeated": job.steps_repeated})))
+
+    def replace_tasks(self, job_id: str, tasks: Iterable[Task]) -> None:
+        rows = [_task_row(t) for t in tasks]
+        with self._lock:
+            self._db.execute("BEGIN")
+            try:
+                self._db.execute("DELETE FROM tasks WHERE job_id=?", (job_id,))
+                self._db.executemany("INSERT OR REPLACE INTO tasks VALUES (?,?,?,?)", rows)
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+    def job_for_request(self, request_id: str) -> str | None:
+        if not request_id:
+            return None
+        with self._lock:
+            row = self._db.execute("SELECT job_id FROM job_recovery WHERE request_id=?",
+                                   (request_id,)).fetchone()
+        return str(row[0]) if row else None
 
     def put_tasks(self, tasks: Iterable[Task]) -> None:
-        rows = []
-        for t in tasks:
-            body = dataclasses.asdict(t)
-            body["state"] = t.state.value
-            body["failure"] = t.failure.value
-            rows.append((t.job_id, t.role, t.index, json.dumps(body)))
+        rows = [_task_row(t) for t in tasks]
         with self._lock:
             self._db.execute("BEGIN")
             try:
@@ -152,6 +186,7 @@ class SqliteStore(Store):
         with self._lock:
             jobs = self._db.execute("SELECT * FROM jobs ORDER BY created_at, id").fetchall()
             tasks = self._db.execute("SELECT job_id, body FROM tasks ORDER BY job_id, role, idx").fetchall()
+            recovery = dict(self._db.execute("SELECT job_id, body FROM job_recovery").fetchall())
         by_job: dict[str, list[Task]] = {}
         for job_id, body in tasks:
             d: dict[str, Any] = json.loads(body)
@@ -159,13 +194,18 @@ class SqliteStore(Store):
             d["failure"] = FailureKind(d["failure"])
             by_job.setdefault(job_id, []).append(Task(**d))
         out = []
+        names = {f.name for f in dataclasses.fields(JobRecovery)}
         for (jid, name, state, strategy, spec, message, restarts, created, finished, started,
              estimate, metrics) in jobs:
+            rec = json.loads(recovery.get(jid) or "{}")
             out.append(Job(
                 id=jid, name=name, state=JobState(state), strategy=strategy, spec=_spec(spec),
                 message=message, restarts=restarts, created_at=created, finished_at=finished,
                 started_at=started, estimated_memory_bytes=estimate,
-                metrics=JobMetrics(**json.loads(metrics)), tasks=by_job.get(jid, [])))
+                metrics=JobMetrics(**json.loads(metrics)), tasks=by_job.get(jid, []),
+                checkpoint_step=int(rec.get("checkpoint_step", 0)),
+                steps_repeated=int(rec.get("steps_repeated", 0)),
+                recovery=JobRecovery(**{k: v for k, v in rec.items() if k in names})))
         return out
 
     def add_event(self, job_id: str, time: float, kind: str, message: str) -> int:
@@ -211,6 +251,13 @@ class SqliteStore(Store):
     def close(self) -> None:
         with self._lock:
             self._db.close()
+
+
+def _task_row(t: Task) -> tuple[str, str, int, str]:
+    body = dataclasses.asdict(t)
+    body["state"] = t.state.value
+    body["failure"] = t.failure.value
+    return (t.job_id, t.role, t.index, json.dumps(body))
 
 
 def _spec(text: str) -> JobSpec | None:

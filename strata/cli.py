@@ -99,9 +99,14 @@ def cmd_worker(args: argparse.Namespace) -> int:
         raise UsageError("--threads must be >= 0")
     name = args.name or f"{socket.gethostname()}-{device.lower().replace(':', '')}"
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.shared_dir and not os.path.isdir(args.shared_dir):
+        raise UsageError(f"--shared-dir {args.shared_dir!r} is not a directory (it must exist "
+                         "and be the same storage, at the same path, on every worker)")
     return main(AgentConfig(coordinator=_address("--coordinator", args.coordinator), name=name,
                             budget_bytes=budget, device=device, work_dir=args.work_dir,
-                            host=args.advertise_host, threads=args.threads))
+                            host=args.advertise_host, threads=args.threads,
+                            shared_dir=os.path.abspath(args.shared_dir) if args.shared_dir
+                            else ""))
 
 
 def _start_local(args: argparse.Namespace, workers: int, budget: str, quiet: bool):
@@ -112,7 +117,7 @@ def _start_local(args: argparse.Namespace, workers: int, budget: str, quiet: boo
         raise UsageError("--workers must be >= 1")
     return LocalCluster(workers=workers, memory_budget=budget, state_dir=args.state_dir,
                         listen=_address("--listen", args.listen, allow_port_zero=True),
-                        quiet=quiet).start()
+                        quiet=quiet, shared_dir=getattr(args, "shared_dir", None)).start()
 
 
 def _catch_stop_signals() -> dict:
@@ -333,6 +338,15 @@ def cmd_download(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_drain(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        w = c.drain(args.worker)
+    moving = len(w.tasks)
+    print(f"{w.name}: {w.state.value}" + (f"; {moving} task(s) moving elsewhere" if moving
+                                          else ""))
+    return EXIT_OK
+
+
 def cmd_cancel(args: argparse.Namespace) -> int:
     with _client(args) as c:
         job = c.cancel(args.job_id)
@@ -450,6 +464,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--threads", type=int, default=0, help="intra-op threads per task (0: TF default)")
     sp.add_argument("--advertise-host", default="", metavar="HOST",
                     help="address task peers reach this host at (default: the route to the coordinator)")
+    sp.add_argument("--shared-dir", default="", metavar="DIR",
+                    help="a directory every worker sees at the same path (NFS, a ReadWriteMany "
+                         "volume): jobs' checkpoints and outputs, under jobs/JOB_ID/; without "
+                         "it no job that checkpoints runs here (default: none)")
 
     for name, fn, help_ in (("up", cmd_up, "run a coordinator and N workers locally in the foreground"),
                             ("demo", cmd_demo, "train the digits MLP on a local 2-worker cluster")):
@@ -460,6 +478,8 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--listen", default="127.0.0.1:50051" if name == "up" else "127.0.0.1:0",
                         metavar="HOST:PORT")
         sp.add_argument("--state-dir", default=".strata/local" if name == "up" else None, metavar="DIR")
+        sp.add_argument("--shared-dir", default=None, metavar="DIR",
+                        help="the workers' shared directory (default: STATE_DIR/shared)")
         if name == "demo":
             sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
 
@@ -474,6 +494,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("status", cmd_status, "show one job")
     sp.add_argument("job_id", metavar="JOB_ID")
     sp.add_argument("--json", action="store_true")
+    sp = add("drain", cmd_drain, "stop placing tasks on a worker and move its jobs elsewhere "
+                                 "(they resume from their checkpoints)")
+    sp.add_argument("worker", metavar="WORKER")
     sp = add("cancel", cmd_cancel, "cancel a job")
     sp.add_argument("job_id", metavar="JOB_ID")
     sp = add("logs", cmd_logs, "print a job's task logs")

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import time
+import uuid
 from typing import Any, Iterator, Mapping
 
 import grpc
@@ -25,6 +27,8 @@ from strata.types import Job, JobEvent, Plan, WorkerInfo
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # as the coordinator's limit
+#: how long ``submit`` keeps retrying while the coordinator is unreachable (a restart)
+SUBMIT_RETRY_S = 30.0
 
 
 def default_address() -> str:
@@ -144,13 +148,34 @@ class Client:
         except grpc.RpcError as e:
             raise _wrap(e, self.address) from None
 
-    def submit(self, spec: SpecInput, overrides: list[str] | None = None) -> Job:
+    def submit(self, spec: SpecInput, overrides: list[str] | None = None, *,
+               retry_s: float = SUBMIT_RETRY_S, request_id: str | None = None) -> Job:
         """Submits a job (a path to YAML/JSON, a mapping, or a JobSpec), uploading the files it
         names first. Raises JobRejected with the field name for an invalid spec, Infeasible if
-        no worker could ever hold it."""
+        no worker could ever hold it.
+
+        While the coordinator cannot be reached (restarting) the submission is retried for
+        ``retry_s`` seconds with backoff and jitter, always with the same ``request_id`` (one
+        is made per call): a retry after a reply that was lost returns the job the first
+        attempt created, never a second one."""
         msg, files = _spec_proto(spec, overrides)
-        self._upload_all(files)
-        return convert.job_from_proto(self._call("SubmitJob", pb.SubmitJobRequest(spec=msg)))
+        request = pb.SubmitJobRequest(spec=msg, request_id=request_id or uuid.uuid4().hex)
+        deadline = time.monotonic() + retry_s
+        backoff = 0.2
+        while True:
+            try:
+                self._upload_all(files)
+                return convert.job_from_proto(self._call("SubmitJob", request))
+            except Unavailable:
+                if time.monotonic() + backoff > deadline:
+                    raise
+                time.sleep(backoff * random.uniform(0.5, 1.5))
+                backoff = min(2 * backoff, 5.0)
+
+    def drain(self, worker: str) -> WorkerInfo:
+        """No new tasks on ``worker``; its jobs restart elsewhere from their checkpoints."""
+        return convert.worker_from_proto(
+            self._call("DrainWorker", pb.DrainWorkerRequest(name=worker)))
 
     def plan(self, spec: SpecInput, overrides: list[str] | None = None) -> Plan:
         msg, files = _spec_proto(spec, overrides)

@@ -37,7 +37,7 @@ class LocalCluster:
     def __init__(self, workers: int = 2, memory_budget: str = "1GiB", *, state_dir: str | None = None,
                  listen: str = "127.0.0.1:0", threads: int | None = None,
                  heartbeat_timeout_s: float = 10.0, quiet: bool = True, log_dir: str | None = None,
-                 allow_user_code: bool = True):
+                 allow_user_code: bool = True, shared_dir: str | None = None):
         self.n_workers = workers
         # one user on loopback: that user's own code may run (``--allow-user-code``)
         self.allow_user_code = allow_user_code
@@ -47,6 +47,9 @@ class LocalCluster:
             self._tmp = tempfile.mkdtemp(prefix="strata-")
             state_dir = self._tmp
         self.state_dir = os.path.abspath(state_dir)
+        # one directory every local agent sees: the shared storage of a one-host cluster
+        self.shared_dir = os.path.abspath(shared_dir or os.path.join(self.state_dir, "shared"))
+        os.makedirs(self.shared_dir, exist_ok=True)
         self.listen = listen
         self.threads = threads if threads is not None else max(1, (os.cpu_count() or 1) // max(1, workers))
         self.heartbeat_timeout_s = heartbeat_timeout_s
@@ -100,7 +103,7 @@ class LocalCluster:
         self.agents[name] = self._spawn(
             ["worker", "--coordinator", self.address, "--memory-budget",
              memory_budget or self.memory_budget, "--name", name, "--work-dir", work_dir,
-             "--threads", str(self.threads)], f"{name}.log")
+             "--threads", str(self.threads), "--shared-dir", self.shared_dir], f"{name}.log")
         if wait:
             self.wait_for_workers({name})
 
@@ -164,7 +167,8 @@ class LocalCluster:
             self.coordinator = None
 
     def stop(self) -> None:
-        self._terminate(list(self.agents.values()))
+        # SIGINT: an agent stops its tasks at once (SIGTERM would first drain them elsewhere)
+        self._terminate(list(self.agents.values()), signal.SIGINT)
         self.agents.clear()
         self.stop_coordinator()
 

@@ -403,7 +403,10 @@ def parse_job_spec(raw: Any) -> JobSpec:
 
     c = _section(raw, "checkpoint", {"every_steps", "keep"})
     r = _section(raw, "restart", {"max_restarts", "backoff_s", "retry_user_errors"})
-    backoff = _float(r, "backoff_s", "restart.backoff_s", JobSpec.restart_backoff_s)
+    # 0 is a valid backoff (restart at once); _float takes positive numbers only
+    zero = r.get("backoff_s") == 0 and not isinstance(r.get("backoff_s"), bool)
+    backoff = 0.0 if zero else _float(r, "backoff_s", "restart.backoff_s",
+                                      JobSpec.restart_backoff_s)
     if not 0 <= backoff <= 3600:
         raise SpecError("restart.backoff_s", f"must be between 0 and 3600 seconds, got {backoff:g}")
     spec = JobSpec(

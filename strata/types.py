@@ -141,6 +141,28 @@ class Task:
 
 
 @dataclasses.dataclass
+class JobRecovery:
+    """The coordinator's own bookkeeping of a job's restarts (stored, not shown)."""
+
+    #: the client's id of the ``SubmitJob`` that created the job (a retry returns this job)
+    request_id: str = ""
+    #: RESTARTING: when the restart may be placed (``restart.backoff_s`` after the failure)
+    restart_at: float = 0.0
+    #: the data-parallel width the user asked for; a restart on fewer workers runs narrower
+    #: and the next restart widens it again when the workers are back (0: the spec's)
+    requested_workers: int = 0
+    #: the lead's last reported step when the job last failed: steps after its checkpoint are
+    #: trained again (``Job.steps_repeated``)
+    step_at_failure: int = 0
+    #: the failure that caused the latest restart, for messages
+    last_cause: str = ""
+    #: restarts caused by failures (``restart.max_restarts`` bounds them; drains do not count)
+    failures: int = 0
+    #: RESTARTING: the job has been planned again and waits to be placed
+    replanned: bool = False
+
+
+@dataclasses.dataclass
 class Job:
     id: str
     name: str
@@ -164,6 +186,7 @@ class Job:
     #: steps trained again after restarts (the steps between a job's last checkpoint and its
     #: failure), summed over its restarts
     steps_repeated: int = 0
+    recovery: JobRecovery = dataclasses.field(default_factory=JobRecovery)
 
 
 @dataclasses.dataclass

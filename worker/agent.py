@@ -16,6 +16,7 @@ import hashlib
 import json
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -46,6 +47,9 @@ PORT_POOL = 4
 LOG_FLUSH_INTERVAL_S = 0.5
 FINISHED_KEEP_S = 120.0   # finished tasks stay in heartbeats this long, in case a report was lost
 MAX_LOG_CHUNK = 256 * 1024
+REGISTER_BACKOFF_MAX_S = 5.0
+#: SIGTERM: how long the agent waits for the coordinator to move its tasks elsewhere
+DRAIN_TIMEOUT_S = 60.0
 
 
 def advertise_host(coordinator: str) -> str:
@@ -75,6 +79,9 @@ class AgentConfig:
     host: str = ""
     threads: int = 0
     python: str = sys.executable
+    #: --shared-dir: a directory every agent of the cluster sees at the same path, holding
+    #: each job's checkpoints and outputs under ``jobs/JOB_ID/`` (empty: no checkpointed jobs)
+    shared_dir: str = ""
 
 
 def classify_exit(code: int, *, stopped: bool, has_result: bool, error_kind: str, message: str,
@@ -92,6 +99,8 @@ def classify_exit(code: int, *, stopped: bool, has_result: bool, error_kind: str
         return TaskState.FAILED, FailureKind.BAD_CONFIG, code, message
     if code == exitcodes.TASK_EXIT_USER_CODE or error_kind == "user_code":
         return TaskState.FAILED, FailureKind.USER_CODE, code, message
+    if code == exitcodes.TASK_EXIT_COLLECTIVE or error_kind == "collective_timeout":
+        return TaskState.FAILED, FailureKind.COLLECTIVE_TIMEOUT, code, message
     if code < 0:
         sig = -code
         name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else str(sig)
@@ -130,7 +139,10 @@ class TaskProcess:
         self.attempt = cmd.attempt
         self.budget = cmd.memory_budget_bytes
         self.dir = os.path.join(agent.cfg.work_dir, "jobs", cmd.job_id, f"{cmd.role}-{cmd.index}")
-        self.output_dir = os.path.join(agent.cfg.work_dir, "jobs", cmd.job_id, "output")
+        # the job's outputs go to the shared directory when there is one (a restarted job's
+        # new lead may run elsewhere); they also reach the coordinator (``upload_outputs``)
+        self.output_dir = os.path.join(agent.cfg.shared_dir or agent.cfg.work_dir, "jobs",
+                                       cmd.job_id, "output")
         self.status = TaskReport(job_id=self.job_id, role=self.role, index=self.index,
                                  state=TaskState.PENDING, attempt=self.attempt)
         self.proc: subprocess.Popen | None = None
@@ -163,7 +175,9 @@ class TaskProcess:
         config = convert.with_agent_settings(cmd.config, AgentSettings(
             output_dir=os.path.abspath(self.output_dir), threads=self.agent.cfg.threads,
             device="GPU:0" if self.agent.cfg.device.startswith("GPU") else "CPU",
-            blob_dir=os.path.abspath(self.agent.blob_dir)))
+            blob_dir=os.path.abspath(self.agent.blob_dir),
+            shared_dir=os.path.abspath(self.agent.cfg.shared_dir) if self.agent.cfg.shared_dir
+            else ""))
         config_path = os.path.join(self.dir, "config.pb")
         with open(config_path, "wb") as f:
             f.write(config.SerializeToString())
@@ -268,6 +282,10 @@ class TaskProcess:
             s.model_path = str(ev.get("model_path") or "")
             digests = ev.get("replica_weights_sha256") or []
             s.replica_weights_sha256 = [str(d) for d in digests][:4096]
+        elif kind == "checkpoint":
+            s.checkpoint_step = max(s.checkpoint_step, int(ev.get("step", 0)))
+        elif kind == "resumed":
+            s.resumed_step = max(0, int(ev.get("step", 0)))
         elif kind in ("memory", "stopped"):
             pass  # a server task (PS, worker or pipeline stage): its memory figures, above
         elif kind == "error":
@@ -352,6 +370,8 @@ class Agent:
         if not cfg.host:
             cfg.host = advertise_host(cfg.coordinator)
         os.makedirs(cfg.work_dir, exist_ok=True)
+        if cfg.shared_dir:
+            os.makedirs(os.path.join(cfg.shared_dir, "jobs"), exist_ok=True)
         self.channel = grpc.insecure_channel(cfg.coordinator)
         self.stub = pb_grpc.ClusterServiceStub(self.channel)
         self.session = ""
@@ -361,6 +381,8 @@ class Agent:
         self.peak_bytes = 0
         self.free_ports: list[int] = [_pick_port() for _ in range(PORT_POOL)]
         self.stopping = threading.Event()
+        #: SIGTERM: the coordinator moves this agent's jobs elsewhere before it stops
+        self.draining = threading.Event()
         self._reregister = threading.Event()
         self.blob_dir = os.path.join(cfg.work_dir, "blobs")
         self._blob_lock = threading.Lock()
@@ -389,7 +411,9 @@ class Agent:
         resp = self.stub.RegisterAgent(pb.RegisterAgentRequest(
             name=self.cfg.name, host=self.cfg.host, device=self.cfg.device,
             budget_bytes=self.cfg.budget_bytes, free_ports=self.free_ports, tasks=self._reports(),
-            work_dir=os.path.abspath(self.cfg.work_dir), pid=os.getpid()), timeout=RPC_TIMEOUT_S)
+            work_dir=os.path.abspath(self.cfg.work_dir), pid=os.getpid(),
+            shared_dir=os.path.abspath(self.cfg.shared_dir) if self.cfg.shared_dir else "",
+            draining=self.draining.is_set()), timeout=RPC_TIMEOUT_S)
         self.session = resp.session
         self.heartbeat_interval = resp.heartbeat_interval_s or 1.0
         log.info("registered with %s as %s (%s, host %s)", self.cfg.coordinator, self.cfg.name,
@@ -558,10 +582,13 @@ class Agent:
                 try:
                     self.register()
                 except grpc.RpcError as e:
+                    # jittered, so that the agents of a cluster do not all come back at once
+                    # when a restarted coordinator listens again; tasks train on meanwhile
+                    wait = backoff * random.uniform(0.5, 1.5)
                     log.warning("cannot register with %s (%s); retrying in %.1f s",
-                                self.cfg.coordinator, e.code(), backoff)
-                    self.stopping.wait(backoff)
-                    backoff = min(backoff * 2, 5.0)
+                                self.cfg.coordinator, e.code(), wait)
+                    self.stopping.wait(wait)
+                    backoff = min(backoff * 2, REGISTER_BACKOFF_MAX_S)
                     continue
                 backoff = 0.2
                 threading.Thread(target=self._command_loop, args=(self.session,), daemon=True,
@@ -589,6 +616,26 @@ class Agent:
                     break
                 self.stopping.wait(min(LOG_FLUSH_INTERVAL_S, max(0.0, deadline - now)))
 
+    def drain(self, timeout_s: float = DRAIN_TIMEOUT_S) -> None:
+        """SIGTERM: asks the coordinator to drain this agent (no new tasks; its jobs restart
+        elsewhere from their checkpoints) and waits, at most ``timeout_s``, for its tasks to be
+        stopped that way. Without a coordinator to ask, ``shutdown`` stops them directly."""
+        self.draining.set()
+        deadline = time.monotonic() + timeout_s
+        try:
+            self.stub.DrainAgent(pb.DrainAgentRequest(name=self.cfg.name, session=self.session),
+                                 timeout=RPC_TIMEOUT_S)
+        except grpc.RpcError as e:
+            log.warning("cannot drain through the coordinator (%s); stopping the tasks", e.code())
+            return
+        log.info("draining: waiting up to %.0f s for this agent's tasks to move", timeout_s)
+        while time.monotonic() < deadline and not self.stopping.is_set():
+            with self.lock:
+                if not any(t.running for t in self.tasks.values()):
+                    log.info("drained")
+                    return
+            self.stopping.wait(0.5)
+
     def shutdown(self) -> None:
         self.stopping.set()
         self.stop_all()
@@ -599,9 +646,13 @@ class Agent:
 def main(cfg: AgentConfig) -> int:
     agent = Agent(cfg)
     done = threading.Event()
+    drain = threading.Event()
 
     def on_signal(signum, frame):  # noqa: ARG001
-        agent.stopping.set()
+        if signum == signal.SIGTERM and not drain.is_set():
+            drain.set()  # drain first (below); a second SIGTERM stops at once
+        else:
+            agent.stopping.set()
         done.set()
 
     signal.signal(signal.SIGTERM, on_signal)
@@ -614,6 +665,8 @@ def main(cfg: AgentConfig) -> int:
         if not runner.is_alive():
             log.error("the agent loop stopped unexpectedly")
             break
+    if drain.is_set() and not agent.stopping.is_set():
+        agent.drain()
     agent.shutdown()
     runner.join(timeout=RPC_TIMEOUT_S + 1)
     return 0

@@ -44,6 +44,8 @@ if TYPE_CHECKING:
 class FailureAction(str, enum.Enum):
     FAIL_JOB = "FAIL_JOB"      # stop the other tasks, the job ends FAILED
     CONTINUE = "CONTINUE"      # the job carries on without the task
+    RESTART = "RESTART"        # stop the other tasks, place the job again, resume it from
+                               # its latest checkpoint (``restart.max_restarts``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +73,36 @@ def describe_failure(t: Task) -> str:
     if t.failure == FailureKind.EXIT_CODE:
         return f"exited with code {t.exit_code}" + (f": {t.message}" if t.message else "")
     return t.message or t.failure.value.lower()
+
+
+#: failures a restart cannot mend: the same configuration fails the same way
+NEVER_RETRIED = {FailureKind.BAD_CONFIG: "its configuration was refused; a restart would run "
+                                         "the same configuration"}
+
+
+def restart_or_fail(job: Job, task: Task) -> FailureDecision:
+    """The restart policy every strategy's ``on_failure`` ends in: restart the job while
+    ``restart.max_restarts`` allows, unless the failure would only repeat. The job's own code
+    raising is not retried unless ``restart.retry_user_errors`` says so; running out of memory
+    is retried only on a new plan (the coordinator re-plans with the measured need and fails
+    the job when no plan of the cluster fits it)."""
+    assert job.spec is not None
+    spec = job.spec
+    what = f"task {task.role}:{task.index} failed: {describe_failure(task)}"
+    if task.failure in NEVER_RETRIED:
+        return FailureDecision(FailureAction.FAIL_JOB, f"{what}; {NEVER_RETRIED[task.failure]}")
+    if task.failure == FailureKind.USER_CODE and not spec.retry_user_errors:
+        retry = " (restart.retry_user_errors: true retries it)" if spec.max_restarts else ""
+        return FailureDecision(FailureAction.FAIL_JOB, f"{what}; the job's own code raised, "
+                                                       f"not retried{retry}")
+    used = job.recovery.failures
+    if used >= spec.max_restarts:
+        if not spec.max_restarts:
+            return FailureDecision(FailureAction.FAIL_JOB, what)
+        return FailureDecision(FailureAction.FAIL_JOB, f"{what}; no restarts left ({used} of "
+                                                       f"restart.max_restarts {spec.max_restarts}"
+                                                       " used)")
+    return FailureDecision(FailureAction.RESTART, what)
 
 
 def success_message(job: Job) -> str:
@@ -184,10 +216,17 @@ class Strategy(abc.ABC):
         return self.lead_drives and not self.is_lead(task)
 
     def on_failure(self, job: Job, task: Task) -> FailureDecision:
-        """The failure policy: what a failed task means for its job. The default fails the job;
-        strategies that can carry on without the task say so."""
-        return FailureDecision(FailureAction.FAIL_JOB,
-                               f"task {task.role}:{task.index} failed: {describe_failure(task)}")
+        """The failure policy: what a failed task means for its job. The default restarts the
+        job while its restart policy allows (``restart_or_fail``), else fails it; strategies
+        that can carry on without the task say so."""
+        return restart_or_fail(job, task)
+
+    def narrow(self, spec: JobSpec, workers: int) -> JobSpec:
+        """The spec a restart runs when only ``workers`` agents are available (fewer than the
+        job's tasks): a strategy that can run narrower (fewer data-parallel replicas, the
+        global batch kept) returns that spec; the default keeps the spec and the job waits
+        for workers."""
+        return spec
 
     # -- out of memory
 

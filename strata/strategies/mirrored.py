@@ -59,6 +59,15 @@ class MultiWorkerMirrored(Strategy):
                 f"{format_size(t0.estimated_memory_bytes)}, budget "
                 f"{format_size(t0.memory_budget_bytes)} each")
 
+    def narrow(self, spec: JobSpec, workers: int) -> JobSpec:
+        # fewer replicas, each a larger share of the same global batch: the most that divide it
+        import dataclasses
+
+        if workers >= spec.workers or workers < 1:
+            return spec
+        n = max(k for k in range(1, workers + 1) if spec.data.batch_size % k == 0)
+        return dataclasses.replace(spec, workers=n)
+
     def oom_levers(self, job: Job, task: Task) -> list[str]:
         assert job.spec is not None
         w = job.spec.workers

@@ -17,8 +17,8 @@ from strata.memory import dataset_bytes, format_size
 from strata.memory import largest_variable_bytes
 from strata.strategies import register
 from strata.strategies.base import (
-    FailureAction, FailureDecision, Strategy, budget_for, code_model_plan, describe_failure,
-    largest_training_alloc, largest_variable, too_big,
+    FailureAction, FailureDecision, Strategy, budget_for, code_model_plan,
+    largest_training_alloc, largest_variable, restart_or_fail, too_big,
 )
 from strata.taskconfig import ParameterServerSection, TaskConfigError
 from strata.types import Job, JobPlan, Task, TaskPlan, WorkerOffer
@@ -104,8 +104,17 @@ class ParameterServer(Strategy):
                     FailureAction.CONTINUE,
                     f"the job continues on {len(left)} remaining worker(s): the chief's "
                     f"ClusterCoordinator reschedules the steps of worker:{task.index}")
-        return FailureDecision(FailureAction.FAIL_JOB,
-                               f"task {task.role}:{task.index} failed: {describe_failure(task)}")
+        return restart_or_fail(job, task)
+
+    def narrow(self, spec: JobSpec, workers: int) -> JobSpec:
+        # the chief and every PS task are needed (the PS tasks hold the placed layers); the
+        # workers are interchangeable: as many as the agents left allow, at least one
+        import dataclasses
+
+        fit = workers - 1 - spec.parameter_servers
+        if fit >= spec.workers or fit < 1:
+            return spec
+        return dataclasses.replace(spec, workers=fit)
 
     def oom_levers(self, job: Job, task: Task) -> list[str]:
         assert job.spec is not None
