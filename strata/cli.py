@@ -287,9 +287,10 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     for j in jobs:
         m = j.metrics
         rows.append([j.id, j.state.value, j.strategy, str(len(j.tasks)), f"{m.step}/{m.total_steps}",
-                     f"{m.test_accuracy:.4f}" if m.test_accuracy is not None else "-",
+                     str(j.restarts), f"{m.test_accuracy:.4f}" if m.test_accuracy is not None else "-",
                      time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(j.created_at)), j.message[:60]])
-    _table(rows, ["ID", "STATE", "STRATEGY", "TASKS", "STEP", "ACCURACY", "CREATED", "MESSAGE"])
+    _table(rows, ["ID", "STATE", "STRATEGY", "TASKS", "STEP", "RESTARTS", "ACCURACY", "CREATED",
+                  "MESSAGE"])
     return EXIT_OK
 
 
@@ -301,6 +302,9 @@ def _print_status(job) -> None:
           + (f"; {m.examples_per_sec:,.0f} examples/s" if m.examples_per_sec else "")
           + (f"; test accuracy {m.test_accuracy:.4f}" if m.test_accuracy is not None else ""))
     print(f"  memory estimate {_fmt_bytes(job.estimated_memory_bytes)} per task")
+    if job.checkpoint_step or job.restarts:
+        print(f"  checkpoint at step {job.checkpoint_step}; restarts {job.restarts}; steps "
+              f"trained again {job.steps_repeated}")
     rows = [[f"{t.role}:{t.index}", t.worker or "-", t.state.value, str(t.stage),
              _fmt_bytes(t.memory_budget_bytes), _fmt_bytes(t.in_use_bytes), _fmt_bytes(t.peak_memory_bytes),
              (t.failure.value if t.failure.value != "NONE" else "") + (f" {t.message[:70]}" if t.message else "")]
