@@ -140,7 +140,9 @@ def probe_spec(spec: JobSpec) -> JobSpec:
     return dataclasses.replace(
         spec, name=f"{spec.name}-probe",
         training=dataclasses.replace(spec.training, steps=steps, epochs=0),
-        memory=dataclasses.replace(spec.memory, profile="false"))
+        memory=dataclasses.replace(spec.memory, profile="false"),
+        # a few steps: nothing to checkpoint, and a failure is the job's answer, not retried
+        checkpoint_every_steps=0, max_restarts=0)
 
 
 def _tasks_of(job_id: str, plan: JobPlan, attempt: int = 0) -> list[Task]:
