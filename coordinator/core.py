@@ -410,11 +410,16 @@ class Coordinator:
 
     def plan(self, spec: JobSpec | Mapping[str, Any] | PreparedJob) -> Plan:
         """What the coordinator would run now, on the free budgets of the connected workers."""
-        prepared = (spec if isinstance(spec, PreparedJob)
-                    else prepare(spec, self.worker_offers(True), self.measured))
+        if isinstance(spec, PreparedJob):
+            prepared = spec
+        else:
+            parsed = spec if isinstance(spec, JobSpec) else parse_job_spec(spec)
+            prepared = prepare(parsed, self.worker_offers(
+                True, bool(parsed.checkpoint_every_steps)), self.measured)
         spec, plan = prepared.spec, prepared.plan
+        shared = bool(spec.checkpoint_every_steps)
         placement = place([TaskDemand(t.role, t.index, t.memory_budget_bytes) for t in plan.tasks],
-                          self._capacities()) if plan.feasible else None
+                          self._capacities(shared)) if plan.feasible else None
         assigned = placement.assignments if placement is not None else {}
         tasks = [dataclasses.replace(t, worker=assigned.get((t.role, t.index), "")
                                      if assigned else t.worker) for t in plan.tasks]

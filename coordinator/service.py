@@ -194,8 +194,8 @@ class JobServicer(pb_grpc.JobServiceServicer):
     @rpc
     async def PlanJob(self, request: pb.PlanJobRequest, context: Any) -> pb.Plan:
         spec = convert.spec_from_proto(await asyncio.to_thread(self._stored_files, request.spec))
-        prepared = await asyncio.to_thread(prepare, spec, self.coord.worker_offers(free=True),
-                                           dict(self.coord.measured))
+        offers = self.coord.worker_offers(True, bool(spec.checkpoint_every_steps))
+        prepared = await asyncio.to_thread(prepare, spec, offers, dict(self.coord.measured))
         return convert.plan_to_proto(self.coord.plan(prepared))
 
     @rpc
