@@ -43,6 +43,7 @@ class StopTaskCommand:
     role: str = ""   # empty: every task of the job on that agent
     index: int = 0
     reason: str = ""
+    attempt: int = 0  # only this attempt (a stale one); 0: whichever runs
 
 
 AgentCommand = StartTaskCommand | StopTaskCommand
@@ -203,7 +204,8 @@ def reconcile(worker: str, reports: Iterable[TaskReport],
             # not this agent's, or an attempt the job has moved on from (it was restarted
             # while the agent was away): never two processes of one task
             out.stop.append(StopTaskCommand(job_id=r.job_id, role=r.role, index=r.index,
-                                            reason="not assigned to this worker"))
+                                            reason="not assigned to this worker",
+                                            attempt=r.attempt))
         else:
             out.apply.append(r)
     for job in jobs.values():

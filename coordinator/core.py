@@ -62,6 +62,10 @@ STOP_RESEND_INTERVAL_S = 5.0
 # rendezvous, tracing) and saves what the estimate overstates; under this size a task's budget
 # is dominated by the 16 MiB floor of the headroom and the estimators' error is a few MiB.
 PROBE_FROM_BYTES = 64 << 20
+# Agents retry registration with backoff of up to 5 s x 1.5 (``worker.agent``): after a
+# coordinator restart the agents it knew have this long beyond the heartbeat timeout to come
+# back before they are LOST (and their jobs restart)
+REREGISTER_GRACE_S = 10.0
 # how long a job waits, after its probe ended, for the probe's remaining tasks to report their end
 PROBE_SETTLE_S = 30.0
 
@@ -176,7 +180,9 @@ class Coordinator:
                                             for j in self.jobs.values() if j.recovery.request_id}
         #: task kind -> bytes it was measured to need (``strata.measured``)
         self.measured: dict[str, int] = store.load_measured()
-        self.agents = Agents(store.load_workers(), clock())
+        # agents known from before a restart get their retry backoff on top of the heartbeat
+        # timeout to register again before they count as lost
+        self.agents = Agents(store.load_workers(), clock() + REREGISTER_GRACE_S)
         self.workers = self.agents.workers
         self._signals: dict[str, asyncio.Event] = {}
         self._wake = asyncio.Event()
@@ -541,7 +547,8 @@ class Coordinator:
         if now - self._stops_sent.get(key, 0.0) >= STOP_RESEND_INTERVAL_S:
             self._stops_sent[key] = now
             self.agents.send(live.name, StopTaskCommand(job_id=r.job_id, role=r.role,
-                                                        index=r.index, reason="its job has ended"))
+                                                        index=r.index, reason="its job has ended",
+                                                        attempt=r.attempt))
 
     def tasks_on(self, name: str) -> int:
         """Tasks assigned to the worker that have not ended."""
@@ -600,14 +607,16 @@ class Coordinator:
         if lead and r.checkpoint_step > job.checkpoint_step:
             job.checkpoint_step = r.checkpoint_step
             self.store.put_job(job)
-        if lead and r.resumed_step and job.recovery.step_at_failure:
+        # (a restarting job's reports are its old attempt's: resumes come after it is placed)
+        resuming = lead and job.state in (JobState.SCHEDULED, JobState.RUNNING)
+        if resuming and r.resumed_step and job.recovery.step_at_failure:
             repeated = max(0, job.recovery.step_at_failure - r.resumed_step)
             job.steps_repeated += repeated
             job.recovery.step_at_failure = 0
             self.store.put_job(job)
             self._event(job, "message", f"resumed from the checkpoint at step {r.resumed_step}; "
                                         f"{repeated} step(s) trained again")
-        elif lead and r.step and job.recovery.step_at_failure and job.restarts \
+        elif resuming and r.step and job.recovery.step_at_failure and job.restarts \
                 and not r.resumed_step:
             # the lead started afresh (no checkpoint): everything before is trained again
             job.steps_repeated += job.recovery.step_at_failure

@@ -776,16 +776,18 @@ class StartTask(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., role: _Optional[str] = ..., index: _Optional[int] = ..., tf_config: _Optional[str] = ..., memory_budget_bytes: _Optional[int] = ..., attempt: _Optional[int] = ..., config: _Optional[_Union[TaskConfig, _Mapping]] = ...) -> None: ...
 
 class StopTask(_message.Message):
-    __slots__ = ("job_id", "role", "index", "reason")
+    __slots__ = ("job_id", "role", "index", "reason", "attempt")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     role: str
     index: int
     reason: str
-    def __init__(self, job_id: _Optional[str] = ..., role: _Optional[str] = ..., index: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    attempt: int
+    def __init__(self, job_id: _Optional[str] = ..., role: _Optional[str] = ..., index: _Optional[int] = ..., reason: _Optional[str] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class AgentCommand(_message.Message):
     __slots__ = ("start", "stop")

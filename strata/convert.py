@@ -315,7 +315,7 @@ def command_to_proto(cmd: Any) -> pb.AgentCommand:
             memory_budget_bytes=cmd.memory_budget_bytes, attempt=cmd.attempt,
             config=task_config_to_proto(config)))
     return pb.AgentCommand(stop=pb.StopTask(job_id=cmd.job_id, role=cmd.role, index=cmd.index,
-                                            reason=cmd.reason))
+                                            reason=cmd.reason, attempt=cmd.attempt))
 
 
 # --- agent reports ----------------------------------------------------------------------------

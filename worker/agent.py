@@ -457,7 +457,10 @@ class Agent:
             self.start_task(cmd.start)
         elif which == "stop":
             s = cmd.stop
-            threading.Thread(target=self.stop_tasks, args=(s.job_id, s.role, s.index), daemon=True).start()
+            # the processes to stop are chosen now, in command order (a start that follows may
+            # replace one); stopping them can take seconds and runs apart
+            victims = self._victims(s.job_id, s.role, s.index, s.attempt)
+            threading.Thread(target=self._stop, args=(victims,), daemon=True).start()
 
     def fetch_blob(self, sha: str, suffix: str = "") -> str:
         """The local copy of blob ``sha`` (a job's .keras file or code archive), fetched from
@@ -523,7 +526,8 @@ class Agent:
             if old is not None and old.running:
                 if old.attempt == start.attempt:
                     return  # a repeated delivery
-                old.stop()
+            else:
+                old = None
             task = self.tasks[key] = TaskProcess(self, start)
             try:
                 port = int(json.loads(start.tf_config)["cluster"][start.role][start.index].rsplit(":", 1)[1])
@@ -533,16 +537,34 @@ class Agent:
                 pass
             while len(self.free_ports) < PORT_POOL:
                 self.free_ports.append(_pick_port())
-        if blobs_needed(start):
+        if old is not None:
+            # an earlier attempt of the task still runs (its agent was cut off while the job
+            # restarted): it goes first, never beside the new one. Stopping takes up to
+            # 2 x STOP_GRACE_S: apart from the command stream and the heartbeats.
+            log.info("task %s/%s:%d attempt %d replaces attempt %d", start.job_id, start.role,
+                     start.index, start.attempt, old.attempt)
+
+            def replace(old: TaskProcess = old) -> None:
+                old.stop()
+                task.start()
+            threading.Thread(target=replace, daemon=True, name="replace-attempt").start()
+        elif blobs_needed(start):
             # fetching a large file must not hold up the command stream
             threading.Thread(target=task.start, daemon=True, name="start-with-blobs").start()
         else:
             task.start()
 
-    def stop_tasks(self, job_id: str, role: str = "", index: int = 0) -> None:
+    def _victims(self, job_id: str, role: str = "", index: int = 0,
+                 attempt: int = 0) -> list[TaskProcess]:
         with self.lock:
-            victims = [t for t in self.tasks.values() if t.job_id == job_id and t.running
-                       and (not role or (t.role == role and t.index == index))]
+            return [t for t in self.tasks.values() if t.job_id == job_id and t.running
+                    and (not role or (t.role == role and t.index == index))
+                    and (not attempt or t.attempt == attempt)]
+
+    def stop_tasks(self, job_id: str, role: str = "", index: int = 0, attempt: int = 0) -> None:
+        self._stop(self._victims(job_id, role, index, attempt))
+
+    def _stop(self, victims: list[TaskProcess]) -> None:
         for t in victims:
             log.info("stopping task %s/%s:%d", t.job_id, t.role, t.index)
             t.stop()

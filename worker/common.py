@@ -196,6 +196,36 @@ def is_oom(exc: BaseException) -> bool:
     return _resource_exhausted(exc) is not None
 
 
+#: TensorFlow errors that mean a collective or a peer task failed (a dead peer resets the
+#: collective's connection: UnavailableError; a hung one times it out: DeadlineExceededError;
+#: the coordination service aborts the others' collectives: Unavailable, Aborted, Cancelled)
+PEER_ERROR_TYPES = ("DeadlineExceededError", "UnavailableError", "CancelledError", "AbortedError")
+#: what their text says when TensorFlow wraps them in another type (lower case)
+PEER_ERROR_TEXT = (
+    "collective ops is aborted", "collective has timed out", "stopped sending heartbeats",
+    "the tasks have crashed", "connection reset by peer", "failed to connect to all addresses",
+    "socket closed", "deadline exceeded", "is unreachable",
+)
+
+
+def peer_failure(exc: BaseException) -> BaseException | None:
+    """The error in ``exc``'s chain of causes that says a collective or a peer task failed
+    (``PEER_ERROR_TYPES``, or an error whose text says so), if any."""
+    tf = sys.modules.get("tensorflow")
+    types = tuple(getattr(tf.errors, n) for n in PEER_ERROR_TYPES) if tf is not None else ()
+    seen = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if types and isinstance(e, types):
+            return e
+        text = str(e).lower()
+        if any(t in text for t in PEER_ERROR_TEXT):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
 def oom_text(exc: BaseException) -> str:
     """The text of the ResourceExhaustedError in ``exc``'s chain (it names the allocation)."""
     return str(_resource_exhausted(exc) or exc)

@@ -248,11 +248,14 @@ def total_steps(training: TrainingSpec, n_train: int, global_batch: int) -> int:
     return max(1, training.epochs) * steps_per_epoch(n_train, global_batch)
 
 
-def make_train_dataset(x: np.ndarray, y: np.ndarray, per_replica_batch: int, seed: int):
+def make_train_dataset(x: np.ndarray, y: np.ndarray, per_replica_batch: int, seed: int,
+                       skip: int = 0):
     """An endless tf.data pipeline over one worker's shard: shuffles row indices (reshuffled
     every pass), batches them and gathers the rows from ONE in-memory copy of the shard, so
     the shard is held once (not again in a shuffle buffer). Every worker can draw any number
-    of batches, so all workers run exactly the same number of steps."""
+    of batches, so all workers run exactly the same number of steps. ``skip``: batches to
+    leave out first (a task resumed at that step), skipped as index batches before the gather,
+    so it costs only the shuffles; the order is a function of ``seed`` alone."""
     import tensorflow as tf
 
     xt = tf.constant(x)
@@ -260,6 +263,8 @@ def make_train_dataset(x: np.ndarray, y: np.ndarray, per_replica_batch: int, see
     n = int(x.shape[0])
     ds = tf.data.Dataset.range(n).shuffle(n, seed=seed, reshuffle_each_iteration=True).repeat()
     ds = ds.batch(per_replica_batch, drop_remainder=True)
+    if skip > 0:
+        ds = ds.skip(skip)
     ds = ds.map(lambda i: (tf.gather(xt, i), tf.gather(yt, i)))
     return ds.prefetch(1)
 

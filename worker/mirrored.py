@@ -7,6 +7,19 @@ worker ends with the same weights. Every worker evaluates the full test split lo
 0 saves ``model.keras``. The result carries a SHA-256 of the final weights, so anyone can check
 that the replicas agree.
 
+Checkpoints (``strata.worker.checkpoints``): every worker takes part in each save (TensorFlow's
+rule for multi-worker strategies); worker 0 writes the job's checkpoint, the others a copy of
+their own that they delete at once. Before building, worker 0's choice of checkpoint to resume
+from reaches every worker in one all-reduce, so all resume at the same step; each worker's
+input skips the batches the restored steps consumed.
+
+Collective timeout: every all-reduce fails with ``DeadlineExceededError`` after
+``STRATA_COLLECTIVE_TIMEOUT_S`` (``DEFAULT_COLLECTIVE_TIMEOUT_S``, 60 s), so a worker whose peer
+hangs ends within a minute (exit status 78, ``strata.worker.task``). A peer that dies is usually
+noticed much sooner: its SIGKILL resets the collective's connection (``UnavailableError:
+Collective ops is aborted by: ... Connection reset by peer``, measured well under a second), and
+TensorFlow's coordination service reports a peer that stopped heartbeating in about 10 s.
+
 Signals: during the cluster rendezvous (the strategy's constructor) TensorFlow's coordination
 service has its own SIGTERM handler and the GIL is held: only SIGKILL works there, so the agent
 stops a task with SIGTERM and then SIGKILL after a grace period.
@@ -23,9 +36,14 @@ from strata.taskconfig import TaskConfig, TaskConfigError
 from strata.worker.common import (
     Events, cluster_from_tf_config, eval_sums, log,
 )
+from strata.worker.checkpoints import Found, checkpoint_path
 from strata.worker.runner import Data, TrainingRunner, gradient_step
 
-DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0   # STRATA_COLLECTIVE_TIMEOUT_S overrides
+#: seconds before an all-reduce that has not completed fails (STRATA_COLLECTIVE_TIMEOUT_S
+#: overrides): a hung peer ends the job's other workers within a minute. Legitimate waits in a
+#: collective are short: workers reach each step together, and a checkpoint is saved by every
+#: worker at the same step.
+DEFAULT_COLLECTIVE_TIMEOUT_S = 60.0
 
 
 class MirroredRunner(TrainingRunner):
@@ -44,7 +62,8 @@ class MirroredRunner(TrainingRunner):
 
     def join(self) -> dict[str, Any]:
         tf = self.tf
-        timeout = float(os.environ.get("STRATA_COLLECTIVE_TIMEOUT_S", DEFAULT_COLLECTIVE_TIMEOUT_S))
+        timeout = float(os.environ.get("STRATA_COLLECTIVE_TIMEOUT_S")
+                        or DEFAULT_COLLECTIVE_TIMEOUT_S)
         options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=timeout)
         self.strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
         self.n_replicas = self.strategy.num_replicas_in_sync
@@ -92,8 +111,9 @@ class MirroredRunner(TrainingRunner):
                                                          blob_dir=self.cfg.agent.blob_dir)
             optimizer = wmodels.build_optimizer(self.spec.training.optimizer, self.mixed)
             loss_fn = wmodels.build_loss(self.spec.training.loss, from_logits)
-        self.model, self.loss_fn = model, loss_fn
+        self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
         gb, seed, x_train, y_train = self.gb, self.seed, d.x_train, d.y_train
+        skip = self.start_step  # batches each worker's input skips (a resumed task)
 
         if self.spec.code_dataset:
             from strata.worker.usercode import call, load_callable
@@ -107,7 +127,8 @@ class MirroredRunner(TrainingRunner):
                     raise TaskConfigError("code.dataset", f"{what} returned "
                                                           f"{type(ds).__name__}, not a "
                                                           "tf.data.Dataset")
-                return ds.repeat()  # the job runs training.steps steps, whatever its size
+                # the job runs training.steps steps, whatever its size
+                return ds.repeat().skip(skip) if skip else ds.repeat()
             self._user_dataset = (user_fn, what)
         elif self.spec.data.source in STREAMED_SOURCES:
             data_spec, loss = self.spec.data, self.spec.training.loss
@@ -126,8 +147,9 @@ class MirroredRunner(TrainingRunner):
                 wid = ctx.input_pipeline_id
                 ds = wdata.stream(data_spec, "train", shards=ctx.num_input_pipelines,
                                   index=wid, input_names=names).map(prepare)
-                return ds.shuffle(wdata.STREAM_SHUFFLE_EXAMPLES, seed=seed + wid).repeat() \
-                    .batch(ctx.get_per_replica_batch_size(gb), drop_remainder=True).prefetch(1)
+                ds = ds.shuffle(wdata.STREAM_SHUFFLE_EXAMPLES, seed=seed + wid).repeat() \
+                    .batch(ctx.get_per_replica_batch_size(gb), drop_remainder=True)
+                return (ds.skip(skip) if skip else ds).prefetch(1)
 
             def test_fn(ctx: Any, split: str) -> Any:
                 return wdata.stream(data_spec, "test", input_names=names).map(prepare) \
@@ -138,7 +160,7 @@ class MirroredRunner(TrainingRunner):
                 wid, nw = ctx.input_pipeline_id, ctx.num_input_pipelines
                 x, y = wdata.shard(x_train, y_train, wid, nw)
                 return wdata.make_train_dataset(x, y, ctx.get_per_replica_batch_size(gb),
-                                                seed + wid)
+                                                seed + wid, skip=skip)
 
         # the input pipeline (and its transient second copy of the shard while the iterator is
         # created) comes before the optimizer slots exist, which keeps this start-up peak low
@@ -163,6 +185,55 @@ class MirroredRunner(TrainingRunner):
         self.local_replicas = len(strategy.extended.worker_devices)
         log(f"model {model.name}: {model.count_params():,} params, {self.per_replica} examples "
             "per replica")
+
+    # -- checkpoints
+
+    def checkpoint_writer(self) -> bool:
+        return self.index == 0
+
+    def agree_resume(self, found: Found | None) -> Found | None:
+        """Worker 0's choice, sent to every worker in one all-reduce (the others add zeros):
+        every worker restores the same checkpoint even if the shared directory changed between
+        their looks at it."""
+        if self.n_workers <= 1:
+            return found
+        tf, strategy = self.tf, self.strategy
+        mine = [found.generation + 1, found.step] if found is not None else [0, 0]
+
+        @tf.function
+        def pick() -> Any:
+            ctx = tf.distribute.get_replica_context()
+            v = tf.constant(mine, tf.int64)
+            return tf.where(tf.equal(ctx.replica_id_in_sync_group, 0), v, tf.zeros_like(v))
+
+        got = strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(pick), axis=None)
+        gen1, step = (int(x) for x in got.numpy())
+        if gen1 == 0:
+            if found is not None:
+                log(f"worker 0 found no checkpoint; not resuming from {found.path}")
+            return None
+        assert self.checkpointer is not None
+        agreed = Found(gen1 - 1, step, checkpoint_path(self.checkpointer.root, gen1 - 1, step))
+        if found != agreed:
+            log(f"resuming from worker 0's choice {agreed.path}"
+                + (f" (this worker found {found.path})" if found is not None else ""))
+        return agreed
+
+    def checkpoint_objects(self) -> dict[str, Any]:
+        return {"model": self.model, "optimizer": self.optimizer}
+
+    def checkpoint_meta(self) -> dict[str, Any]:
+        return {"strategy": self.spec.strategy, "workers": self.n_workers,
+                "replicas": self.n_replicas}
+
+    def restore_checkpoint(self, found: Found) -> int:
+        assert self.checkpointer is not None
+        meta = self.checkpointer.read_meta(self.tf, found)
+        if meta.get("replicas") not in (None, self.n_replicas):
+            log(f"the checkpoint was written by {meta['replicas']} replicas, this job has "
+                f"{self.n_replicas}: each worker resumes its new shard at the step (the examples "
+                "differ from an uninterrupted run's)")
+        return self.checkpointer.restore(found)
 
     def train_step(self, step: int) -> Callable[[], float]:
         local = self._train_step(self.iterator)

@@ -90,6 +90,18 @@ halved on overflow, doubled after 2,000 finite steps): the last stage scales the
 stage unscales its averaged gradient, and the step is applied on every stage only when all
 gradients of all stages are finite.
 
+Checkpoints
+-----------
+With ``checkpoint.every_steps`` (``strata.worker.checkpoints``) the driver saves every
+replica's layers (by replica and layer name), every stage's optimizer and the float16 loss
+scale at each multiple of ``every_steps``; the variables stay where they live and each stage
+task writes its own shard to the shared storage (nothing is gathered on the chief). A resumed
+driver fast-forwards ``_batch_indices`` by the restored step (the batches are a function of
+``training.seed``), so a run resumed on the same layout ends bit-identical to an uninterrupted
+one. On another replica count replica 0's layers and optimizers are restored into every
+replica; on another stage split only the layers' weights are restored (by name) and the
+optimizers start afresh.
+
 Events and result
 -----------------
 As every training runner: ``started`` (cluster connected), ``first_step``, ``progress`` (the global
@@ -503,7 +515,9 @@ class PipelineDriver(TrainingRunner):
             loss_scale = tf.Variable(LOSS_SCALE_INITIAL, dtype=tf.float32, trainable=False,
                                      name="loss_scale")
             good_steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="good_steps")
-        batches = _batch_indices(n_train, gb, seed)
+        # a resumed driver's batches start where the restored step left them
+        batches = _batch_indices(n_train, gb, seed, skip=self.start_step)
+        self.loss_scale, self.good_steps = loss_scale, good_steps
 
         per_replica = m * M
         for s in range(S):
@@ -723,6 +737,55 @@ class PipelineDriver(TrainingRunner):
         self._train_step, self._eval_batch = train_step, eval_batch
         self.per_replica = per_replica
 
+    # -- checkpoints
+
+    def _layer_objects(self, r: int, saved_replica: int) -> dict[str, Any]:
+        """Replica ``r``'s layers under the names replica ``saved_replica``'s were saved as."""
+        return {f"r{saved_replica}_{layer.name}": layer
+                for st in self.stages[r] for layer in st.layers}
+
+    def _optimizer_objects(self, r: int, saved_replica: int) -> dict[str, Any]:
+        return {f"r{saved_replica}_s{s}_optimizer": st.optimizer
+                for s, st in enumerate(self.stages[r])}
+
+    def checkpoint_objects(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"loss_scale": self.loss_scale, "good_steps": self.good_steps}
+        for r in range(len(self.stages)):
+            out.update(self._layer_objects(r, r))
+            out.update(self._optimizer_objects(r, r))
+        return out
+
+    def _split(self) -> list[list[int]]:
+        return [[st.place.first_layer, st.place.last_layer] for st in self.stages[0]]
+
+    def checkpoint_meta(self) -> dict[str, Any]:
+        return {"strategy": self.spec.strategy, "stages": self.layout.stages,
+                "replicas": self.layout.replicas, "split": self._split()}
+
+    def checkpoint_device(self) -> str | None:
+        return "/job:chief/replica:0/task:0/device:CPU:0"  # the step counter: on the chief
+
+    def restore_checkpoint(self, found: Any) -> int:
+        c = self.checkpointer
+        assert c is not None
+        meta = c.read_meta(self.tf, found)
+        same_split = meta.get("split") in (None, self._split())
+        if same_split and meta.get("replicas") in (None, self.layout.replicas):
+            return c.restore(found)
+        views = []
+        for r in range(len(self.stages)):
+            view = {"loss_scale": self.loss_scale, "good_steps": self.good_steps}
+            view.update(self._layer_objects(r, 0))
+            if same_split:
+                view.update(self._optimizer_objects(r, 0))
+            views.append(view)
+        log(f"the checkpoint was written by {meta.get('replicas')} replicas of stages "
+            f"{meta.get('split')}; this job has {self.layout.replicas} of {self._split()}: "
+            "replica 0's " + ("layers and optimizers go" if same_split else
+                              "layers' weights go (the optimizers start afresh)")
+            + " to every replica")
+        return c.restore(found, views)
+
     def train_step(self, step: int) -> Callable[[], float]:
         tf = self.tf
         assert self.data is not None
@@ -767,9 +830,11 @@ def run_driver(cfg: TaskConfig, events: Events) -> int:
     return PipelineDriver(cfg, events).run()
 
 
-def _batch_indices(n: int, batch: int, seed: int):
+def _batch_indices(n: int, batch: int, seed: int, skip: int = 0):
     """Endless global batches of row indices: every pass over the training set in a fresh
     random order, batches running on across passes (as ``worker.data.make_train_dataset``).
+    ``skip``: batches left out first (a resumed driver; a function of ``seed`` alone, so the
+    batches are those an uninterrupted run would draw next).
     The training set stays a NumPy array on the host; only each step's batch becomes a
     tensor, so the chief's allocator holds input batches, not the data set (a tf.data
     pipeline over the whole set as a constant holds it twice while its iterator is made)."""
@@ -777,6 +842,10 @@ def _batch_indices(n: int, batch: int, seed: int):
 
     rng = np.random.default_rng(seed)
     pending = np.empty(0, dtype=np.int64)
+    for _ in range(skip):  # permutations only: cheap
+        while pending.size < batch:
+            pending = np.concatenate([pending, rng.permutation(n)])
+        pending = pending[batch:]
     while True:
         while pending.size < batch:
             pending = np.concatenate([pending, rng.permutation(n)])

@@ -30,7 +30,17 @@ twice; the chief logs it). A lost PS task fails the job at once, naming the task
 is bounded by a watchdog thread that probes the tasks' TCP ports: the strategy's constructor
 (which waits for every task) must connect within ``STRATA_PS_CONNECT_TIMEOUT_S`` (120 s), and
 the job fails with a clear error when no worker task is reachable, or a PS task is
-unreachable, for ``STRATA_PS_UNREACHABLE_TIMEOUT_S`` (60 s).
+unreachable, for ``STRATA_PS_UNREACHABLE_TIMEOUT_S`` (60 s). A chief that fails because its
+peers are gone (a lost PS task, no reachable worker) exits with status 78
+(``TASK_EXIT_COLLECTIVE``, error kind ``collective_timeout``).
+
+Checkpoints (``strata.worker.checkpoints``): the chief saves the model, the optimizer and the
+``applied`` and ``loss_sum`` counters every ``checkpoint.every_steps`` steps (the checkpoint's
+step is the number of steps waited for). It schedules no step past a checkpoint step and joins
+the coordinator before saving, so the saved variables hold exactly those steps; each PS task
+writes its own variables' shard. A resumed chief trains the remaining steps with a fresh data
+order (each worker's order is random by design; a ``code.dataset`` pipeline starts again from
+its beginning on every worker).
 
 Evaluation runs on the chief (the whole test split in batches of ``min(data.batch_size,
 256)``, reading the variables from the PS tasks), as do the weights' SHA-256 and
@@ -53,7 +63,7 @@ import time
 
 from typing import Any
 
-from strata.exitcodes import TASK_EXIT_ERROR
+from strata.exitcodes import EXIT_KIND, TASK_EXIT_COLLECTIVE, TASK_EXIT_ERROR
 from strata.spec import JobSpec
 from strata.taskconfig import ParameterServerSection, TaskConfig, TaskConfigError
 from strata.worker.common import (
@@ -125,10 +135,12 @@ class Watchdog(threading.Thread):
     def stop(self) -> None:
         self._stopping.set()
 
-    def _fail(self, msg: str) -> None:
+    def _fail(self, msg: str, peer: bool = False) -> None:
+        """Ends the task; ``peer``: because tasks it trains with are gone (exit status 78)."""
         log(f"failed: {msg}")
-        self.events.emit("error", kind="error", message=msg)
-        exit_task(TASK_EXIT_ERROR, self.events)
+        code = TASK_EXIT_COLLECTIVE if peer else TASK_EXIT_ERROR
+        self.events.emit("error", kind=EXIT_KIND[code], message=msg)
+        exit_task(code, self.events)
 
     def run(self) -> None:
         self.set_phase(self.phase)
@@ -158,13 +170,13 @@ class Watchdog(threading.Thread):
             if phase == "train" and now - self._last_worker > self.unreachable_s:
                 self._fail(f"all {len(self.workers)} worker tasks have been unreachable for "
                            f"{self.unreachable_s:.0f} s ({', '.join(self.workers)}); no step "
-                           "can run")
+                           "can run", peer=True)
             if phase in ("train", "eval"):
                 for i, last in enumerate(self._last_ps):
                     if now - last > self.unreachable_s:
                         self._fail(f"parameter server ps:{i} ({self.ps[i]}) has been "
                                    f"unreachable for {self.unreachable_s:.0f} s; the variables "
-                                   "it held are lost")
+                                   "it held are lost", peer=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -370,7 +382,7 @@ class PsChiefRunner(TrainingRunner):
                                                           self.placement, self.num_ps,
                                                           self.cfg.agent.blob_dir,
                                                           self._user_model_fn())
-        self.model, self.loss_fn = model, loss_fn
+        self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
         for k in range(self.num_ps):
             names = sorted(n for n, p in self.placement.items() if p == k)
             log(f"placement: ps:{k} holds {format_mib(per_ps[k])} of variables and slots "
@@ -454,15 +466,37 @@ class PsChiefRunner(TrainingRunner):
                 raise
             raise err from first
 
+    # -- checkpoints
+
+    def checkpoint_objects(self) -> dict[str, Any]:
+        return {"model": self.model, "optimizer": self.optimizer, "applied": self.applied,
+                "loss_sum": self.loss_sum}
+
+    def checkpoint_meta(self) -> dict[str, Any]:
+        return {"strategy": self.spec.strategy, "workers": self.n_workers,
+                "parameter_servers": self.num_ps}
+
+    def checkpoint_device(self) -> str | None:
+        return "/job:chief/replica:0/task:0/device:CPU:0"  # the step counter: on the chief
+
     def train(self, steps: int) -> None:
         """Asynchronous: steps are scheduled on whichever worker is free, at most ``4 x
-        workers`` ahead; progress reads the steps applied and their summed loss on the PS."""
+        workers`` ahead; progress reads the steps applied and their summed loss on the PS.
+        A resumed chief runs steps ``start_step + 1 .. steps``; at a checkpoint step no step
+        is in flight (scheduling stops there) and the coordinator is joined before saving."""
         coordinator = self.coordinator
+        start = self.start_step
         progress = Progress(self.events, self.memory, steps, self.gb, self.cfg.report_interval_s,
-                            self.memory_label)
+                            self.memory_label, start=start)
         window = max(4, 4 * self.n_workers)
         self.watchdog.set_phase("train")
-        last = {"step": 0, "count": 0, "sum": 0.0, "loss": float("nan")}
+        ckpt = self.checkpointer
+        if start >= steps:
+            self.watchdog.set_phase("eval")
+            return
+        # the counters as restored (zeros for a fresh start)
+        last = {"step": start, "count": int(self.applied.numpy()),
+                "sum": float(self.loss_sum.numpy()), "loss": float("nan")}
 
         def report(final: bool = False) -> None:
             count, total = int(self.applied.numpy()), float(self.loss_sum.numpy())
@@ -475,20 +509,28 @@ class PsChiefRunner(TrainingRunner):
             progress.report(step, last["loss"])
             last.update(step=step, count=count, sum=total)
 
+        next_ckpt = ckpt.next_due(start) if ckpt is not None and ckpt.every > 0 else steps + 1
         inflight = [coordinator.schedule(self._train_step, args=(self.per_worker_iter,))]
-        self._wait(inflight.pop())
-        progress.first_step()
-        report()
-        scheduled = waited = 1
-        while waited < steps:
-            while scheduled < steps and len(inflight) < window:
+        scheduled = waited = start + 1
+        while True:
+            self._wait(inflight.pop(0))
+            if waited == start + 1:
+                progress.first_step()
+                report()
+            elif time.time() - progress.last_report >= progress.interval and waited < steps:
+                report()
+            if waited == next_ckpt:
+                assert ckpt is not None
+                coordinator.join()  # nothing is in flight: scheduling stopped at this step
+                ckpt.save(waited)
+                next_ckpt = ckpt.next_due(waited)
+            if waited >= steps:
+                break
+            while scheduled < min(steps, next_ckpt) and len(inflight) < window:
                 inflight.append(coordinator.schedule(self._train_step,
                                                      args=(self.per_worker_iter,)))
                 scheduled += 1
-            self._wait(inflight.pop(0))
             waited += 1
-            if time.time() - progress.last_report >= progress.interval and waited < steps:
-                report()
         coordinator.join()
         report(final=True)
         if int(self.applied.numpy()) != steps:

@@ -5,7 +5,14 @@
 step, with progress and allocator figures reported every ``report_interval_s``), evaluate on
 the test split (``eval_batch`` over batches), report the result (``result_fields``), and leave
 through ``exit_task`` with the documented exit status (``strata.exitcodes``; errors become
-exit statuses in ``strata.worker.task``). Checkpoint and restore hooks belong here next.
+exit statuses in ``strata.worker.task``).
+
+Checkpoints (``strata.worker.checkpoints``, with ``checkpoint.every_steps`` and a shared
+directory): after loading the data the task looks for a checkpoint of an earlier generation
+(``agree_resume`` lets the workers of one strategy agree on it) and sets ``start_step``, which
+``build`` uses to skip the input to where that step left it; after building it restores the
+strategy's ``checkpoint_objects`` and trains steps ``start_step + 1 .. steps``, saving at every
+multiple of ``every_steps`` (``after_step``).
 
 Subclasses: ``strata.worker.mirrored`` (multi_worker_mirrored), ``strata.worker.ps`` (the
 parameter_server chief), ``strata.worker.pipeline`` (the pipeline and hybrid driver).
@@ -21,6 +28,7 @@ from strata.exitcodes import TASK_EXIT_OK
 from strata.modelspec import ModelProfile, ModelSpecError, profile_model
 from strata.spec import STREAMED_SOURCES
 from strata.taskconfig import TaskConfig, TaskConfigError
+from strata.worker.checkpoints import Checkpointer, Found
 from strata.worker.common import (
     Events, configure_device, exit_task, format_mib, install_sigterm_handler, log,
 )
@@ -110,17 +118,19 @@ class Progress:
     allocator figures) after the first and the last step and at most every ``interval`` s."""
 
     def __init__(self, events: Events, memory: Callable[[], dict], total_steps: int,
-                 global_batch: int, interval: float, label: str = "mem"):
+                 global_batch: int, interval: float, label: str = "mem", start: int = 0):
         self.events, self.memory, self.total = events, memory, total_steps
         self.gb, self.interval, self.label = global_batch, interval, label
+        self.first = start + 1  # a resumed task's first step
         self.t_start = time.time()
-        self.last_t, self.last_step, self.last_report = self.t_start, 0, self.t_start
+        self.last_t, self.last_step, self.last_report = self.t_start, start, self.t_start
 
     def first_step(self) -> None:
         self.events.emit("first_step", latency_s=time.time() - self.t_start)
 
     def due(self, step: int) -> bool:
-        return step == 1 or step == self.total or time.time() - self.last_report >= self.interval
+        return step == self.first or step == self.total or \
+            time.time() - self.last_report >= self.interval
 
     def report(self, step: int, loss: float) -> None:
         now = time.time()
@@ -158,6 +168,10 @@ class TrainingRunner:
         self.tf: Any = None
         self.memory: Callable[[], dict] = lambda: {"current": 0, "peak": 0}
         self.data: Data | None = None
+        # checkpoints: None when the job takes none; the step training resumes after
+        self.checkpointer: Checkpointer | None = None
+        self.resume_from: Found | None = None
+        self.start_step = 0
 
     # -- hooks
 
@@ -248,17 +262,56 @@ class TrainingRunner:
         """The ``result`` event's strategy fields: ``weights_sha256``, ``model_path``, ..."""
         raise NotImplementedError
 
+    # -- checkpoint hooks (``strata.worker.checkpoints``)
+
+    def checkpoint_writer(self) -> bool:
+        """This task writes the job's checkpoints (the others of a multi-worker strategy only
+        take part in each save)."""
+        return True
+
+    def agree_resume(self, found: Found | None) -> Found | None:
+        """The checkpoint every task of the job resumes from, given the one this task found
+        (the default: this task alone decides)."""
+        return found
+
+    def checkpoint_objects(self) -> dict[str, Any]:
+        """What a checkpoint holds, by name: the model's variables, the optimizer(s), the
+        strategy's own counters (called after ``build``)."""
+        raise NotImplementedError
+
+    def checkpoint_meta(self) -> dict[str, Any]:
+        """A description of the writer's layout saved with every checkpoint."""
+        return {"strategy": self.spec.strategy}
+
+    def checkpoint_device(self) -> str | None:
+        """Where the step counter lives (None: this process's default device)."""
+        return None
+
+    def restore_checkpoint(self, found: Found) -> int:
+        """Restores ``found`` (a strategy whose layout can change overrides this)."""
+        assert self.checkpointer is not None
+        return self.checkpointer.restore(found)
+
+    def after_step(self, step: int) -> None:
+        """Called once step ``step`` is done (all its collectives issued): saves a checkpoint
+        when one is due."""
+        c = self.checkpointer
+        if c is not None and c.due(step):
+            c.save(step)
+
     # -- the skeleton
 
     def train(self, steps: int) -> None:
+        start = self.start_step
         progress = Progress(self.events, self.memory, steps, self.gb, self.cfg.report_interval_s,
-                            self.memory_label)
-        for step in range(1, steps + 1):
+                            self.memory_label, start=start)
+        for step in range(start + 1, steps + 1):
             read_loss = self.train_step(step)
-            if step == 1:
+            if step == start + 1:
                 progress.first_step()
             if progress.due(step):
                 progress.report(step, read_loss())
+            self.after_step(step)
 
     def evaluate(self) -> tuple[float, float]:
         if hasattr(self, "_user_dataset"):
@@ -311,15 +364,32 @@ class TrainingRunner:
             f"TF {self.tf.__version__} (import and join {time.time() - t0:.1f} s); "
             + ", ".join(f"{k} {v}" for k, v in started.items()))
         self.data = self.load()
+        steps = self.data.steps
+        if self.cfg.checkpoints_enabled:
+            self.checkpointer = Checkpointer(self.cfg, self.events,
+                                             writer=self.checkpoint_writer())
+            self.resume_from = self.agree_resume(self.checkpointer.find())
+            if self.resume_from is not None:
+                # ``build`` starts the input where this step left it
+                self.start_step = min(self.resume_from.step, steps)
         try:
             self.build()
         except ModelSpecError as e:  # a model Keras refuses to build, optimizer, loss
             raise TaskConfigError(e.field, e.message) from None
-        steps = self.data.steps
+        if self.checkpointer is not None:
+            self.checkpointer.attach(self.tf, self.checkpoint_objects(), self.checkpoint_meta(),
+                                     self.checkpoint_device())
+            if self.resume_from is not None:
+                restored = self.restore_checkpoint(self.resume_from)
+                self.start_step = min(restored, steps)
+                if restored >= steps:
+                    log(f"the checkpoint's step {restored} is at or past the planned {steps} "
+                        "steps: nothing left to train")
         rows = (f"{self.data.n_train} train / {self.data.x_test.shape[0]} test rows"
                 if self.data.x_train is not None else f"data from {self.spec.code_dataset}")
-        log(f"training: {self.param_count():,} params, {steps} steps, global batch "
-            f"{self.gb}, {rows}, mixed precision {self.mixed}")
+        log(f"training: {self.param_count():,} params, {steps} steps"
+            + (f" (from step {self.start_step + 1})" if self.start_step else "")
+            + f", global batch {self.gb}, {rows}, mixed precision {self.mixed}")
         t_train = time.time()
         self.train(steps)
         train_s = time.time() - t_train

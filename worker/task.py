@@ -10,9 +10,20 @@ job's strategy (``strata.strategies``) names the runner for the task's role.
 
 It writes newline-delimited JSON events to file descriptor N: ``started`` (cluster joined),
 ``first_step``, ``progress`` (at most every ``report_interval_s``, plus after the first and
-the last step), ``memory`` (server tasks), ``result`` or ``error`` (kind ``oom``,
-``bad_config`` or ``error``) before a failing exit. Exit statuses are in
+the last step), ``checkpoint`` and ``resumed`` (``strata.worker.checkpoints``), ``memory``
+(server tasks), ``result`` or ``error`` (kind ``oom``, ``bad_config``, ``user_code``,
+``collective_timeout`` or ``error``) before a failing exit. Exit statuses are in
 ``strata.exitcodes``. Human-readable logs go to stdout.
+
+Failures are classified in this order: out of memory (75, kind ``oom``) first, then a
+collective or a peer that failed (78, kind ``collective_timeout``): TensorFlow's
+``DeadlineExceededError``, ``UnavailableError``, ``CancelledError`` or ``AbortedError`` in the
+error's chain, or an error whose text says a collective was aborted or a peer is unreachable
+(``strata.worker.common.peer_failure``). A MultiWorkerMirrored worker whose peer is SIGKILLed
+mid-training gets ``UnavailableError: Collective ops is aborted by: ... Connection reset by
+peer`` (under a second), or, for a peer that stops without closing its connections,
+``UnavailableError``/``DeadlineExceededError`` from the coordination service's heartbeats
+(about 10 s), at the latest the collective timeout (``strata.worker.mirrored``).
 
 The process always leaves through ``os._exit`` after flushing its outputs, and watchdogs end it
 if its parent (the agent) dies, so no TensorFlow process is left orphaned.
@@ -27,13 +38,14 @@ import traceback
 
 from strata.oom import parse_oom
 from strata.exitcodes import (
-    TASK_EXIT_BAD_CONFIG, TASK_EXIT_ERROR, TASK_EXIT_OOM, TASK_EXIT_USER_CODE,
+    EXIT_KIND, TASK_EXIT_BAD_CONFIG, TASK_EXIT_COLLECTIVE, TASK_EXIT_ERROR, TASK_EXIT_OOM,
+    TASK_EXIT_USER_CODE,
 )
 from strata.taskconfig import TaskConfigError, read_task_config
 from strata.worker.usercode import UserCodeError
 from strata.worker.common import (
     Events, allocator_figures, exit_task, install_sigterm_handler, is_oom, log, oom_text,
-    prepare_environment, start_parent_watchdog, summarize_error,
+    peer_failure, prepare_environment, start_parent_watchdog, summarize_error,
 )
 
 
@@ -83,6 +95,12 @@ def main(argv: list[str] | None = None) -> None:
             events.emit("error", kind="oom", message=msg, memory=allocator_figures(),
                         oom=dataclasses.asdict(oom) if oom else None)
             code = TASK_EXIT_OOM
+        elif peer_failure(e) is not None:
+            traceback.print_exc()
+            msg = f"a collective or a peer task failed: {summarize_error(e)}"
+            log(msg)
+            events.emit("error", kind=EXIT_KIND[TASK_EXIT_COLLECTIVE], message=msg)
+            code = TASK_EXIT_COLLECTIVE
         elif isinstance(e, KeyboardInterrupt):
             events.emit("error", kind="error", message="interrupted")
             code = TASK_EXIT_ERROR
