@@ -6,9 +6,12 @@ Every ``--kill-every`` seconds (jittered) one of: SIGKILL of a random task proce
 of a random agent, restarted a few seconds later under its name (25%), SIGKILL of the
 coordinator, restarted on the same state directory and port (15%). Jobs are the digits MLP
 under the three strategies, with checkpoints every 100 steps and 6 restarts allowed. At the end
-it prints each job (state, steps against plan, restarts, steps trained again) and a summary,
-and exits 1 if any job ended wrong: not SUCCEEDED, or at a step count other than its plan, or
-with more than one checkpoint interval repeated per restart.
+it prints each job (state, steps against plan, restarts, steps trained again), what caused
+the restarts, and a summary. It exits 1 if any job ended wrong:
+- SUCCEEDED at a step count other than its plan;
+- more than one checkpoint interval repeated per restart;
+- FAILED for any reason but having used up its restarts (that is the policy working:
+  counted apart, as "gave up").
 
 Not part of the test suite (it runs for minutes); figures go to docs/benchmarks.md.
 """
@@ -40,15 +43,15 @@ STRATEGIES = {
 }
 
 
-def job(i: int, rng: random.Random) -> dict:
-    strategy = rng.choice(sorted(STRATEGIES))
+def job(i: int, rng: random.Random, max_restarts: int) -> dict:
+    strategy = sorted(STRATEGIES)[i % len(STRATEGIES)]  # each strategy in turn
     extra, steps = STRATEGIES[strategy]
     return {"name": f"soak-{i}", "strategy": strategy, **extra,
             "model": {"builtin": {"kind": "mlp", "input_shape": [64], "hidden": [256, 256],
                                   "classes": 10}},
             "data": {"source": "digits", "batch_size": 64}, "training": {"steps": steps},
             "checkpoint": {"every_steps": EVERY, "keep": 2},
-            "restart": {"max_restarts": 6, "backoff_s": 1}}
+            "restart": {"max_restarts": max_restarts, "backoff_s": 1}}
 
 
 def main() -> int:
@@ -58,6 +61,7 @@ def main() -> int:
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--kill-every", type=float, default=20.0, metavar="SECONDS")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-restarts", type=int, default=6)
     args = p.parse_args()
     rng = random.Random(args.seed)
     cluster = LocalCluster(workers=args.workers, memory_budget="1GiB", threads=1,
@@ -67,7 +71,7 @@ def main() -> int:
     deadline = t_start + args.minutes * 60
     try:
         with Client(cluster.address) as c:
-            ids = [c.submit(job(i, rng)).id for i in range(args.jobs)]
+            ids = [c.submit(job(i, rng, args.max_restarts)).id for i in range(args.jobs)]
         next_kill = time.monotonic() + args.kill_every
         while time.monotonic() < deadline:
             try:
@@ -101,29 +105,44 @@ def main() -> int:
                     cluster.start_coordinator()
                     kills["coordinator"] += 1
             time.sleep(1)
+        causes: dict[str, int] = {}
         with Client(cluster.address) as c:
             jobs = [c.get(i) for i in ids]
+            for i in ids:
+                for e in c.watch(i):
+                    if e.seq and e.kind == "restart":
+                        kind = next((k for k, text in (
+                            ("agent lost", "lost (no heartbeat"), ("task SIGKILLed", "SIGKILL"),
+                            ("peer failed", "a collective or a peer"),
+                            ("agent restarted", "no longer runs"), ("PS unreachable", "unreachable"),
+                            ("stopped", "stopped")) if text in e.message), e.message[:60])
+                        causes[kind] = causes.get(kind, 0) + 1
     finally:
         cluster.stop()
     wall = time.monotonic() - t_start
-    wrong = []
+    wrong, gave_up = [], []
     print(f"{'job':<12} {'strategy':<22} {'state':<10} {'steps':>11} {'restarts':>8} "
           f"{'repeated':>8}")
     for j in jobs:
         planned = j.metrics.total_steps
+        spent = j.state == JobState.FAILED and "no restarts left" in j.message
         ok = (j.state == JobState.SUCCEEDED and j.metrics.step == planned
-              and j.steps_repeated <= EVERY * max(1, j.restarts))
-        if not ok:
+              and j.steps_repeated <= EVERY * max(1, j.restarts)) or spent
+        if spent:
+            gave_up.append(j)
+        elif not ok:
             wrong.append(j)
         print(f"{j.name:<12} {j.strategy:<22} {j.state.value:<10} "
               f"{j.metrics.step:>5}/{planned:<5} {j.restarts:>8} {j.steps_repeated:>8}"
-              + ("" if ok else f"  WRONG: {j.message[:120]}"))
+              + ("  (gave up: no restarts left)" if spent else "" if ok
+                 else f"  WRONG: {j.message[:120]}"))
     done = sum(j.state == JobState.SUCCEEDED for j in jobs)
     print(f"\n{done}/{len(jobs)} jobs SUCCEEDED in {wall / 60:.1f} min; kills: "
           f"{kills['task']} task, {kills['agent']} agent, {kills['coordinator']} coordinator; "
           f"restarts {sum(j.restarts for j in jobs)}; steps trained again "
           f"{sum(j.steps_repeated for j in jobs)} (of {sum(j.metrics.step for j in jobs)}); "
-          f"wrong: {len(wrong)}")
+          f"gave up: {len(gave_up)}; wrong: {len(wrong)}")
+    print("restart causes: " + ", ".join(f"{k} {v}" for k, v in sorted(causes.items())))
     return 1 if wrong else 0
 
 
