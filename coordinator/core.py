@@ -859,11 +859,10 @@ class Coordinator:
                     continue
                 self._try_schedule(job)
             elif job.state == JobState.RESTARTING:
-                if any(not t.state.final for t in job.tasks) and job.recovery.replanned is False:
-                    continue  # its processes are being stopped
                 if not job.recovery.replanned:
-                    if now < job.recovery.restart_at:
-                        continue
+                    if any(not t.state.final for t in job.tasks) \
+                            or now < job.recovery.restart_at:
+                        continue  # its processes are being stopped, or it backs off
                     self._resume(job)
                     if job.state != JobState.RESTARTING:
                         continue

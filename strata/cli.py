@@ -102,6 +102,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
     if args.shared_dir and not os.path.isdir(args.shared_dir):
         raise UsageError(f"--shared-dir {args.shared_dir!r} is not a directory (it must exist "
                          "and be the same storage, at the same path, on every worker)")
+    if args.shared_dir and not os.access(args.shared_dir, os.W_OK | os.X_OK):
+        raise UsageError(f"--shared-dir {args.shared_dir!r} is not writable by this user: "
+                         "tasks write their checkpoints and outputs there")
     return main(AgentConfig(coordinator=_address("--coordinator", args.coordinator), name=name,
                             budget_bytes=budget, device=device, work_dir=args.work_dir,
                             host=args.advertise_host, threads=args.threads,

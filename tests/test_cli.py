@@ -94,6 +94,39 @@ def test_bad_flags_and_missing_things(coord, tmp_path):
     r = strata("jobs", "--coordinator", "not-an-address")
     assert r.returncode == 2 and "--coordinator" in r.stderr
     assert "Traceback" not in r.stderr
+    r = strata("worker", "--coordinator", coord.address, "--memory-budget", "1GiB",
+               "--shared-dir", str(tmp_path / "nowhere"))
+    assert r.returncode == 2 and "--shared-dir" in r.stderr
+    r = strata("drain", "no-such-worker", "--coordinator", coord.address)
+    assert r.returncode == 4 and "not found" in r.stderr
+
+
+def test_checkpointed_job_without_a_shared_dir_is_refused(tmp_path):
+    c = LocalCluster(workers=0, state_dir=str(tmp_path))
+    try:
+        c.start_coordinator()
+        proc = subprocess.Popen([sys.executable, "-m", "strata.cli", "worker", "--coordinator",
+                                 c.address, "--memory-budget", "1GiB", "--name", "solo",
+                                 "--work-dir", str(tmp_path / "solo")],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            with c.client() as client:
+                import time
+
+                deadline = time.monotonic() + 60
+                while {w.name: w.state.value for w in client.workers()}.get("solo") != "READY":
+                    assert time.monotonic() < deadline, "solo never registered"
+                    time.sleep(0.2)
+                assert client.workers()[0].shared_dir == ""
+            r = strata("submit", write_job(tmp_path, workers=1,
+                                           checkpoint={"every_steps": 10}),
+                       "--coordinator", c.address)
+            assert r.returncode == 2 and "--shared-dir" in r.stderr, r.stderr
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    finally:
+        c.stop()
 
 
 def test_unreachable_coordinator_exits_3():
