@@ -307,8 +307,14 @@ async def serve(listen: str, state_dir: str, *, heartbeat_timeout_s: float = 10.
                 heartbeat_interval_s: float = 1.0, start_timeout_s: float = 300.0,
                 ready: asyncio.Future[str] | None = None, port_file: str | None = None,
                 max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
-                allow_user_code: bool = False) -> None:
-    """Runs the coordinator until SIGINT/SIGTERM. Prints (and optionally writes) the bound address."""
+                allow_user_code: bool = False, tls_cert: str = "", tls_key: str = "",
+                tls_client_ca: str = "") -> None:
+    """Runs the coordinator until SIGINT/SIGTERM. Prints (and optionally writes) the bound
+    address. With ``tls_cert``/``tls_key`` it serves TLS only; with ``tls_client_ca`` clients
+    and agents must present a certificate that CA signed (``strata.tls``)."""
+    from strata.tls import server_credentials
+
+    credentials = server_credentials(tls_cert, tls_key, tls_client_ca) if tls_cert else None
     os.makedirs(state_dir, exist_ok=True)
     lock = _lock_state_dir(state_dir)
     store = SqliteStore(os.path.join(state_dir, "strata.db"))
@@ -332,7 +338,8 @@ async def serve(listen: str, state_dir: str, *, heartbeat_timeout_s: float = 10.
     )
     reflection.enable_server_reflection(services, server)
     try:
-        port = server.add_insecure_port(listen)
+        port = (server.add_secure_port(listen, credentials) if credentials is not None
+                else server.add_insecure_port(listen))
     except RuntimeError:
         port = 0
     if port == 0:
@@ -342,8 +349,9 @@ async def serve(listen: str, state_dir: str, *, heartbeat_timeout_s: float = 10.
     await server.start()
     for name in services[:2] + ("",):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    print(f"strata coordinator listening on {address} (state in {os.path.abspath(state_dir)})",
-          flush=True)
+    how = ("mutual TLS" if tls_client_ca else "TLS") if credentials is not None else "plain text"
+    print(f"strata coordinator listening on {address}, {how} (state in "
+          f"{os.path.abspath(state_dir)})", flush=True)
     if port_file:
         tmp = port_file + ".tmp"
         with open(tmp, "w") as f:

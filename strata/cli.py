@@ -81,10 +81,57 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     if args.start_timeout <= 0:
         raise UsageError("--start-timeout must be positive")
     max_upload = _size("--max-upload", args.max_upload)
+    from strata.tls import TlsError, check_listen, server_credentials
+
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise UsageError("--tls-cert and --tls-key go together")
+    if args.tls_client_ca and not args.tls_cert:
+        raise UsageError("--tls-client-ca needs --tls-cert and --tls-key (mutual TLS is TLS)")
+    try:
+        check_listen(args.listen, bool(args.tls_cert), args.insecure)
+        if args.tls_cert:
+            server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)  # readable
+    except TlsError as e:
+        raise UsageError(str(e)) from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     asyncio.run(serve(args.listen, args.state_dir, heartbeat_timeout_s=args.heartbeat_timeout,
                       start_timeout_s=args.start_timeout, port_file=args.port_file,
-                      max_upload_bytes=max_upload, allow_user_code=args.allow_user_code))
+                      max_upload_bytes=max_upload, allow_user_code=args.allow_user_code,
+                      tls_cert=args.tls_cert, tls_key=args.tls_key,
+                      tls_client_ca=args.tls_client_ca))
+    return EXIT_OK
+
+
+def _client_tls(args: argparse.Namespace):
+    """The TLS settings of a client or agent: its flags, else ``STRATA_TLS_*``."""
+    from strata.tls import ClientTls, TlsError
+
+    tls = ClientTls.from_env(args.tls_ca, args.tls_cert, args.tls_key)
+    try:
+        tls.check()
+    except TlsError as e:
+        raise UsageError(str(e)) from None
+    return tls
+
+
+def cmd_certs(args: argparse.Namespace) -> int:
+    from strata.tls import make_cluster_certs
+
+    if os.path.exists(os.path.join(args.out, "ca.key")) and not args.force:
+        raise UsageError(f"--out {args.out} already holds a CA (ca.key); --force replaces it, "
+                         "and every certificate it signed stops being trusted")
+    clients = args.client or ["agent", "client"]
+    for c in clients:
+        if not c.replace("-", "").replace("_", "").isalnum() or len(c) > 64:
+            raise UsageError(f"--client {c[:64]!r}: letters, digits, '-' and '_' only")
+    paths = make_cluster_certs(args.out, args.host, clients=clients)
+    print(f"certificates in {os.path.abspath(args.out)}:")
+    for name in ("ca", "server", *clients):
+        print(f"  {name}: {paths[name]}")
+    print("coordinator: --tls-cert server.crt --tls-key server.key "
+          "[--tls-client-ca ca.crt for mutual TLS]")
+    print("agents and clients: --tls-ca ca.crt [--tls-cert NAME.crt --tls-key NAME.key] "
+          "(or STRATA_TLS_CA, STRATA_TLS_CERT, STRATA_TLS_KEY); keep ca.key offline")
     return EXIT_OK
 
 
@@ -108,6 +155,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return main(AgentConfig(coordinator=_address("--coordinator", args.coordinator), name=name,
                             budget_bytes=budget, device=device, work_dir=args.work_dir,
                             host=args.advertise_host, threads=args.threads,
+                            tls=_client_tls(args),
                             shared_dir=os.path.abspath(args.shared_dir) if args.shared_dir
                             else ""))
 
@@ -118,9 +166,14 @@ def _start_local(args: argparse.Namespace, workers: int, budget: str, quiet: boo
     _size("--memory-budget", budget)
     if workers < 1:
         raise UsageError("--workers must be >= 1")
+    from strata.tls import is_loopback
+
+    listen = _address("--listen", args.listen, allow_port_zero=True)
+    # reachable from other hosts: mutual TLS with certificates made for this cluster
+    tls = not is_loopback(listen.rsplit(":", 1)[0])
     return LocalCluster(workers=workers, memory_budget=budget, state_dir=args.state_dir,
-                        listen=_address("--listen", args.listen, allow_port_zero=True),
-                        quiet=quiet, shared_dir=getattr(args, "shared_dir", None)).start()
+                        listen=listen, quiet=quiet, shared_dir=getattr(args, "shared_dir", None),
+                        tls=tls).start()
 
 
 def _catch_stop_signals() -> dict:
@@ -142,6 +195,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"strata cluster up: coordinator {cluster.address}, {args.workers} workers with "
               f"{args.memory_budget} each (state in {cluster.state_dir})", flush=True)
         print(f"export STRATA_COORDINATOR={cluster.address}", flush=True)
+        if cluster.tls_paths:
+            p = cluster.tls_paths
+            print(f"export STRATA_TLS_CA={p['ca']} STRATA_TLS_CERT={p['client']} "
+                  f"STRATA_TLS_KEY={p['client_key']}", flush=True)
         while not stop["flag"]:
             time.sleep(0.2)
     finally:
@@ -183,7 +240,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def _client(args: argparse.Namespace):
     from strata.client import Client, default_address
 
-    return Client(_address("--coordinator", args.coordinator or default_address()))
+    return Client(_address("--coordinator", args.coordinator or default_address()),
+                  tls=_client_tls(args))
 
 
 def _bar(done: int, total: int, width: int = 24) -> str:
@@ -441,7 +499,17 @@ def build_parser() -> argparse.ArgumentParser:
         if client:
             sp.add_argument("--coordinator", metavar="HOST:PORT",
                             help="coordinator address (default: $STRATA_COORDINATOR or 127.0.0.1:50051)")
+            tls_flags(sp)
         return sp
+
+    def tls_flags(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--tls-ca", default=None, metavar="FILE",
+                        help="the CA that signed the coordinator's certificate: connect with TLS "
+                             "(default: $STRATA_TLS_CA; none: plain text)")
+        sp.add_argument("--tls-cert", default=None, metavar="FILE",
+                        help="this side's certificate, for mutual TLS (default: $STRATA_TLS_CERT)")
+        sp.add_argument("--tls-key", default=None, metavar="FILE",
+                        help="its private key (default: $STRATA_TLS_KEY)")
 
     sp = add("coordinator", cmd_coordinator, "run the control plane", client=False)
     sp.add_argument("--listen", default="127.0.0.1:50051", metavar="HOST:PORT")
@@ -460,6 +528,23 @@ def build_parser() -> argparse.ArgumentParser:
                          "on the agents; only for a cluster whose every submitter may run code "
                          "there")
     sp.add_argument("--port-file", help=argparse.SUPPRESS)
+    sp.add_argument("--tls-cert", default="", metavar="FILE",
+                    help="serve TLS with this certificate (`strata certs` makes one)")
+    sp.add_argument("--tls-key", default="", metavar="FILE", help="the certificate's private key")
+    sp.add_argument("--tls-client-ca", default="", metavar="FILE",
+                    help="mutual TLS: require client certificates signed by this CA")
+    sp.add_argument("--insecure", action="store_true",
+                    help="allow plain text on a non-loopback --listen (a network you trust)")
+
+    sp = add("certs", cmd_certs, "make a CA, a coordinator certificate and client certificates",
+             client=False)
+    sp.add_argument("--out", required=True, metavar="DIR")
+    sp.add_argument("--host", action="append", default=[], metavar="NAME",
+                    help="a name or address clients reach the coordinator at (repeatable; "
+                         "localhost and the loopback addresses are always included)")
+    sp.add_argument("--client", action="append", default=None, metavar="NAME",
+                    help="a client certificate to make (repeatable; default: agent, client)")
+    sp.add_argument("--force", action="store_true", help="replace an existing CA in --out")
 
     sp = add("worker", cmd_worker, "run a worker agent that owns one device", client=False)
     sp.add_argument("--coordinator", default=os.environ.get("STRATA_COORDINATOR", "127.0.0.1:50051"),
@@ -475,6 +560,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a directory every worker sees at the same path (NFS, a ReadWriteMany "
                          "volume): jobs' checkpoints and outputs, under jobs/JOB_ID/; without "
                          "it no job that checkpoints runs here (default: none)")
+    tls_flags(sp)
 
     for name, fn, help_ in (("up", cmd_up, "run a coordinator and N workers locally in the foreground"),
                             ("demo", cmd_demo, "train the digits MLP on a local 2-worker cluster")):

@@ -23,6 +23,7 @@ from strata.protos import strata_pb2_grpc as pb_grpc
 from strata import convert
 from strata.errors import SpecError, StrataError
 from strata.spec import JobSpec, load_spec_file, parse_job_spec
+from strata.tls import ClientTls, channel
 from strata.types import Job, JobEvent, Plan, WorkerInfo
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
@@ -84,7 +85,12 @@ def _wrap(e: grpc.RpcError, address: str) -> CoordinatorError:
     code = e.code()
     message = e.details() or str(code)
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-        message = f"cannot reach the coordinator at {address} ({message})"
+        hint = ""
+        low = message.lower()
+        if any(w in low for w in ("socket closed", "handshake", "ssl", "certificate", "tls")):
+            hint = ("; if it serves TLS, give its CA (--tls-ca or STRATA_TLS_CA) and, under "
+                    "mutual TLS, a client certificate (--tls-cert, --tls-key)")
+        message = f"cannot reach the coordinator at {address} ({message}){hint}"
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         trailing = getattr(e, "trailing_metadata", lambda: None)() or ()
         field = next((v for k, v in trailing if k == FIELD_METADATA_KEY), "")
@@ -125,10 +131,15 @@ def _spec_proto(spec: SpecInput, overrides: list[str] | None = None
 
 
 class Client:
-    def __init__(self, address: str | None = None, timeout: float = 10.0):
+    def __init__(self, address: str | None = None, timeout: float = 10.0,
+                 tls: ClientTls | None = None):
+        """``tls``: the coordinator's CA (and a client certificate under mutual TLS); by
+        default from ``STRATA_TLS_CA``, ``STRATA_TLS_CERT``, ``STRATA_TLS_KEY`` (none: plain
+        text)."""
         self.address = address or default_address()
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(self.address, options=[
+        self.tls = tls if tls is not None else ClientTls.from_env()
+        self._channel = channel(self.address, self.tls, options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
         self._stub = pb_grpc.JobServiceStub(self._channel)  # type: ignore[no-untyped-call]

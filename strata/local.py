@@ -37,7 +37,8 @@ class LocalCluster:
     def __init__(self, workers: int = 2, memory_budget: str = "1GiB", *, state_dir: str | None = None,
                  listen: str = "127.0.0.1:0", threads: int | None = None,
                  heartbeat_timeout_s: float = 10.0, quiet: bool = True, log_dir: str | None = None,
-                 allow_user_code: bool = True, shared_dir: str | None = None):
+                 allow_user_code: bool = True, shared_dir: str | None = None,
+                 tls: bool = False):
         self.n_workers = workers
         # one user on loopback: that user's own code may run (``--allow-user-code``)
         self.allow_user_code = allow_user_code
@@ -58,6 +59,30 @@ class LocalCluster:
         self.address = ""
         self.coordinator: subprocess.Popen | None = None
         self.agents: dict[str, subprocess.Popen] = {}
+        #: mutual TLS between every process of the cluster, with certificates made for it under
+        #: STATE_DIR/tls (``strata.tls``); ``strata up`` turns it on off loopback
+        self.tls_paths: dict[str, str] = self._certs() if tls else {}
+
+    def _certs(self) -> dict[str, str]:
+        from strata.tls import make_cluster_certs
+
+        out = os.path.join(self.state_dir, "tls")
+        names = ("ca", "server", "agent", "client")
+        if all(os.path.exists(os.path.join(out, f"{n}.crt")) for n in names):
+            return {**{n: os.path.join(out, f"{n}.crt") for n in names},
+                    **{f"{n}_key": os.path.join(out, f"{n}.key") for n in names}}
+        import socket
+
+        host = self.listen.rsplit(":", 1)[0].strip("[]")
+        names = [host] if host not in ("", "0.0.0.0", "::") else [socket.getfqdn(),
+                                                                  socket.gethostname()]
+        return make_cluster_certs(out, [n for n in names if n])
+
+    def client_tls(self):
+        from strata.tls import ClientTls
+
+        p = self.tls_paths
+        return ClientTls(p["ca"], p["client"], p["client_key"]) if p else ClientTls()
 
     def _spawn(self, args: list[str], log_name: str) -> subprocess.Popen:
         os.makedirs(self.log_dir, exist_ok=True)
@@ -78,11 +103,15 @@ class LocalCluster:
         port_file = os.path.join(self.state_dir, "coordinator.address")
         if os.path.exists(port_file):
             os.unlink(port_file)
-        listen = self.address or self.listen  # a restart keeps the port the agents know
+        # a restart keeps the port the agents know
+        listen = (f"{self.listen.rsplit(':', 1)[0]}:{self.address.rsplit(':', 1)[1]}"
+                  if self.address else self.listen)
         self.coordinator = self._spawn(
             ["coordinator", "--listen", listen, "--state-dir", self.state_dir,
              "--heartbeat-timeout", str(self.heartbeat_timeout_s), "--port-file", port_file]
-            + (["--allow-user-code"] if self.allow_user_code else []),
+            + (["--allow-user-code"] if self.allow_user_code else [])
+            + (["--tls-cert", self.tls_paths["server"], "--tls-key", self.tls_paths["server_key"],
+                "--tls-client-ca", self.tls_paths["ca"]] if self.tls_paths else []),
             "coordinator.log")
         deadline = time.monotonic() + START_TIMEOUT_S
         while not os.path.exists(port_file):
@@ -95,7 +124,11 @@ class LocalCluster:
                                    f"{START_TIMEOUT_S:g} s")
             time.sleep(0.05)
         with open(port_file) as f:
-            self.address = f.read().strip()
+            bound = f.read().strip()
+        host, port = bound.rsplit(":", 1)
+        # every interface: the local processes dial loopback (in the certificate's names)
+        self.address = f"127.0.0.1:{port}" if host.strip("[]") in ("0.0.0.0", "::", "") \
+            else bound
         return self.address
 
     def add_worker(self, name: str, memory_budget: str | None = None, wait: bool = True) -> None:
@@ -103,13 +136,16 @@ class LocalCluster:
         self.agents[name] = self._spawn(
             ["worker", "--coordinator", self.address, "--memory-budget",
              memory_budget or self.memory_budget, "--name", name, "--work-dir", work_dir,
-             "--threads", str(self.threads), "--shared-dir", self.shared_dir], f"{name}.log")
+             "--threads", str(self.threads), "--shared-dir", self.shared_dir]
+            + (["--tls-ca", self.tls_paths["ca"], "--tls-cert", self.tls_paths["agent"],
+                "--tls-key", self.tls_paths["agent_key"]] if self.tls_paths else []),
+            f"{name}.log")
         if wait:
             self.wait_for_workers({name})
 
     def wait_for_workers(self, names: set[str], timeout: float = START_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout
-        with Client(self.address) as c:
+        with self.client() as c:
             while True:
                 ready = {w.name for w in c.workers() if w.state.value in ("READY", "BUSY")}
                 if names <= ready:
@@ -136,7 +172,7 @@ class LocalCluster:
         return self
 
     def client(self) -> Client:
-        return Client(self.address)
+        return Client(self.address, tls=self.client_tls())
 
     @staticmethod
     def _terminate(procs: list[subprocess.Popen], sig: int = signal.SIGTERM) -> None:

@@ -21,6 +21,7 @@ import time
 import pytest
 
 from strata.client import Client, CoordinatorError
+from strata.tls import ClientTls, make_cluster_certs
 from strata.types import JobState
 
 from conftest import spec, task_processes, wait_until
@@ -116,14 +117,18 @@ def test_cut_link_loses_the_agent_job_recovers_on_the_spare_agent_rejoins(hosts,
     coord = f"{hosts.addr['coord']}:{port}"
     shared = tmp_path / "shared"
     shared.mkdir()
+    # off loopback: mutual TLS, as a real cluster would run
+    p = make_cluster_certs(str(tmp_path / "tls"), [hosts.addr["coord"]])
     hosts.run("coord", ["coordinator", "--listen", coord, "--state-dir", str(tmp_path / "state"),
-                        "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S)],
+                        "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S), "--tls-cert",
+                        p["server"], "--tls-key", p["server_key"], "--tls-client-ca", p["ca"]],
               str(tmp_path / "coordinator.log"))
     for n in ("h1", "h2", "h3"):
         hosts.run(n, ["worker", "--coordinator", coord, "--memory-budget", "1GiB", "--name", n,
                       "--work-dir", str(tmp_path / "workers" / n), "--threads", "1",
-                      "--shared-dir", str(shared)], str(tmp_path / f"{n}.log"))
-    with Client(coord) as client:
+                      "--shared-dir", str(shared), "--tls-ca", p["ca"], "--tls-cert",
+                      p["agent"], "--tls-key", p["agent_key"]], str(tmp_path / f"{n}.log"))
+    with Client(coord, tls=ClientTls(p["ca"], p["client"], p["client_key"])) as client:
         def ready() -> int:
             try:
                 return len([w for w in client.workers() if w.state.value == "READY"])

@@ -31,6 +31,7 @@ from strata.protos import strata_pb2 as pb
 from strata.protos import strata_pb2_grpc as pb_grpc
 from strata import convert, exitcodes
 from strata.taskconfig import AgentSettings
+from strata.tls import ClientTls, channel
 from strata.oom import OutOfMemory
 from strata.types import FailureKind, MemoryStatus, TaskReport, TaskState
 
@@ -82,6 +83,8 @@ class AgentConfig:
     #: --shared-dir: a directory every agent of the cluster sees at the same path, holding
     #: each job's checkpoints and outputs under ``jobs/JOB_ID/`` (empty: no checkpointed jobs)
     shared_dir: str = ""
+    #: the coordinator's CA, and this agent's certificate under mutual TLS (empty: plain text)
+    tls: ClientTls = dataclasses.field(default_factory=ClientTls)
 
 
 def classify_exit(code: int, *, stopped: bool, has_result: bool, error_kind: str, message: str,
@@ -372,7 +375,7 @@ class Agent:
         os.makedirs(cfg.work_dir, exist_ok=True)
         if cfg.shared_dir:
             os.makedirs(os.path.join(cfg.shared_dir, "jobs"), exist_ok=True)
-        self.channel = grpc.insecure_channel(cfg.coordinator)
+        self.channel = channel(cfg.coordinator, cfg.tls)
         self.stub = pb_grpc.ClusterServiceStub(self.channel)
         self.session = ""
         self.heartbeat_interval = 1.0
