@@ -296,16 +296,18 @@ class Coordinator:
                 "path (NFS, a ReadWriteMany volume; `strata up` makes one)",
                 estimate_bytes=0, largest_budget_bytes=0)
 
-    def job_for_request(self, request_id: str) -> Job | None:
-        """The job an earlier ``SubmitJob`` with this client request id created."""
+    def job_for_request(self, request_id: str, owner: str = "") -> Job | None:
+        """The job an earlier ``SubmitJob`` with this client request id created (for the
+        same owner: another caller's id finds nothing)."""
         job_id = self._by_request.get(request_id) if request_id else None
-        return self.jobs.get(job_id) if job_id else None
+        job = self.jobs.get(job_id) if job_id else None
+        return job if job is not None and job.owner == owner else None
 
     def submit(self, spec: JobSpec | Mapping[str, Any] | PreparedJob,
-               request_id: str = "") -> Job:
+               request_id: str = "", owner: str = "") -> Job:
         """Accepts a job. ``request_id``: the client's id of this submission; a retry with the
         same id (its first reply lost) returns the job the first created."""
-        done = self.job_for_request(request_id)
+        done = self.job_for_request(request_id, owner)
         if done is not None:
             return done
         if isinstance(spec, PreparedJob):
@@ -322,12 +324,13 @@ class Coordinator:
                                   estimate_bytes=plan.largest_estimate,
                                   largest_budget_bytes=max(budgets, default=0))
         if not wants_probe(spec, plan) or measured_kinds(spec, self.measured):
-            return self._add_job(spec, plan, request_id=request_id)
+            return self._add_job(spec, plan, request_id=request_id, owner=owner)
         # memory.profile: a short run of the same plan measures every task first; the job
         # waits for it, then is planned with what it measured (``_after_probe``)
         probing = probe_spec(spec)
-        probe = self._add_job(probing, plan, note=f"memory probe of job {spec.name!r}")
-        job = self._add_job(spec, plan, request_id=request_id)
+        probe = self._add_job(probing, plan, note=f"memory probe of job {spec.name!r}",
+                              owner=owner)
+        job = self._add_job(spec, plan, request_id=request_id, owner=owner)
         self._probe_of[job.id] = probe.id
         job.message = f"waiting for its memory probe {probe.id}"
         self.store.put_job(job)
@@ -337,7 +340,7 @@ class Coordinator:
         return job
 
     def _add_job(self, spec: JobSpec, plan: JobPlan, note: str = "",
-                 request_id: str = "") -> Job:
+                 request_id: str = "", owner: str = "") -> Job:
         now = self.clock()
         job_id = f"{spec.name}-{secrets.token_hex(3)}"
         while job_id in self.jobs:
@@ -346,6 +349,7 @@ class Coordinator:
                   spec=spec, created_at=now, estimated_memory_bytes=plan.largest_estimate,
                   message="waiting for workers")
         job.recovery.request_id = request_id
+        job.owner = owner
         job.tasks = _tasks_of(job_id, plan)
         self.store.put_job(job)
         self.store.put_tasks(job.tasks)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import functools
 import inspect
 import logging
@@ -19,6 +20,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from strata.auth import CLUSTER, Auth, AuthFileError, Caller, Denied
 from strata.coordinator.core import Coordinator, prepare
 from strata.coordinator.store import SqliteStore
 from strata.protos import strata_pb2 as pb
@@ -40,6 +42,10 @@ MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 FIELD_METADATA_KEY = "strata-field"
 
 
+class PermissionDenied(StrataError):
+    """The caller's token does not allow this (another owner's job)."""
+
+
 class MalformedRequest(StrataError):
     """A message that parses but carries values no Strata client sends (e.g. unknown enums)."""
 
@@ -55,6 +61,7 @@ STATUS_CODES: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (UserCodeRefused, grpc.StatusCode.FAILED_PRECONDITION),
     (UnknownAgentSession, grpc.StatusCode.FAILED_PRECONDITION),
     (DuplicateAgent, grpc.StatusCode.ALREADY_EXISTS),
+    (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
     (StrataError, grpc.StatusCode.INTERNAL),
 )
 
@@ -79,14 +86,42 @@ async def _abort(context: grpc.aio.ServicerContext, err: Exception) -> NoReturn:
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+#: the caller of the RPC being handled (``strata.auth``; None when authentication is off)
+CALLER: contextvars.ContextVar[Caller | None] = contextvars.ContextVar("caller", default=None)
+
+
+async def _authorize(self: Any, name: str, request: Any, context: Any) -> None:
+    """The token check of every RPC (``strata.auth``): who calls, and whether that role may
+    call ``name`` (agents: only as the agent their token names)."""
+    auth: Auth | None = getattr(self, "auth", None)
+    if auth is None or not auth.enabled:
+        CALLER.set(None)
+        return
+    try:
+        caller = auth.caller(context.invocation_metadata())
+        agent = getattr(request, "name", None) if name in CLUSTER else None
+        auth.check(caller, name, agent if isinstance(agent, str) else None)
+    except Denied as e:
+        await context.abort(e.code, e.message)
+    CALLER.set(caller)
+
+
+def owned(job_owner: str) -> None:
+    """Refuses a call on another owner's job (cancel, logs, download) unless by an admin."""
+    caller = CALLER.get()
+    if caller is not None and not caller.owns(job_owner):
+        raise PermissionDenied(f"{caller.name} ({caller.role}) does not own this job")
+
 
 def rpc(method: F) -> F:
-    """Applies the error table to a handler: unary (a coroutine) or server streaming (an async
-    generator). ``context.abort``'s own exception (and cancellation, a BaseException) passes
-    through untouched."""
+    """Applies the token check and the error table to a handler: unary (a coroutine) or
+    server streaming (an async generator). ``context.abort``'s own exception (and
+    cancellation, a BaseException) passes through untouched."""
+    name = method.__name__
     if inspect.isasyncgenfunction(method):
         @functools.wraps(method)
         async def stream(self: Any, request: Any, context: Any) -> AsyncIterator[Any]:
+            await _authorize(self, name, request, context)
             try:
                 async for item in method(self, request, context):
                     yield item
@@ -98,6 +133,7 @@ def rpc(method: F) -> F:
 
     @functools.wraps(method)
     async def unary(self: Any, request: Any, context: Any) -> Any:
+        await _authorize(self, name, request, context)
         try:
             return await method(self, request, context)
         except grpc.aio.AbortError:
@@ -115,8 +151,9 @@ def _reports(statuses: Iterable[pb.TaskStatus]) -> list[TaskReport]:
 
 
 class JobServicer(pb_grpc.JobServiceServicer):
-    def __init__(self, coord: Coordinator):
+    def __init__(self, coord: Coordinator, auth: Auth | None = None):
         self.coord = coord
+        self.auth = auth
 
     def _stored_files(self, msg: pb.JobSpec) -> pb.JobSpec:
         """The spec with what the coordinator itself holds of its uploaded files: a
@@ -146,14 +183,17 @@ class JobServicer(pb_grpc.JobServiceServicer):
         request_id = request.request_id
         if len(request_id) > 128:
             raise SpecError("request_id", f"at most 128 characters, got {len(request_id)}")
-        done = self.coord.job_for_request(request_id)
+        caller = CALLER.get()
+        owner = caller.name if caller is not None else ""
+        done = self.coord.job_for_request(request_id, owner)
         if done is not None:  # a retry whose first reply was lost
             return convert.job_to_proto(done, with_spec=False)
         spec = convert.spec_from_proto(await asyncio.to_thread(self._stored_files, request.spec))
         # Planning profiles the model and may run the stage planner: kept off the event loop.
         offers = self.coord.worker_offers(False, bool(spec.checkpoint_every_steps))
         prepared = await asyncio.to_thread(prepare, spec, offers, dict(self.coord.measured))
-        return convert.job_to_proto(self.coord.submit(prepared, request_id), with_spec=False)
+        return convert.job_to_proto(self.coord.submit(prepared, request_id, owner=owner),
+                                    with_spec=False)
 
     @rpc
     async def DrainWorker(self, request: pb.DrainWorkerRequest, context: Any) -> pb.Worker:
@@ -171,6 +211,7 @@ class JobServicer(pb_grpc.JobServiceServicer):
 
     @rpc
     async def CancelJob(self, request: pb.CancelJobRequest, context: Any) -> pb.Job:
+        owned(self.coord.get(request.id).owner)
         return convert.job_to_proto(self.coord.cancel(request.id), with_spec=False)
 
     @rpc
@@ -181,6 +222,7 @@ class JobServicer(pb_grpc.JobServiceServicer):
     @rpc
     async def GetLogs(self, request: pb.GetLogsRequest, context: Any) -> AsyncIterator[pb.LogChunk]:
         job = self.coord.get(request.job_id)
+        owned(job.owner)
         if request.all_tasks or not request.role:
             tasks = [(t.role, t.index) for t in job.tasks]
         else:
@@ -216,6 +258,7 @@ class JobServicer(pb_grpc.JobServiceServicer):
     async def DownloadOutput(self, request: pb.DownloadOutputRequest,
                              context: Any) -> AsyncIterator[pb.FileChunk]:
         job = self.coord.get(request.job_id)
+        owned(job.owner)
         chunks = iter(self.coord.blobs.read_outputs(job.id))
         while (c := await asyncio.to_thread(next, chunks, None)) is not None:
             path, offset, size, data = c
@@ -223,8 +266,9 @@ class JobServicer(pb_grpc.JobServiceServicer):
 
 
 class ClusterServicer(pb_grpc.ClusterServiceServicer):
-    def __init__(self, coord: Coordinator):
+    def __init__(self, coord: Coordinator, auth: Auth | None = None):
         self.coord = coord
+        self.auth = auth
 
     @rpc
     async def RegisterAgent(self, request: pb.RegisterAgentRequest,
@@ -308,7 +352,7 @@ async def serve(listen: str, state_dir: str, *, heartbeat_timeout_s: float = 10.
                 ready: asyncio.Future[str] | None = None, port_file: str | None = None,
                 max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
                 allow_user_code: bool = False, tls_cert: str = "", tls_key: str = "",
-                tls_client_ca: str = "") -> None:
+                tls_client_ca: str = "", auth_tokens: str = "") -> None:
     """Runs the coordinator until SIGINT/SIGTERM. Prints (and optionally writes) the bound
     address. With ``tls_cert``/``tls_key`` it serves TLS only; with ``tls_client_ca`` clients
     and agents must present a certificate that CA signed (``strata.tls``)."""
@@ -326,8 +370,9 @@ async def serve(listen: str, state_dir: str, *, heartbeat_timeout_s: float = 10.
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.so_reuseport", 0),
     ])
-    pb_grpc.add_JobServiceServicer_to_server(JobServicer(coord), server)  # type: ignore[no-untyped-call]
-    pb_grpc.add_ClusterServiceServicer_to_server(ClusterServicer(coord), server)  # type: ignore[no-untyped-call]
+    auth = Auth(auth_tokens or None)
+    pb_grpc.add_JobServiceServicer_to_server(JobServicer(coord, auth), server)  # type: ignore[no-untyped-call]
+    pb_grpc.add_ClusterServiceServicer_to_server(ClusterServicer(coord, auth), server)  # type: ignore[no-untyped-call]
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     services = (
@@ -363,6 +408,15 @@ async def serve(listen: str, state_dir: str, *, heartbeat_timeout_s: float = 10.
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
+
+    def reload_tokens() -> None:
+        try:
+            log.info("SIGHUP: %d token(s) from %s", auth.reload(), auth.path)
+        except AuthFileError as e:
+            log.error("SIGHUP: kept the tokens in force: %s", e)
+    if auth.enabled:
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(signal.SIGHUP, reload_tokens)
     if ready is not None:
         ready.set_result(address)
     await stop.wait()

@@ -149,7 +149,7 @@ class SqliteStore(Store):
             self._db.execute("INSERT OR REPLACE INTO job_recovery VALUES (?,?,?)", (
                 job.id, r.request_id, json.dumps({
                     **dataclasses.asdict(r), "checkpoint_step": job.checkpoint_step,
-                    "steps_repeated": job.steps_repeated})))
+                    "steps_repeated": job.steps_repeated, "owner": job.owner})))
 
     def replace_tasks(self, job_id: str, tasks: Iterable[Task]) -> None:
         rows = [_task_row(t) for t in tasks]
@@ -205,6 +205,7 @@ class SqliteStore(Store):
                 metrics=JobMetrics(**json.loads(metrics)), tasks=by_job.get(jid, []),
                 checkpoint_step=int(rec.get("checkpoint_step", 0)),
                 steps_repeated=int(rec.get("steps_repeated", 0)),
+                owner=str(rec.get("owner", "")),
                 recovery=JobRecovery(**{k: v for k, v in rec.items() if k in names})))
         return out
 

@@ -93,13 +93,30 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
             server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)  # readable
     except TlsError as e:
         raise UsageError(str(e)) from None
+    if args.auth_tokens:
+        from strata.auth import Auth, AuthFileError
+
+        try:
+            Auth(args.auth_tokens)  # readable and well formed, before listening
+        except AuthFileError as e:
+            raise UsageError(str(e)) from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     asyncio.run(serve(args.listen, args.state_dir, heartbeat_timeout_s=args.heartbeat_timeout,
                       start_timeout_s=args.start_timeout, port_file=args.port_file,
                       max_upload_bytes=max_upload, allow_user_code=args.allow_user_code,
                       tls_cert=args.tls_cert, tls_key=args.tls_key,
-                      tls_client_ca=args.tls_client_ca))
+                      tls_client_ca=args.tls_client_ca, auth_tokens=args.auth_tokens))
     return EXIT_OK
+
+
+def _token(args: argparse.Namespace) -> str:
+    """``--token-file``, else ``STRATA_TOKEN`` (never a token on the command line)."""
+    from strata.auth import read_token
+
+    try:
+        return read_token(args.token_file)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def _client_tls(args: argparse.Namespace):
@@ -155,7 +172,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return main(AgentConfig(coordinator=_address("--coordinator", args.coordinator), name=name,
                             budget_bytes=budget, device=device, work_dir=args.work_dir,
                             host=args.advertise_host, threads=args.threads,
-                            tls=_client_tls(args),
+                            tls=_client_tls(args), token=_token(args),
                             shared_dir=os.path.abspath(args.shared_dir) if args.shared_dir
                             else ""))
 
@@ -199,6 +216,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             p = cluster.tls_paths
             print(f"export STRATA_TLS_CA={p['ca']} STRATA_TLS_CERT={p['client']} "
                   f"STRATA_TLS_KEY={p['client_key']}", flush=True)
+            token_file = os.path.join(os.path.dirname(cluster.tokens_file), "admin.token")
+            print(f"export STRATA_TOKEN=$(cat {token_file})", flush=True)
         while not stop["flag"]:
             time.sleep(0.2)
     finally:
@@ -241,7 +260,7 @@ def _client(args: argparse.Namespace):
     from strata.client import Client, default_address
 
     return Client(_address("--coordinator", args.coordinator or default_address()),
-                  tls=_client_tls(args))
+                  tls=_client_tls(args), token=_token(args))
 
 
 def _bar(done: int, total: int, width: int = 24) -> str:
@@ -510,6 +529,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="this side's certificate, for mutual TLS (default: $STRATA_TLS_CERT)")
         sp.add_argument("--tls-key", default=None, metavar="FILE",
                         help="its private key (default: $STRATA_TLS_KEY)")
+        sp.add_argument("--token-file", default=None, metavar="FILE",
+                        help="a file holding the bearer token (default: $STRATA_TOKEN; none: "
+                             "no token)")
 
     sp = add("coordinator", cmd_coordinator, "run the control plane", client=False)
     sp.add_argument("--listen", default="127.0.0.1:50051", metavar="HOST:PORT")
@@ -535,6 +557,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="mutual TLS: require client certificates signed by this CA")
     sp.add_argument("--insecure", action="store_true",
                     help="allow plain text on a non-loopback --listen (a network you trust)")
+    sp.add_argument("--auth-tokens", default="", metavar="FILE",
+                    help="require bearer tokens: lines TOKEN ROLE NAME, roles admin, submitter, "
+                         "viewer, agent; reloaded on SIGHUP (default: none, everything open)")
 
     sp = add("certs", cmd_certs, "make a CA, a coordinator certificate and client certificates",
              client=False)

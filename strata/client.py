@@ -23,6 +23,7 @@ from strata.protos import strata_pb2_grpc as pb_grpc
 from strata import convert
 from strata.errors import SpecError, StrataError
 from strata.spec import JobSpec, load_spec_file, parse_job_spec
+from strata.auth import read_token, with_token
 from strata.tls import ClientTls, channel
 from strata.types import Job, JobEvent, Plan, WorkerInfo
 
@@ -68,12 +69,22 @@ class Unavailable(CoordinatorError):
     """The coordinator cannot be reached."""
 
 
+class Unauthenticated(CoordinatorError):
+    """No token, or one the coordinator does not know (STRATA_TOKEN, --token-file)."""
+
+
+class PermissionDenied(CoordinatorError):
+    """The token's role may not do this, or the job is another owner's."""
+
+
 _ERRORS = {
     grpc.StatusCode.INVALID_ARGUMENT: JobRejected,
     grpc.StatusCode.FAILED_PRECONDITION: Infeasible,
     grpc.StatusCode.NOT_FOUND: NotFound,
     grpc.StatusCode.UNAVAILABLE: Unavailable,
     grpc.StatusCode.DEADLINE_EXCEEDED: Unavailable,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
 }
 
 
@@ -132,16 +143,19 @@ def _spec_proto(spec: SpecInput, overrides: list[str] | None = None
 
 class Client:
     def __init__(self, address: str | None = None, timeout: float = 10.0,
-                 tls: ClientTls | None = None):
+                 tls: ClientTls | None = None, token: str | None = None):
         """``tls``: the coordinator's CA (and a client certificate under mutual TLS); by
         default from ``STRATA_TLS_CA``, ``STRATA_TLS_CERT``, ``STRATA_TLS_KEY`` (none: plain
         text)."""
         self.address = address or default_address()
         self.timeout = timeout
         self.tls = tls if tls is not None else ClientTls.from_env()
-        self._channel = channel(self.address, self.tls, options=[
+        self._raw_channel = channel(self.address, self.tls, options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+        # ``token``: sent as ``authorization: Bearer``; by default STRATA_TOKEN (none: no auth)
+        self._channel = with_token(self._raw_channel,
+                                   token if token is not None else read_token())
         self._stub = pb_grpc.JobServiceStub(self._channel)  # type: ignore[no-untyped-call]
 
     def __enter__(self) -> "Client":
@@ -151,7 +165,7 @@ class Client:
         self.close()
 
     def close(self) -> None:
-        self._channel.close()
+        self._raw_channel.close()
 
     def _call(self, method: str, request: Any) -> Any:
         try:

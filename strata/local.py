@@ -62,6 +62,10 @@ class LocalCluster:
         #: mutual TLS between every process of the cluster, with certificates made for it under
         #: STATE_DIR/tls (``strata.tls``); ``strata up`` turns it on off loopback
         self.tls_paths: dict[str, str] = self._certs() if tls else {}
+        #: bearer tokens (``strata.auth``), with TLS: STATE_DIR/tls/tokens (an admin token for
+        #: the user, ``admin.token``; an agent token per agent, made as it is added)
+        self.tokens_file = os.path.join(self.state_dir, "tls", "tokens") if tls else ""
+        self.admin_token = self._new_token("admin", "admin") if tls else ""
 
     def _certs(self) -> dict[str, str]:
         from strata.tls import make_cluster_certs
@@ -77,6 +81,29 @@ class LocalCluster:
         names = [host] if host not in ("", "0.0.0.0", "::") else [socket.getfqdn(),
                                                                   socket.gethostname()]
         return make_cluster_certs(out, [n for n in names if n])
+
+    def _token_file(self, role: str, name: str) -> str:
+        path = os.path.join(os.path.dirname(self.tokens_file), f"{name}.token")
+        if not os.path.exists(path):
+            self._new_token(role, name)
+        return path
+
+    def _new_token(self, role: str, name: str) -> str:
+        """A fresh token for ``name`` in the tokens file (and ``NAME.token``, mode 0600);
+        the coordinator is told to read the file again (SIGHUP)."""
+        import secrets
+
+        token = secrets.token_urlsafe(32)
+        fd = os.open(self.tokens_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        with os.fdopen(fd, "a") as f:
+            f.write(f"{token} {role} {name}\n")
+        path = os.path.join(os.path.dirname(self.tokens_file), f"{name}.token")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(token + "\n")
+        if self.coordinator is not None and self.coordinator.poll() is None:
+            os.kill(self.coordinator.pid, signal.SIGHUP)
+        return token
 
     def client_tls(self):
         from strata.tls import ClientTls
@@ -111,7 +138,8 @@ class LocalCluster:
              "--heartbeat-timeout", str(self.heartbeat_timeout_s), "--port-file", port_file]
             + (["--allow-user-code"] if self.allow_user_code else [])
             + (["--tls-cert", self.tls_paths["server"], "--tls-key", self.tls_paths["server_key"],
-                "--tls-client-ca", self.tls_paths["ca"]] if self.tls_paths else []),
+                "--tls-client-ca", self.tls_paths["ca"], "--auth-tokens", self.tokens_file]
+               if self.tls_paths else []),
             "coordinator.log")
         deadline = time.monotonic() + START_TIMEOUT_S
         while not os.path.exists(port_file):
@@ -138,7 +166,8 @@ class LocalCluster:
              memory_budget or self.memory_budget, "--name", name, "--work-dir", work_dir,
              "--threads", str(self.threads), "--shared-dir", self.shared_dir]
             + (["--tls-ca", self.tls_paths["ca"], "--tls-cert", self.tls_paths["agent"],
-                "--tls-key", self.tls_paths["agent_key"]] if self.tls_paths else []),
+                "--tls-key", self.tls_paths["agent_key"], "--token-file",
+                self._token_file("agent", name)] if self.tls_paths else []),
             f"{name}.log")
         if wait:
             self.wait_for_workers({name})
@@ -172,7 +201,7 @@ class LocalCluster:
         return self
 
     def client(self) -> Client:
-        return Client(self.address, tls=self.client_tls())
+        return Client(self.address, tls=self.client_tls(), token=self.admin_token or None)
 
     @staticmethod
     def _terminate(procs: list[subprocess.Popen], sig: int = signal.SIGTERM) -> None:

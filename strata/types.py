@@ -187,6 +187,8 @@ class Job:
     #: failure), summed over its restarts
     steps_repeated: int = 0
     recovery: JobRecovery = dataclasses.field(default_factory=JobRecovery)
+    #: the NAME of the token that submitted it (``strata.auth``; empty with auth off)
+    owner: str = ""
 
 
 @dataclasses.dataclass
@@ -312,6 +314,7 @@ def job_to_json(j: Job) -> dict[str, Any]:
         "tasks": [task_to_json(t) for t in j.tasks],
         "output_dir": j.output_dir or None, "outputs": list(j.outputs),
         "checkpoint_step": j.checkpoint_step, "steps_repeated": j.steps_repeated,
+        "owner": j.owner,
     }
 
 

@@ -31,6 +31,7 @@ from strata.protos import strata_pb2 as pb
 from strata.protos import strata_pb2_grpc as pb_grpc
 from strata import convert, exitcodes
 from strata.taskconfig import AgentSettings
+from strata.auth import with_token
 from strata.tls import ClientTls, channel
 from strata.oom import OutOfMemory
 from strata.types import FailureKind, MemoryStatus, TaskReport, TaskState
@@ -85,6 +86,8 @@ class AgentConfig:
     shared_dir: str = ""
     #: the coordinator's CA, and this agent's certificate under mutual TLS (empty: plain text)
     tls: ClientTls = dataclasses.field(default_factory=ClientTls)
+    #: its ``agent`` token (``strata.auth``; empty when the coordinator has no auth)
+    token: str = dataclasses.field(default="", repr=False)
 
 
 def classify_exit(code: int, *, stopped: bool, has_result: bool, error_kind: str, message: str,
@@ -376,7 +379,7 @@ class Agent:
         if cfg.shared_dir:
             os.makedirs(os.path.join(cfg.shared_dir, "jobs"), exist_ok=True)
         self.channel = channel(cfg.coordinator, cfg.tls)
-        self.stub = pb_grpc.ClusterServiceStub(self.channel)
+        self.stub = pb_grpc.ClusterServiceStub(with_token(self.channel, cfg.token))
         self.session = ""
         self.heartbeat_interval = 1.0
         self.tasks: dict[tuple[str, str, int], TaskProcess] = {}
