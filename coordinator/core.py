@@ -29,7 +29,7 @@ from strata.coordinator.blobs import DEFAULT_MAX_UPLOAD_BYTES, BlobStore
 from strata.coordinator.logs import JobLogs
 from strata.coordinator.placement import Capacity, TaskDemand, place
 from strata.coordinator.store import Store, WorkerRecord
-from strata.errors import InfeasibleError, InvalidTransition, NotFoundError, SpecError
+from strata.errors import InfeasibleError, InvalidTransition, NotFoundError, NotYours, SpecError
 from strata.measured import apply_measured, measured_kinds, task_kind
 from strata.memory import format_size, uncalibrated_kinds
 from strata.oom import describe as describe_oom
@@ -587,10 +587,17 @@ class Coordinator:
             return None
         return next((t for t in job.tasks if t.role == role and t.index == index), None)
 
-    def report(self, worker: str, session: str, r: TaskReport) -> None:
+    def report(self, worker: str, session: str, r: TaskReport, strict: bool = False) -> None:
+        """An agent's report of one task. Reports of tasks the agent does not run for the
+        coordinator are ignored (a heartbeat repeats what an agent still runs of an attempt
+        that moved on); ``strict`` (a ``ReportTask`` call) refuses a report of a task that is
+        not assigned to that agent at all (``NotYours``)."""
         self.agents.check_session(worker, session)
         job = self.jobs.get(r.job_id)
         task = self._task(*r.key)
+        if strict and (job is None or task is None or task.worker != worker):
+            raise NotYours(f"task {r.role[:32]}:{r.index} of job {r.job_id[:64]!r} is not "
+                           f"assigned to worker {worker[:64]!r}")
         if job is None or task is None or task.worker != worker or r.attempt != task.attempt:
             return
         if task.state.final:

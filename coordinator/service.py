@@ -13,6 +13,7 @@ import functools
 import inspect
 import logging
 import os
+import re
 import signal
 from typing import IO, Any, AsyncIterator, Callable, Iterable, NoReturn, TypeVar
 
@@ -27,7 +28,8 @@ from strata.protos import strata_pb2 as pb
 from strata.protos import strata_pb2_grpc as pb_grpc
 from strata import convert
 from strata.errors import (
-    DuplicateAgent, InfeasibleError, InvalidTransition, NotFoundError, SpecError, StrataError,
+    DuplicateAgent, InfeasibleError, InvalidTransition, NotFoundError, NotYours, SpecError,
+    StrataError,
     UnknownAgentSession, UploadError, UserCodeRefused,
 )
 from strata.coordinator.blobs import DEFAULT_MAX_UPLOAD_BYTES, MAX_OUTPUT_FILE_BYTES, check_sha
@@ -62,6 +64,7 @@ STATUS_CODES: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (UnknownAgentSession, grpc.StatusCode.FAILED_PRECONDITION),
     (DuplicateAgent, grpc.StatusCode.ALREADY_EXISTS),
     (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
+    (NotYours, grpc.StatusCode.PERMISSION_DENIED),
     (StrataError, grpc.StatusCode.INTERNAL),
 )
 
@@ -141,6 +144,51 @@ def rpc(method: F) -> F:
         except Exception as e:  # noqa: BLE001 - mapped to a status code
             await _abort(context, e)
     return unary  # type: ignore[return-value]
+
+
+AGENT_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+HOST_RE = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+                     r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
+DEVICE_RE = re.compile(r"^(CPU|GPU:[0-9]{1,3})$")
+MAX_PORTS = 64
+MAX_PATH = 4096
+
+
+def check_ports(ports: Iterable[int]) -> None:
+    ports = list(ports)
+    if len(ports) > MAX_PORTS:
+        raise MalformedRequest(f"free_ports: at most {MAX_PORTS}, got {len(ports)}")
+    bad = [p for p in ports if not 1 <= p <= 65535]
+    if bad:
+        raise MalformedRequest(f"free_ports: {bad[0]} is not a port (1-65535)")
+
+
+def check_agent(request: pb.RegisterAgentRequest) -> None:
+    """An agent's registration names itself, where its tasks are reached and its device: each
+    field is checked, and a refusal quotes none of it unbounded."""
+    import ipaddress
+
+    if not AGENT_NAME_RE.match(request.name):
+        raise MalformedRequest(f"name {request.name[:64]!r}: 1-64 of letters, digits, '.', '_' "
+                               "and '-', starting with a letter or digit")
+    host = request.host
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        if not HOST_RE.match(host):
+            raise MalformedRequest(f"host {host[:64]!r} is not a host name or an IP "
+                                   "address") from None
+    if request.device and not DEVICE_RE.match(request.device):
+        raise MalformedRequest(f"device {request.device[:16]!r}: CPU or GPU:N")
+    if request.budget_bytes > 1 << 50:
+        raise MalformedRequest("budget_bytes: beyond any machine")
+    check_ports(request.free_ports)
+    for field in ("work_dir", "shared_dir"):
+        value = getattr(request, field)
+        if len(value) > MAX_PATH or "\0" in value:
+            raise MalformedRequest(f"{field}: not a path")
+    if len(request.tasks) > 10_000:
+        raise MalformedRequest("tasks: too many")
 
 
 def _reports(statuses: Iterable[pb.TaskStatus]) -> list[TaskReport]:
@@ -275,6 +323,7 @@ class ClusterServicer(pb_grpc.ClusterServiceServicer):
                             context: Any) -> pb.RegisterAgentResponse:
         if not request.name or request.budget_bytes <= 0:
             raise MalformedRequest("name and a positive budget_bytes are required")
+        check_agent(request)
         session = self.coord.register(
             request.name, request.host, request.device or "CPU", request.budget_bytes,
             list(request.free_ports), _reports(request.tasks), work_dir=request.work_dir,
@@ -284,6 +333,7 @@ class ClusterServicer(pb_grpc.ClusterServiceServicer):
 
     @rpc
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatResponse:
+        check_ports(request.free_ports)
         try:
             self.coord.heartbeat(request.name, request.session,
                                  convert.memory_from_proto(request.memory), _reports(request.tasks),
@@ -300,7 +350,7 @@ class ClusterServicer(pb_grpc.ClusterServiceServicer):
     @rpc
     async def ReportTask(self, request: pb.ReportTaskRequest, context: Any) -> pb.ReportTaskResponse:
         (report,) = _reports([request.status])
-        self.coord.report(request.name, request.session, report)
+        self.coord.report(request.name, request.session, report, strict=True)
         return pb.ReportTaskResponse()
 
     @rpc

@@ -53,6 +53,11 @@ class InvalidTransition(StrataError):
         self.target = target
 
 
+class NotYours(StrataError):
+    """A caller acting on something that is not its own (a task never given to the agent
+    reporting it)."""
+
+
 class UnknownAgentSession(StrataError):
     """An agent called with a session the coordinator does not hold (e.g. after a restart)."""
 
@@ -60,7 +65,9 @@ class UnknownAgentSession(StrataError):
 class DuplicateAgent(StrataError):
     """Another live agent already holds this name (two agents on one host without --name)."""
 
-    def __init__(self, name: str, host: str, pid: int):
-        super().__init__(f"worker name {name!r} is in use by a live agent on {host} (pid {pid}); "
-                         "give each agent its own --name")
+    def __init__(self, name: str, host: str = "", pid: int = 0):
+        # which host and process hold it is not said: that is what a registration must match
+        # to be taken for the same agent
+        super().__init__(f"worker name {name[:64]!r} is in use by a live agent; give each "
+                         "agent its own --name")
         self.name = name

@@ -161,6 +161,28 @@ def test_hostile_agent_calls_are_refused_not_crashing(coord):
         with pytest.raises(grpc.RpcError) as e:
             stub.ReportTask(pb.ReportTaskRequest(name="ghost", session="x"), timeout=5)
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        # advertised names, hosts and ports are checked; refusals quote them bounded
+        for bad in (dict(name="x" * (1 << 20)), dict(host=";rm -rf /"), dict(free_ports=[-1]),
+                    dict(free_ports=[70000]), dict(device="TPU:0"), dict(host="")):
+            req = {"name": "hostile", "host": "127.0.0.1", "budget_bytes": 1 << 30, **bad}
+            with pytest.raises(grpc.RpcError) as e:
+                stub.RegisterAgent(pb.RegisterAgentRequest(**req), timeout=5)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, bad
+            assert len(e.value.details()) < 300
+        # a report of a task the agent was never given is refused, not applied
+        ok = stub.RegisterAgent(pb.RegisterAgentRequest(name="honest", host="127.0.0.1",
+                                                        budget_bytes=1 << 30, pid=4242),
+                                timeout=5)
+        with pytest.raises(grpc.RpcError) as e:
+            stub.ReportTask(pb.ReportTaskRequest(name="honest", session=ok.session, status=(
+                pb.TaskStatus(job_id="victim-123456", role="worker", index=0))), timeout=5)
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        # a live agent's name is refused without saying which host or process holds it
+        with pytest.raises(grpc.RpcError) as e:
+            stub.RegisterAgent(pb.RegisterAgentRequest(name="honest", host="127.0.0.1",
+                                                       budget_bytes=1 << 30, pid=1), timeout=5)
+        assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        assert "4242" not in e.value.details() and "127.0.0.1" not in e.value.details()
     r = strata("jobs", "--coordinator", coord.address)
     assert r.returncode == 0
 
