@@ -13,7 +13,13 @@ class SpecError(StrataError, ValueError):
     data, never parsed back out of the message. A ValueError too, for the pure planners and
     estimators whose callers treat bad arguments as such."""
 
+    #: a message never echoes unbounded input: what a user sent is cut to this
+    MAX_MESSAGE_CHARS = 1000
+
     def __init__(self, field: str, message: str):
+        field = field[:200]
+        if len(message) > self.MAX_MESSAGE_CHARS:
+            message = message[:self.MAX_MESSAGE_CHARS] + "... (cut)"
         super().__init__(f"{field}: {message}")
         self.field = field
         self.message = message

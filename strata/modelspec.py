@@ -296,7 +296,9 @@ def parse_keras_json(text: Any) -> dict:
         try:
             obj = json.loads(text)
         except ValueError as e:
-            raise ModelSpecError(_KJ, f"is not valid JSON: {e}") from None
+            raise ModelSpecError(_KJ, f"is not valid JSON: {str(e)[:200]}") from None
+        except RecursionError:
+            raise ModelSpecError(_KJ, "is nested too deeply to be a Keras model") from None
     if not isinstance(obj, dict) or "class_name" not in obj or "config" not in obj:
         raise ModelSpecError(_KJ, "is not a serialized Keras model (expected an object with "
                                   "class_name and config, as keras.Model.to_json() writes)")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 from typing import Any, Mapping
 
@@ -666,14 +667,44 @@ def load_spec_file(path: str) -> dict[str, Any]:
     import yaml
 
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        if os.path.getsize(path) > MAX_SPEC_FILE_BYTES:
+            raise SpecError("JOB", f"{path} is larger than {MAX_SPEC_FILE_BYTES >> 20} MiB: not "
+                                   "a job file (a large model goes in model.keras_file)")
+        with open(path, "rb") as fb:
+            raw = fb.read()
     except OSError as e:
         raise SpecError("JOB", f"cannot read {path}: {e.strerror}") from None
     try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise SpecError("JOB", f"{path} line {line}: not UTF-8 text (byte "
+                               f"0x{raw[e.start]:02x})") from None
+    try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise SpecError("JOB", f"{path} is not valid YAML or JSON: {e}") from None
+        raise SpecError("JOB", f"{path} is not valid YAML or JSON: {str(e)[:300]}") from None
+    except RecursionError:
+        raise SpecError("JOB", f"{path} is nested too deeply to be a job file") from None
+    except ValueError as e:  # e.g. an integer of thousands of digits
+        raise SpecError("JOB", f"{path}: {str(e)[:200]}") from None
     if not isinstance(data, dict):
         raise SpecError("JOB", f"{path} must hold a mapping of job fields")
+    depth = _depth(data)
+    if depth > MAX_SPEC_DEPTH:
+        raise SpecError("JOB", f"{path} is nested {depth} levels deep; a job file needs at most "
+                               f"{MAX_SPEC_DEPTH}")
     return data
+
+
+#: a job file is a few KiB (a keras_json model a few hundred); gRPC takes at most 16 MiB
+MAX_SPEC_FILE_BYTES = 16 << 20
+MAX_SPEC_DEPTH = 32
+
+
+def _depth(value: Any, level: int = 1) -> int:
+    """How deeply mappings and lists nest in ``value`` (stops counting past the limit)."""
+    if level > MAX_SPEC_DEPTH or not isinstance(value, (dict, list)):
+        return level
+    items = value.values() if isinstance(value, dict) else value
+    return max((_depth(v, level + 1) for v in items), default=level)

@@ -170,3 +170,25 @@ def test_code_section_rules():
         with pytest.raises(SpecError) as e:
             parse_job_spec(raw)
         assert e.value.field == field, (raw, e.value)
+
+
+@pytest.mark.parametrize("content,needle", [
+    (b"name: " + b"[" * 5000 + b"]" * 5000 + b"\n", "nested too deeply"),
+    (b"name: x\nworkers: 1\ndata: \xff\xfe\n", "line 3: not UTF-8"),
+    (b"name: x\nworkers: " + b"9" * 5000 + b"\n", "digits"),
+    (b"name: x\nmodel: " + b"{a: " * 40 + b"1" + b"}" * 40 + b"\n", "levels deep"),
+])
+def test_hostile_job_files_name_the_problem_without_a_traceback(tmp_path, content, needle):
+    from strata.spec import load_spec_file
+
+    path = tmp_path / "job.yaml"
+    path.write_bytes(content)
+    with pytest.raises(SpecError, match=needle) as e:
+        load_spec_file(str(path))
+    assert e.value.field == "JOB"
+
+
+def test_a_refusal_never_echoes_unbounded_input():
+    with pytest.raises(SpecError) as e:
+        parse_job_spec({"name": "a" * (5 << 20)})
+    assert len(str(e.value)) < 1200
