@@ -282,6 +282,18 @@ class Coordinator:
                 for w in self.agents.values() if not w.lost and not w.record.draining
                 and (w.record.shared_dir or not shared)]
 
+    def offers_for(self, spec: JobSpec, free: bool) -> list[WorkerOffer]:
+        """``worker_offers`` for this job: only workers with a shared directory when it
+        checkpoints."""
+        return self.worker_offers(free, bool(spec.checkpoint_every_steps))
+
+    def _prepared(self, spec: JobSpec | Mapping[str, Any] | PreparedJob,
+                  free: bool) -> PreparedJob:
+        if isinstance(spec, PreparedJob):
+            return spec
+        parsed = spec if isinstance(spec, JobSpec) else parse_job_spec(spec)
+        return prepare(parsed, self.offers_for(parsed, free), self.measured)
+
     def _check_shared(self, spec: JobSpec) -> None:
         """A job that checkpoints needs agents with ``--shared-dir``: refused when agents are
         registered and none has one (with none registered yet it waits for them)."""
@@ -310,12 +322,7 @@ class Coordinator:
         done = self.job_for_request(request_id, owner)
         if done is not None:
             return done
-        if isinstance(spec, PreparedJob):
-            prepared = spec
-        else:
-            parsed = spec if isinstance(spec, JobSpec) else parse_job_spec(spec)
-            prepared = prepare(parsed, self.worker_offers(
-                False, bool(parsed.checkpoint_every_steps)), self.measured)
+        prepared = self._prepared(spec, free=False)
         spec, plan = prepared.spec, prepared.plan
         self._check_shared(spec)
         if not plan.feasible:
@@ -420,12 +427,7 @@ class Coordinator:
 
     def plan(self, spec: JobSpec | Mapping[str, Any] | PreparedJob) -> Plan:
         """What the coordinator would run now, on the free budgets of the connected workers."""
-        if isinstance(spec, PreparedJob):
-            prepared = spec
-        else:
-            parsed = spec if isinstance(spec, JobSpec) else parse_job_spec(spec)
-            prepared = prepare(parsed, self.worker_offers(
-                True, bool(parsed.checkpoint_every_steps)), self.measured)
+        prepared = self._prepared(spec, free=True)
         spec, plan = prepared.spec, prepared.plan
         shared = bool(spec.checkpoint_every_steps)
         placement = place([TaskDemand(t.role, t.index, t.memory_budget_bytes) for t in plan.tasks],
@@ -620,21 +622,16 @@ class Coordinator:
             self.store.put_job(job)
         # (a restarting job's reports are its old attempt's: resumes come after it is placed)
         resuming = lead and job.state in (JobState.SCHEDULED, JobState.RUNNING)
-        if resuming and r.resumed_step and job.recovery.step_at_failure:
+        if resuming and job.recovery.step_at_failure and (r.resumed_step or r.step):
+            # the lead resumed from a checkpoint, or started afresh without one (its first
+            # progress carries no resumed step): what it trains again is counted once
             repeated = max(0, job.recovery.step_at_failure - r.resumed_step)
             job.steps_repeated += repeated
             job.recovery.step_at_failure = 0
             self.store.put_job(job)
-            self._event(job, "message", f"resumed from the checkpoint at step {r.resumed_step}; "
-                                        f"{repeated} step(s) trained again")
-        elif resuming and r.step and job.recovery.step_at_failure and job.restarts \
-                and not r.resumed_step:
-            # the lead started afresh (no checkpoint): everything before is trained again
-            job.steps_repeated += job.recovery.step_at_failure
-            self._event(job, "message", f"no checkpoint to resume from: "
-                                        f"{job.recovery.step_at_failure} step(s) trained again")
-            job.recovery.step_at_failure = 0
-            self.store.put_job(job)
+            self._event(job, "message", (f"resumed from the checkpoint at step {r.resumed_step}"
+                                         if r.resumed_step else "no checkpoint to resume from")
+                        + f"; {repeated} step(s) trained again")
         if lead and r.step:
             m = job.metrics
             m.step, m.total_steps, m.loss = r.step, r.total_steps, r.loss

@@ -238,7 +238,7 @@ class JobServicer(pb_grpc.JobServiceServicer):
             return convert.job_to_proto(done, with_spec=False)
         spec = convert.spec_from_proto(await asyncio.to_thread(self._stored_files, request.spec))
         # Planning profiles the model and may run the stage planner: kept off the event loop.
-        offers = self.coord.worker_offers(False, bool(spec.checkpoint_every_steps))
+        offers = self.coord.offers_for(spec, free=False)
         prepared = await asyncio.to_thread(prepare, spec, offers, dict(self.coord.measured))
         return convert.job_to_proto(self.coord.submit(prepared, request_id, owner=owner),
                                     with_spec=False)
@@ -284,7 +284,7 @@ class JobServicer(pb_grpc.JobServiceServicer):
     @rpc
     async def PlanJob(self, request: pb.PlanJobRequest, context: Any) -> pb.Plan:
         spec = convert.spec_from_proto(await asyncio.to_thread(self._stored_files, request.spec))
-        offers = self.coord.worker_offers(True, bool(spec.checkpoint_every_steps))
+        offers = self.coord.offers_for(spec, free=True)
         prepared = await asyncio.to_thread(prepare, spec, offers, dict(self.coord.measured))
         return convert.plan_to_proto(self.coord.plan(prepared))
 

@@ -63,6 +63,38 @@ def wait_until(predicate, timeout: float, interval: float = 0.1, what: str = "co
         time.sleep(interval)
 
 
+class Clock:
+    """A manual clock for the coordinator's logic driven tick by tick."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.fixture
+def env(tmp_path):
+    """A coordinator on a real SQLite store with a manual clock (no processes):
+    ``(coordinator, clock, store, tmp_path)``."""
+    from strata.coordinator.core import Coordinator
+    from strata.coordinator.store import SqliteStore
+
+    clock = Clock()
+    store = SqliteStore(str(tmp_path / "s.db"))
+    coord = Coordinator(store, str(tmp_path), heartbeat_timeout_s=10, clock=clock)
+    return coord, clock, store, tmp_path
+
+
+def queued(coord, name):
+    """The commands queued for agent ``name``, taken off its queue."""
+    q = coord.workers[name].queue
+    out = []
+    while not q.empty():
+        out.append(q.get_nowait())
+    return out
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """One coordinator and two 1 GiB agents, shared by the tests of a module."""

@@ -6,40 +6,17 @@ import os
 import pytest
 
 from strata.coordinator.core import Coordinator, StartTaskCommand, StopTaskCommand
-from strata.coordinator.store import SqliteStore
 from strata.spec import load_spec_file
 from strata.errors import InfeasibleError, InvalidTransition, NotFoundError, UnknownAgentSession
 from strata.types import FailureKind, JobState, MemoryStatus, TaskReport, TaskState
+
+from conftest import queued as drain
 
 GiB = 1 << 30
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPEC = {"name": "t", "workers": 2,
         "model": {"builtin": {"kind": "mlp", "input_shape": [64], "hidden": [64], "classes": 10}},
         "data": {"source": "digits", "batch_size": 64}, "training": {"steps": 10}}
-
-
-class Clock:
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self):
-        return self.now
-
-
-@pytest.fixture
-def env(tmp_path):
-    clock = Clock()
-    store = SqliteStore(str(tmp_path / "s.db"))
-    coord = Coordinator(store, str(tmp_path), heartbeat_timeout_s=10, clock=clock)
-    return coord, clock, store, tmp_path
-
-
-def drain(coord, name):
-    q = coord.workers[name].queue
-    out = []
-    while not q.empty():
-        out.append(q.get_nowait())
-    return out
 
 
 def register(coord, name, budget=GiB):

@@ -4,9 +4,10 @@ the coordinator driven tick by tick with a manual clock (no processes)."""
 import pytest
 
 from strata.coordinator.core import Coordinator, StartTaskCommand, StopTaskCommand
-from strata.coordinator.store import SqliteStore
 from strata.errors import InfeasibleError
 from strata.types import FailureKind, JobState, TaskReport, TaskState
+
+from conftest import queued as commands
 
 GiB = 1 << 30
 SPEC = {"name": "ft", "workers": 2,
@@ -14,30 +15,6 @@ SPEC = {"name": "ft", "workers": 2,
         "data": {"source": "digits", "batch_size": 64}, "training": {"steps": 100},
         "checkpoint": {"every_steps": 10, "keep": 2},
         "restart": {"max_restarts": 2, "backoff_s": 3}}
-
-
-class Clock:
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self):
-        return self.now
-
-
-@pytest.fixture
-def env(tmp_path):
-    clock = Clock()
-    store = SqliteStore(str(tmp_path / "s.db"))
-    coord = Coordinator(store, str(tmp_path), heartbeat_timeout_s=10, clock=clock)
-    return coord, clock, store, tmp_path
-
-
-def commands(coord, name):
-    q = coord.workers[name].queue
-    out = []
-    while not q.empty():
-        out.append(q.get_nowait())
-    return out
 
 
 def register(coord, name, shared="/shared", reports=(), pid=0):
