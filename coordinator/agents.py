@@ -15,11 +15,35 @@ import secrets
 from typing import AsyncIterator, Iterable, Mapping
 
 from strata.coordinator.placement import Capacity
+from strata.dataroots import under_roots
 from strata.coordinator.store import WorkerRecord
 from strata.errors import DuplicateAgent, UnknownAgentSession
 from strata.memory import format_size
 from strata.taskconfig import TaskConfig
+from strata.spec import JobSpec
 from strata.types import Job, JobState, MemoryStatus, Task, TaskReport, TaskState
+
+
+@dataclasses.dataclass(frozen=True)
+class Needs:
+    """What a job needs of an agent besides memory: a shared directory when it checkpoints,
+    and data roots that hold its data files (``strata.dataroots``; checked lexically)."""
+
+    shared: bool = False
+    paths: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, spec: JobSpec) -> Needs:
+        return cls(shared=bool(spec.checkpoint_every_steps),
+                   paths=tuple(p for p in (spec.data.path, spec.data.test_path) if p))
+
+    def met_by(self, rec: WorkerRecord) -> bool:
+        if self.shared and not rec.shared_dir:
+            return False
+        return all(under_roots(p, rec.data_roots) for p in self.paths)
+
+
+NO_NEEDS = Needs()
 
 log = logging.getLogger("strata.coordinator")
 
@@ -149,14 +173,13 @@ class Agents:
                 return
             yield cmd
 
-    def capacities(self, reserved: Mapping[str, int], shared: bool = False) -> list[Capacity]:
-        """The agents that can take tasks now; ``shared``: only those with a shared directory
-        (for a job that checkpoints)."""
+    def capacities(self, reserved: Mapping[str, int], needs: Needs = NO_NEEDS) -> list[Capacity]:
+        """The agents that can take tasks now, of those that meet a job's ``needs``."""
         return [Capacity(name=w.name, budget_bytes=w.record.budget_bytes,
                          free_bytes=w.record.budget_bytes - reserved.get(w.name, 0),
                          free_ports=len(w.free_ports))
                 for w in self.workers.values() if w.connected and not w.record.draining
-                and (w.record.shared_dir or not shared)]
+                and needs.met_by(w.record)]
 
     def close(self) -> None:
         for w in self.workers.values():

@@ -23,13 +23,17 @@ from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 
 from strata import strategies
 from strata.coordinator.agents import (
-    AgentCommand, Agents, LiveWorker, StartTaskCommand, StopTaskCommand, reconcile,
+    AgentCommand, Agents, LiveWorker, Needs, NO_NEEDS, StartTaskCommand, StopTaskCommand, reconcile,
 )
 from strata.coordinator.blobs import DEFAULT_MAX_UPLOAD_BYTES, BlobStore
 from strata.coordinator.logs import JobLogs
 from strata.coordinator.placement import Capacity, TaskDemand, place
 from strata.coordinator.store import Store, WorkerRecord
-from strata.errors import InfeasibleError, InvalidTransition, NotFoundError, NotYours, SpecError
+from strata.errors import (
+    InfeasibleError, InvalidTransition, NotFoundError, NotYours, QuotaExceeded, SpecError,
+)
+from strata.dataroots import outside_message, under_roots
+from strata.limits import DEFAULT_MAX_PENDING_PER_USER, DEFAULT_MAX_TASKS_PER_JOB
 from strata.measured import apply_measured, measured_kinds, task_kind
 from strata.memory import format_size, uncalibrated_kinds
 from strata.oom import describe as describe_oom
@@ -161,8 +165,14 @@ class Coordinator:
     def __init__(self, store: Store, state_dir: str, *, heartbeat_timeout_s: float = 10.0,
                  heartbeat_interval_s: float = 1.0, tick_interval_s: float = 0.5,
                  start_timeout_s: float = 300.0, clock: Callable[[], float] = time.time,
-                 max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES, allow_user_code: bool = False):
+                 max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES, allow_user_code: bool = False,
+                 max_pending_per_user: int = DEFAULT_MAX_PENDING_PER_USER,
+                 max_tasks_per_job: int = DEFAULT_MAX_TASKS_PER_JOB):
         self.store = store
+        #: one tenant cannot fill the queue or the cluster: ``--max-pending-per-user``,
+        #: ``--max-tasks-per-job`` (with authentication off every job has the owner "")
+        self.max_pending_per_user = max_pending_per_user
+        self.max_tasks_per_job = max_tasks_per_job
         #: jobs may run their own Python (``code:``) on the agents: ``--allow-user-code``
         self.allow_user_code = allow_user_code
         self.state_dir = state_dir
@@ -272,20 +282,19 @@ class Coordinator:
 
     # --- job API ------------------------------------------------------------------------------
 
-    def worker_offers(self, free: bool, shared: bool = False) -> list[WorkerOffer]:
+    def worker_offers(self, free: bool, needs: Needs = NO_NEEDS) -> list[WorkerOffer]:
         """The connected workers as the job planner sees them: whole budgets (admission: could
         the job ever run here) or free budgets (``strata plan``: where would it run now);
-        ``shared``: only those with a shared directory (a job that checkpoints)."""
+        only those that meet a job's ``needs`` (a shared directory, data roots)."""
         if free:
-            return [WorkerOffer(c.name, c.free_bytes) for c in self._capacities(shared)]
+            return [WorkerOffer(c.name, c.free_bytes) for c in self._capacities(needs)]
         return [WorkerOffer(w.name, w.record.budget_bytes)
                 for w in self.agents.values() if not w.lost and not w.record.draining
-                and (w.record.shared_dir or not shared)]
+                and needs.met_by(w.record)]
 
     def offers_for(self, spec: JobSpec, free: bool) -> list[WorkerOffer]:
-        """``worker_offers`` for this job: only workers with a shared directory when it
-        checkpoints."""
-        return self.worker_offers(free, bool(spec.checkpoint_every_steps))
+        """``worker_offers`` for this job (``Needs.of``)."""
+        return self.worker_offers(free, Needs.of(spec))
 
     def _prepared(self, spec: JobSpec | Mapping[str, Any] | PreparedJob,
                   free: bool) -> PreparedJob:
@@ -294,12 +303,19 @@ class Coordinator:
         parsed = spec if isinstance(spec, JobSpec) else parse_job_spec(spec)
         return prepare(parsed, self.offers_for(parsed, free), self.measured)
 
-    def _check_shared(self, spec: JobSpec) -> None:
-        """A job that checkpoints needs agents with ``--shared-dir``: refused when agents are
-        registered and none has one (with none registered yet it waits for them)."""
+    def _check_needs(self, spec: JobSpec) -> None:
+        """A job whose data path no registered agent's ``--data-root`` holds is refused, and
+        so is a job that checkpoints when agents are registered and none has a
+        ``--shared-dir`` (with none registered yet it waits for them)."""
+        known = [w for w in self.agents.values() if not w.lost]
+        for field, path in (("data.path", spec.data.path), ("data.test_path", spec.data.test_path)):
+            roots = [w.record.data_roots for w in known]
+            if path and roots and not any(under_roots(path, r) for r in roots):
+                confined = sorted({r for rs in roots for r in rs})
+                raise SpecError(field, outside_message(confined).replace(
+                    "the worker's", "any worker's"))
         if not spec.checkpoint_every_steps:
             return
-        known = [w for w in self.agents.values() if not w.lost]
         if known and not any(w.record.shared_dir for w in known):
             raise InfeasibleError(
                 f"job {spec.name!r} asks for checkpoints (checkpoint.every_steps "
@@ -315,6 +331,20 @@ class Coordinator:
         job = self.jobs.get(job_id) if job_id else None
         return job if job is not None and job.owner == owner else None
 
+    def _check_limits(self, spec: JobSpec, tasks: int, owner: str) -> None:
+        if tasks > self.max_tasks_per_job:
+            field = "workers" if spec.workers > 1 else "stages"
+            raise SpecError(field, f"the job would run {tasks} tasks; this coordinator allows at "
+                                   f"most {self.max_tasks_per_job} per job "
+                                   f"(--max-tasks-per-job)")
+        pending = sum(1 for j in self.jobs.values()
+                      if j.owner == owner and j.state == JobState.PENDING)
+        if pending >= self.max_pending_per_user:
+            who = f"{owner} has" if owner else "there are"
+            raise QuotaExceeded(f"{who} {pending} jobs pending, the most this coordinator "
+                                f"queues per user (--max-pending-per-user); wait for some to "
+                                f"start or cancel some")
+
     def submit(self, spec: JobSpec | Mapping[str, Any] | PreparedJob,
                request_id: str = "", owner: str = "") -> Job:
         """Accepts a job. ``request_id``: the client's id of this submission; a retry with the
@@ -324,7 +354,8 @@ class Coordinator:
             return done
         prepared = self._prepared(spec, free=False)
         spec, plan = prepared.spec, prepared.plan
-        self._check_shared(spec)
+        self._check_limits(spec, len(plan.tasks), owner)
+        self._check_needs(spec)
         if not plan.feasible:
             budgets = [w.record.budget_bytes for w in self.agents.values() if not w.lost]
             raise InfeasibleError(f"job {spec.name!r} cannot run on this cluster: {plan.reason}",
@@ -429,9 +460,8 @@ class Coordinator:
         """What the coordinator would run now, on the free budgets of the connected workers."""
         prepared = self._prepared(spec, free=True)
         spec, plan = prepared.spec, prepared.plan
-        shared = bool(spec.checkpoint_every_steps)
         placement = place([TaskDemand(t.role, t.index, t.memory_budget_bytes) for t in plan.tasks],
-                          self._capacities(shared)) if plan.feasible else None
+                          self._capacities(Needs.of(spec))) if plan.feasible else None
         assigned = placement.assignments if placement is not None else {}
         tasks = [dataclasses.replace(t, worker=assigned.get((t.role, t.index), "")
                                      if assigned else t.worker) for t in plan.tasks]
@@ -491,10 +521,12 @@ class Coordinator:
 
     def register(self, name: str, host: str, device: str, budget_bytes: int, free_ports: list[int],
                  reports: list[TaskReport], work_dir: str = "", pid: int = 0,
-                 shared_dir: str = "", draining: bool = False) -> str:
+                 shared_dir: str = "", draining: bool = False,
+                 data_roots: list[str] | None = None) -> str:
         now = self.clock()
         rec = WorkerRecord(name=name, address=host, device=device, budget_bytes=budget_bytes,
-                           work_dir=work_dir, last_seen=now, shared_dir=shared_dir)
+                           work_dir=work_dir, last_seen=now, shared_dir=shared_dir,
+                           data_roots=list(data_roots or []))
         live = self.agents.register(rec, pid, free_ports, now, self.heartbeat_timeout_s)
         live.record.draining = live.record.draining or draining
         self.store.put_worker(live.record)
@@ -774,8 +806,7 @@ class Coordinator:
         placed like a pending job. A plan that no longer fits fails the job with the reason."""
         assert job.spec is not None
         rec = job.recovery
-        shared = bool(job.spec.checkpoint_every_steps)
-        offers = self.worker_offers(False, shared)
+        offers = self.worker_offers(False, Needs.of(job.spec))
         strategy = strategies.get(job.strategy)
         wanted = dataclasses.replace(job.spec, workers=rec.requested_workers or job.spec.workers)
         spec = strategy.narrow(wanted, len(offers)) if offers else wanted
@@ -853,8 +884,8 @@ class Coordinator:
                     out[t.worker] = out.get(t.worker, 0) + t.memory_budget_bytes
         return out
 
-    def _capacities(self, shared: bool = False) -> list[Capacity]:
-        return self.agents.capacities(self._reserved(), shared)
+    def _capacities(self, needs: Needs = NO_NEEDS) -> list[Capacity]:
+        return self.agents.capacities(self._reserved(), needs)
 
     def tick(self) -> None:
         """One step of the control loop: detect lost agents, then schedule pending jobs."""
@@ -958,7 +989,7 @@ class Coordinator:
     def _try_schedule(self, job: Job) -> None:
         demands = [TaskDemand(t.role, t.index, t.memory_budget_bytes) for t in job.tasks]
         assert job.spec is not None
-        placement = place(demands, self._capacities(bool(job.spec.checkpoint_every_steps)))
+        placement = place(demands, self._capacities(Needs.of(job.spec)))
         if not placement.assignments:
             if job.message != placement.reason:
                 job.message = placement.reason
@@ -1039,5 +1070,6 @@ class Coordinator:
                                     reserved_bytes=reserved.get(w.name, 0),
                                     in_use_bytes=w.memory.in_use_bytes,
                                     peak_bytes=w.memory.peak_bytes),
-                tasks=tasks, last_seen=w.last_seen, shared_dir=w.record.shared_dir))
+                tasks=tasks, last_seen=w.last_seen, shared_dir=w.record.shared_dir,
+                data_roots=list(w.record.data_roots)))
         return out

@@ -7,10 +7,13 @@ The server also serves grpc.health.v1.Health and server reflection so that stock
 from __future__ import annotations
 
 import asyncio
+import base64
+import bisect
 import contextlib
 import contextvars
 import functools
 import inspect
+import json
 import logging
 import os
 import re
@@ -18,22 +21,26 @@ import signal
 from typing import IO, Any, AsyncIterator, Callable, Iterable, NoReturn, TypeVar
 
 import grpc
+from google.protobuf.message import Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from strata.auth import CLUSTER, Auth, AuthFileError, Caller, Denied
+from strata.coordinator.bounds import Undecodable, check_request
 from strata.coordinator.core import Coordinator, prepare
+from strata.dataroots import check_roots
+from strata.limits import DEFAULT_MAX_PENDING_PER_USER, DEFAULT_MAX_TASKS_PER_JOB
 from strata.coordinator.store import SqliteStore
 from strata.protos import strata_pb2 as pb
 from strata.protos import strata_pb2_grpc as pb_grpc
 from strata import convert
 from strata.errors import (
-    DuplicateAgent, InfeasibleError, InvalidTransition, NotFoundError, NotYours, SpecError,
-    StrataError,
+    DuplicateAgent, InfeasibleError, InvalidTransition, NotFoundError, NotYours, QuotaExceeded,
+    SpecError, StrataError,
     UnknownAgentSession, UploadError, UserCodeRefused,
 )
 from strata.coordinator.blobs import DEFAULT_MAX_UPLOAD_BYTES, MAX_OUTPUT_FILE_BYTES, check_sha
-from strata.types import TaskReport
+from strata.types import JobState, TaskReport, WorkerState
 
 log = logging.getLogger("strata.coordinator")
 
@@ -65,6 +72,7 @@ STATUS_CODES: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (DuplicateAgent, grpc.StatusCode.ALREADY_EXISTS),
     (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
     (NotYours, grpc.StatusCode.PERMISSION_DENIED),
+    (QuotaExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (StrataError, grpc.StatusCode.INTERNAL),
 )
 
@@ -116,16 +124,45 @@ def owned(job_owner: str) -> None:
         raise PermissionDenied(f"{caller.name} ({caller.role}) does not own this job")
 
 
+def _checked(self: Any, name: str, request: Any) -> Any:
+    """The request, once it decoded and every field is within its bounds
+    (``coordinator.bounds``); a client-streaming request is checked message by message, and
+    an agent's token is checked against the agent name of each."""
+    if isinstance(request, Undecodable):
+        raise MalformedRequest(f"{name}: the request ({request.size} bytes) does not decode "
+                               f"as a {request.message} message")
+    if isinstance(request, Message):
+        check_request(request)
+        return request
+
+    async def messages() -> AsyncIterator[Any]:
+        auth: Auth | None = getattr(self, "auth", None)
+        async for msg in request:
+            if isinstance(msg, Undecodable):
+                raise MalformedRequest(f"{name}: a message of the stream ({msg.size} bytes) "
+                                       "does not decode")
+            check_request(msg)
+            agent = getattr(msg, "name", None)
+            if auth is not None and name in CLUSTER and isinstance(agent, str):
+                try:
+                    auth.check(CALLER.get(), name, agent)
+                except Denied as e:
+                    raise PermissionDenied(e.message) from None
+            yield msg
+    return messages()
+
+
 def rpc(method: F) -> F:
-    """Applies the token check and the error table to a handler: unary (a coroutine) or
-    server streaming (an async generator). ``context.abort``'s own exception (and
-    cancellation, a BaseException) passes through untouched."""
+    """Applies the token check, the request's bounds and the error table to a handler: unary
+    (a coroutine) or server streaming (an async generator). ``context.abort``'s own exception
+    (and cancellation, a BaseException) passes through untouched."""
     name = method.__name__
     if inspect.isasyncgenfunction(method):
         @functools.wraps(method)
         async def stream(self: Any, request: Any, context: Any) -> AsyncIterator[Any]:
             await _authorize(self, name, request, context)
             try:
+                request = _checked(self, name, request)
                 async for item in method(self, request, context):
                     yield item
             except grpc.aio.AbortError:
@@ -138,12 +175,59 @@ def rpc(method: F) -> F:
     async def unary(self: Any, request: Any, context: Any) -> Any:
         await _authorize(self, name, request, context)
         try:
+            request = _checked(self, name, request)
             return await method(self, request, context)
         except grpc.aio.AbortError:
             raise
         except Exception as e:  # noqa: BLE001 - mapped to a status code
             await _abort(context, e)
     return unary  # type: ignore[return-value]
+
+
+DEFAULT_PAGE_SIZE = 100
+MAX_PAGE_SIZE = 1000
+T = TypeVar("T")
+
+
+def page(items: list[T], key: Callable[[T], tuple[Any, ...]], size: int,
+         token: str) -> tuple[list[T], str]:
+    """One page of ``items`` (sorted by ``key``) after the one ``token`` ended, and the token
+    of the next page ("" after the last). A token is the key of the last item it returned, so
+    pages stay right while items come and go between calls."""
+    if not 0 <= size <= MAX_PAGE_SIZE:
+        raise SpecError("page_size", f"must be 0-{MAX_PAGE_SIZE} (0: {DEFAULT_PAGE_SIZE}), "
+                                     f"got {size}")
+    size = size or DEFAULT_PAGE_SIZE
+    start = 0
+    if token:
+        after = _decode_token(token, key(items[0]) if items else None)
+        if after is not None:
+            start = bisect.bisect_right([key(i) for i in items], after)
+    chosen = items[start:start + size]
+    more = start + size < len(items)
+    return chosen, _encode_token(key(chosen[-1])) if more and chosen else ""
+
+
+def _encode_token(key: tuple[Any, ...]) -> str:
+    return base64.urlsafe_b64encode(json.dumps(list(key)).encode()).decode()
+
+
+def _decode_token(token: str, like: tuple[Any, ...] | None) -> tuple[Any, ...] | None:
+    bad = SpecError("page_token", "is not a token this coordinator gave (send back "
+                                  "next_page_token as it came)")
+    if len(token) > 1024:
+        raise bad
+    try:
+        key = json.loads(base64.urlsafe_b64decode(token.encode("ascii")))
+    except (ValueError, UnicodeError):
+        raise bad from None
+    if not isinstance(key, list) or not key or not all(isinstance(k, (str, int, float))
+                                                      and not isinstance(k, bool) for k in key):
+        raise bad
+    if like is not None and (len(key) != len(like) or any(
+            isinstance(a, str) != isinstance(b, str) for a, b in zip(key, like))):
+        raise bad
+    return tuple(key)
 
 
 AGENT_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -189,6 +273,10 @@ def check_agent(request: pb.RegisterAgentRequest) -> None:
             raise MalformedRequest(f"{field}: not a path")
     if len(request.tasks) > 10_000:
         raise MalformedRequest("tasks: too many")
+    try:
+        check_roots(request.data_roots)
+    except ValueError as e:
+        raise MalformedRequest(f"data_roots: {e}") from None
 
 
 def _reports(statuses: Iterable[pb.TaskStatus]) -> list[TaskReport]:
@@ -253,9 +341,13 @@ class JobServicer(pb_grpc.JobServiceServicer):
 
     @rpc
     async def ListJobs(self, request: pb.ListJobsRequest, context: Any) -> pb.ListJobsResponse:
+        states = {JobState(pb.JobState.Name(s)) for s in request.states}
+        jobs = [j for j in self.coord.list_jobs() if not states or j.state in states]
+        chosen, token = page(jobs, lambda j: (j.created_at, j.id), request.page_size,
+                             request.page_token)
         # Without specs: a list of jobs with large keras_json models would outgrow any message.
         return pb.ListJobsResponse(jobs=[convert.job_to_proto(j, with_spec=False)
-                                         for j in self.coord.list_jobs()])
+                                         for j in chosen], next_page_token=token)
 
     @rpc
     async def CancelJob(self, request: pb.CancelJobRequest, context: Any) -> pb.Job:
@@ -290,8 +382,11 @@ class JobServicer(pb_grpc.JobServiceServicer):
 
     @rpc
     async def ListWorkers(self, request: pb.ListWorkersRequest, context: Any) -> pb.ListWorkersResponse:
-        return pb.ListWorkersResponse(
-            workers=[convert.worker_to_proto(w) for w in self.coord.list_workers()])
+        states = {WorkerState(pb.WorkerState.Name(s)) for s in request.states}
+        workers = [w for w in self.coord.list_workers() if not states or w.state in states]
+        chosen, token = page(workers, lambda w: (w.name,), request.page_size, request.page_token)
+        return pb.ListWorkersResponse(workers=[convert.worker_to_proto(w) for w in chosen],
+                                      next_page_token=token)
 
     @rpc
     async def UploadBlob(self, request_iterator: AsyncIterator[pb.FileChunk],
@@ -327,7 +422,8 @@ class ClusterServicer(pb_grpc.ClusterServiceServicer):
         session = self.coord.register(
             request.name, request.host, request.device or "CPU", request.budget_bytes,
             list(request.free_ports), _reports(request.tasks), work_dir=request.work_dir,
-            pid=request.pid, shared_dir=request.shared_dir, draining=request.draining)
+            pid=request.pid, shared_dir=request.shared_dir, draining=request.draining,
+            data_roots=check_roots(request.data_roots))
         return pb.RegisterAgentResponse(session=session,
                                         heartbeat_interval_s=self.coord.heartbeat_interval_s)
 
@@ -397,12 +493,36 @@ class ClusterServicer(pb_grpc.ClusterServiceServicer):
         return pb.UploadOutputResponse(size=size)
 
 
+def add_service(servicer: Any, service: str, server: grpc.aio.Server) -> None:
+    """Registers ``servicer`` as the protocol's ``service``, as the generated
+    ``add_*Servicer_to_server`` does, but with deserializers that hand bytes which do not
+    decode to the handler (``Undecodable``), which refuses them with INVALID_ARGUMENT."""
+    desc = pb.DESCRIPTOR.services_by_name[service]
+    factories = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }
+    handlers = {}
+    for m in desc.methods:
+        factory = factories[(m.client_streaming, m.server_streaming)]
+        handlers[m.name] = factory(
+            getattr(servicer, m.name),
+            request_deserializer=Undecodable.deserializer(getattr(pb, m.input_type.name)),
+            response_serializer=getattr(pb, m.output_type.name).SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(desc.full_name,
+                                                                          handlers),))
+
+
 async def serve(listen: str, state_dir: str, *, heartbeat_timeout_s: float = 10.0,
                 heartbeat_interval_s: float = 1.0, start_timeout_s: float = 300.0,
                 ready: asyncio.Future[str] | None = None, port_file: str | None = None,
                 max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
                 allow_user_code: bool = False, tls_cert: str = "", tls_key: str = "",
-                tls_client_ca: str = "", auth_tokens: str = "") -> None:
+                tls_client_ca: str = "", auth_tokens: str = "",
+                max_pending_per_user: int = DEFAULT_MAX_PENDING_PER_USER,
+                max_tasks_per_job: int = DEFAULT_MAX_TASKS_PER_JOB) -> None:
     """Runs the coordinator until SIGINT/SIGTERM. Prints (and optionally writes) the bound
     address. With ``tls_cert``/``tls_key`` it serves TLS only; with ``tls_client_ca`` clients
     and agents must present a certificate that CA signed (``strata.tls``)."""
@@ -414,15 +534,17 @@ async def serve(listen: str, state_dir: str, *, heartbeat_timeout_s: float = 10.
     store = SqliteStore(os.path.join(state_dir, "strata.db"))
     coord = Coordinator(store, state_dir, heartbeat_timeout_s=heartbeat_timeout_s,
                         heartbeat_interval_s=heartbeat_interval_s, start_timeout_s=start_timeout_s,
-                        max_upload_bytes=max_upload_bytes, allow_user_code=allow_user_code)
+                        max_upload_bytes=max_upload_bytes, allow_user_code=allow_user_code,
+                        max_pending_per_user=max_pending_per_user,
+                        max_tasks_per_job=max_tasks_per_job)
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.so_reuseport", 0),
     ])
     auth = Auth(auth_tokens or None)
-    pb_grpc.add_JobServiceServicer_to_server(JobServicer(coord, auth), server)  # type: ignore[no-untyped-call]
-    pb_grpc.add_ClusterServiceServicer_to_server(ClusterServicer(coord, auth), server)  # type: ignore[no-untyped-call]
+    add_service(JobServicer(coord, auth), "JobService", server)
+    add_service(ClusterServicer(coord, auth), "ClusterService", server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     services = (

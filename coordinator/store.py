@@ -30,6 +30,8 @@ class WorkerRecord:
     draining: bool = False
     shared_dir: str = ""          # --shared-dir as the agent sees it (empty: none)
     pid: int = 0                  # the agent process (a drain lasts while it lives)
+    #: --data-root: jobs' data paths must lie under one (empty: the agent reads anywhere)
+    data_roots: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass

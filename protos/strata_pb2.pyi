@@ -421,7 +421,7 @@ class WorkerTask(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., role: _Optional[str] = ..., index: _Optional[int] = ..., state: _Optional[_Union[TaskState, str]] = ..., memory_budget_bytes: _Optional[int] = ..., in_use_bytes: _Optional[int] = ..., peak_bytes: _Optional[int] = ...) -> None: ...
 
 class Worker(_message.Message):
-    __slots__ = ("name", "address", "state", "device", "memory", "tasks", "last_seen", "shared_dir")
+    __slots__ = ("name", "address", "state", "device", "memory", "tasks", "last_seen", "shared_dir", "data_roots")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -430,6 +430,7 @@ class Worker(_message.Message):
     TASKS_FIELD_NUMBER: _ClassVar[int]
     LAST_SEEN_FIELD_NUMBER: _ClassVar[int]
     SHARED_DIR_FIELD_NUMBER: _ClassVar[int]
+    DATA_ROOTS_FIELD_NUMBER: _ClassVar[int]
     name: str
     address: str
     state: WorkerState
@@ -438,7 +439,8 @@ class Worker(_message.Message):
     tasks: _containers.RepeatedCompositeFieldContainer[WorkerTask]
     last_seen: float
     shared_dir: str
-    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[_Union[WorkerState, str]] = ..., device: _Optional[str] = ..., memory: _Optional[_Union[MemoryStatus, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[WorkerTask, _Mapping]]] = ..., last_seen: _Optional[float] = ..., shared_dir: _Optional[str] = ...) -> None: ...
+    data_roots: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[_Union[WorkerState, str]] = ..., device: _Optional[str] = ..., memory: _Optional[_Union[MemoryStatus, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[WorkerTask, _Mapping]]] = ..., last_seen: _Optional[float] = ..., shared_dir: _Optional[str] = ..., data_roots: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SubmitJobRequest(_message.Message):
     __slots__ = ("spec", "request_id")
@@ -461,14 +463,22 @@ class GetJobRequest(_message.Message):
     def __init__(self, id: _Optional[str] = ...) -> None: ...
 
 class ListJobsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("page_size", "page_token", "states")
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    STATES_FIELD_NUMBER: _ClassVar[int]
+    page_size: int
+    page_token: str
+    states: _containers.RepeatedScalarFieldContainer[JobState]
+    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., states: _Optional[_Iterable[_Union[JobState, str]]] = ...) -> None: ...
 
 class ListJobsResponse(_message.Message):
-    __slots__ = ("jobs",)
+    __slots__ = ("jobs", "next_page_token")
     JOBS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     jobs: _containers.RepeatedCompositeFieldContainer[Job]
-    def __init__(self, jobs: _Optional[_Iterable[_Union[Job, _Mapping]]] = ...) -> None: ...
+    next_page_token: str
+    def __init__(self, jobs: _Optional[_Iterable[_Union[Job, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class CancelJobRequest(_message.Message):
     __slots__ = ("id",)
@@ -541,14 +551,22 @@ class DownloadOutputRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("page_size", "page_token", "states")
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    STATES_FIELD_NUMBER: _ClassVar[int]
+    page_size: int
+    page_token: str
+    states: _containers.RepeatedScalarFieldContainer[WorkerState]
+    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., states: _Optional[_Iterable[_Union[WorkerState, str]]] = ...) -> None: ...
 
 class ListWorkersResponse(_message.Message):
-    __slots__ = ("workers",)
+    __slots__ = ("workers", "next_page_token")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[Worker]
-    def __init__(self, workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ...) -> None: ...
+    next_page_token: str
+    def __init__(self, workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class TaskStatus(_message.Message):
     __slots__ = ("job_id", "role", "index", "state", "failure", "exit_code", "message", "in_use_bytes", "peak_bytes", "step", "total_steps", "loss", "examples_per_sec", "has_result", "test_accuracy", "test_loss", "weights_sha256", "model_path", "first_step_time", "attempt", "replica_weights_sha256", "oom", "checkpoint_step", "resumed_step")
@@ -617,7 +635,7 @@ class OutOfMemory(_message.Message):
     def __init__(self, task: _Optional[str] = ..., allocation_bytes: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., op: _Optional[str] = ...) -> None: ...
 
 class RegisterAgentRequest(_message.Message):
-    __slots__ = ("name", "host", "device", "budget_bytes", "free_ports", "tasks", "work_dir", "pid", "shared_dir", "draining")
+    __slots__ = ("name", "host", "device", "budget_bytes", "free_ports", "tasks", "work_dir", "pid", "shared_dir", "draining", "data_roots")
     NAME_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -628,6 +646,7 @@ class RegisterAgentRequest(_message.Message):
     PID_FIELD_NUMBER: _ClassVar[int]
     SHARED_DIR_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    DATA_ROOTS_FIELD_NUMBER: _ClassVar[int]
     name: str
     host: str
     device: str
@@ -638,7 +657,8 @@ class RegisterAgentRequest(_message.Message):
     pid: int
     shared_dir: str
     draining: bool
-    def __init__(self, name: _Optional[str] = ..., host: _Optional[str] = ..., device: _Optional[str] = ..., budget_bytes: _Optional[int] = ..., free_ports: _Optional[_Iterable[int]] = ..., tasks: _Optional[_Iterable[_Union[TaskStatus, _Mapping]]] = ..., work_dir: _Optional[str] = ..., pid: _Optional[int] = ..., shared_dir: _Optional[str] = ..., draining: _Optional[bool] = ...) -> None: ...
+    data_roots: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., host: _Optional[str] = ..., device: _Optional[str] = ..., budget_bytes: _Optional[int] = ..., free_ports: _Optional[_Iterable[int]] = ..., tasks: _Optional[_Iterable[_Union[TaskStatus, _Mapping]]] = ..., work_dir: _Optional[str] = ..., pid: _Optional[int] = ..., shared_dir: _Optional[str] = ..., draining: _Optional[bool] = ..., data_roots: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RegisterAgentResponse(_message.Message):
     __slots__ = ("session", "heartbeat_interval_s")
@@ -720,18 +740,20 @@ class PipelineConfig(_message.Message):
     def __init__(self, stages: _Optional[int] = ..., replicas: _Optional[int] = ..., microbatches: _Optional[int] = ..., microbatch: _Optional[int] = ..., layout: _Optional[_Iterable[_Union[StageAssignment, _Mapping]]] = ...) -> None: ...
 
 class AgentSettings(_message.Message):
-    __slots__ = ("output_dir", "threads", "device", "blob_dir", "shared_dir")
+    __slots__ = ("output_dir", "threads", "device", "blob_dir", "shared_dir", "data_roots")
     OUTPUT_DIR_FIELD_NUMBER: _ClassVar[int]
     THREADS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     BLOB_DIR_FIELD_NUMBER: _ClassVar[int]
     SHARED_DIR_FIELD_NUMBER: _ClassVar[int]
+    DATA_ROOTS_FIELD_NUMBER: _ClassVar[int]
     output_dir: str
     threads: int
     device: str
     blob_dir: str
     shared_dir: str
-    def __init__(self, output_dir: _Optional[str] = ..., threads: _Optional[int] = ..., device: _Optional[str] = ..., blob_dir: _Optional[str] = ..., shared_dir: _Optional[str] = ...) -> None: ...
+    data_roots: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, output_dir: _Optional[str] = ..., threads: _Optional[int] = ..., device: _Optional[str] = ..., blob_dir: _Optional[str] = ..., shared_dir: _Optional[str] = ..., data_roots: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TaskConfig(_message.Message):
     __slots__ = ("version", "job_id", "role", "index", "spec", "memory_budget_bytes", "report_interval_s", "ps_placement", "stage_layout", "agent", "restart")

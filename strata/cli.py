@@ -18,6 +18,8 @@ import sys
 import time
 from typing import Any, Callable
 
+from strata.limits import DEFAULT_MAX_PENDING_PER_USER, DEFAULT_MAX_TASKS_PER_JOB
+
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNAVAILABLE, EXIT_NOT_FOUND = 0, 1, 2, 3, 4
 
 DEMO_SPEC: dict[str, Any] = {
@@ -85,6 +87,9 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
     if bool(args.tls_cert) != bool(args.tls_key):
         raise UsageError("--tls-cert and --tls-key go together")
+    for flag in ("max_pending_per_user", "max_tasks_per_job"):
+        if not 1 <= getattr(args, flag) <= 1_000_000:
+            raise UsageError(f"--{flag.replace('_', '-')}: 1 to 1000000, got {getattr(args, flag)}")
     if args.tls_client_ca and not args.tls_cert:
         raise UsageError("--tls-client-ca needs --tls-cert and --tls-key (mutual TLS is TLS)")
     try:
@@ -105,7 +110,9 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
                       start_timeout_s=args.start_timeout, port_file=args.port_file,
                       max_upload_bytes=max_upload, allow_user_code=args.allow_user_code,
                       tls_cert=args.tls_cert, tls_key=args.tls_key,
-                      tls_client_ca=args.tls_client_ca, auth_tokens=args.auth_tokens))
+                      tls_client_ca=args.tls_client_ca, auth_tokens=args.auth_tokens,
+                      max_pending_per_user=args.max_pending_per_user,
+                      max_tasks_per_job=args.max_tasks_per_job))
     return EXIT_OK
 
 
@@ -169,12 +176,21 @@ def cmd_worker(args: argparse.Namespace) -> int:
     if args.shared_dir and not os.access(args.shared_dir, os.W_OK | os.X_OK):
         raise UsageError(f"--shared-dir {args.shared_dir!r} is not writable by this user: "
                          "tasks write their checkpoints and outputs there")
+    roots = []
+    for r in args.data_root:
+        if not os.path.isdir(r):
+            raise UsageError(f"--data-root {r!r} is not a directory")
+        roots.append(os.path.realpath(r))
+    if not roots:
+        logging.getLogger("strata.worker").warning(
+            "no --data-root: jobs may read data.path anywhere this user can read; give "
+            "--data-root DIR on a cluster shared by several users")
     return main(AgentConfig(coordinator=_address("--coordinator", args.coordinator), name=name,
                             budget_bytes=budget, device=device, work_dir=args.work_dir,
                             host=args.advertise_host, threads=args.threads,
                             tls=_client_tls(args), token=_token(args),
                             shared_dir=os.path.abspath(args.shared_dir) if args.shared_dir
-                            else ""))
+                            else "", data_roots=tuple(roots)))
 
 
 def _start_local(args: argparse.Namespace, workers: int, budget: str, quiet: bool):
@@ -190,7 +206,7 @@ def _start_local(args: argparse.Namespace, workers: int, budget: str, quiet: boo
     tls = not is_loopback(listen.rsplit(":", 1)[0])
     return LocalCluster(workers=workers, memory_budget=budget, state_dir=args.state_dir,
                         listen=listen, quiet=quiet, shared_dir=getattr(args, "shared_dir", None),
-                        tls=tls).start()
+                        tls=tls, data_roots=getattr(args, "data_root", [])).start()
 
 
 def _catch_stop_signals() -> dict:
@@ -356,7 +372,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     from strata.types import job_to_json
 
     with _client(args) as c:
-        jobs = c.jobs()
+        jobs = c.jobs(states=args.state)
     if args.json:
         _print_json([job_to_json(j) for j in jobs])
         return EXIT_OK
@@ -470,7 +486,7 @@ def cmd_workers(args: argparse.Namespace) -> int:
     from strata.types import worker_to_json
 
     with _client(args) as c:
-        workers = c.workers()
+        workers = c.workers(states=args.state)
     if args.json:
         _print_json([worker_to_json(w) for w in workers])
         return EXIT_OK
@@ -507,6 +523,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 epilog="Exit codes: 0 ok; 1 job failed or command failed; 2 bad usage "
                                        "or rejected spec; 3 coordinator unreachable; 4 not found.")
     from strata import __version__
+    from strata.types import JobState, WorkerState
 
     p.add_argument("--version", action="version", version=f"strata {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
@@ -560,6 +577,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--auth-tokens", default="", metavar="FILE",
                     help="require bearer tokens: lines TOKEN ROLE NAME, roles admin, submitter, "
                          "viewer, agent; reloaded on SIGHUP (default: none, everything open)")
+    sp.add_argument("--max-pending-per-user", type=int, default=DEFAULT_MAX_PENDING_PER_USER,
+                    metavar="N", help="jobs one user may have waiting; more are refused "
+                                      f"(default {DEFAULT_MAX_PENDING_PER_USER})")
+    sp.add_argument("--max-tasks-per-job", type=int, default=DEFAULT_MAX_TASKS_PER_JOB,
+                    metavar="N", help="task processes one job may run (default "
+                                      f"{DEFAULT_MAX_TASKS_PER_JOB})")
 
     sp = add("certs", cmd_certs, "make a CA, a coordinator certificate and client certificates",
              client=False)
@@ -585,6 +608,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a directory every worker sees at the same path (NFS, a ReadWriteMany "
                          "volume): jobs' checkpoints and outputs, under jobs/JOB_ID/; without "
                          "it no job that checkpoints runs here (default: none)")
+    sp.add_argument("--data-root", action="append", default=[], metavar="DIR",
+                    help="jobs read data.path / data.test_path only under this directory "
+                         "(repeatable; default: none, anywhere this user can read)")
     tls_flags(sp)
 
     for name, fn, help_ in (("up", cmd_up, "run a coordinator and N workers locally in the foreground"),
@@ -598,6 +624,8 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--state-dir", default=".strata/local" if name == "up" else None, metavar="DIR")
         sp.add_argument("--shared-dir", default=None, metavar="DIR",
                         help="the workers' shared directory (default: STATE_DIR/shared)")
+        sp.add_argument("--data-root", action="append", default=[], metavar="DIR",
+                        help="the workers' data roots (repeatable; default: none, unconfined)")
         if name == "demo":
             sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
 
@@ -609,6 +637,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = add("jobs", cmd_jobs, "list jobs")
     sp.add_argument("--json", action="store_true")
+    sp.add_argument("--state", action="append", default=[], type=str.upper,
+                    choices=[s.value for s in JobState], metavar="STATE",
+                    help="only jobs in this state (repeatable): "
+                         + ", ".join(s.value for s in JobState))
     sp = add("status", cmd_status, "show one job")
     sp.add_argument("job_id", metavar="JOB_ID")
     sp.add_argument("--json", action="store_true")
@@ -623,6 +655,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--follow", action="store_true")
     sp = add("workers", cmd_workers, "list worker agents and their memory")
     sp.add_argument("--json", action="store_true")
+    sp.add_argument("--state", action="append", default=[], type=str.upper,
+                    choices=[s.value for s in WorkerState], metavar="STATE",
+                    help="only workers in this state (repeatable): "
+                         + ", ".join(s.value for s in WorkerState))
     sp = add("download", cmd_download, "fetch a job's outputs (trained model, metrics.json)")
     sp.add_argument("job_id", metavar="JOB_ID")
     sp.add_argument("dest", metavar="DIR")

@@ -14,7 +14,7 @@ import os
 import random
 import time
 import uuid
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 import grpc
 
@@ -77,6 +77,10 @@ class PermissionDenied(CoordinatorError):
     """The token's role may not do this, or the job is another owner's."""
 
 
+class QuotaExceeded(CoordinatorError):
+    """RESOURCE_EXHAUSTED: over a per-user limit (jobs pending); retry once some have started."""
+
+
 _ERRORS = {
     grpc.StatusCode.INVALID_ARGUMENT: JobRejected,
     grpc.StatusCode.FAILED_PRECONDITION: Infeasible,
@@ -85,6 +89,7 @@ _ERRORS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: Unavailable,
     grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
     grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: QuotaExceeded,
 }
 
 
@@ -266,15 +271,34 @@ class Client:
     def get(self, job_id: str) -> Job:
         return convert.job_from_proto(self._call("GetJob", pb.GetJobRequest(id=job_id)))
 
-    def jobs(self) -> list[Job]:
-        return [convert.job_from_proto(j) for j in self._call("ListJobs", pb.ListJobsRequest()).jobs]
+    def jobs(self, states: Sequence[str] = (), page_size: int = 0) -> list[Job]:
+        """Every job (oldest first), or those in ``states``, fetched a page at a time."""
+        out: list[Job] = []
+        token = ""
+        while True:
+            resp = self._call("ListJobs", pb.ListJobsRequest(
+                page_size=page_size, page_token=token,
+                states=[pb.JobState.Value(s) for s in states]))
+            out.extend(convert.job_from_proto(j) for j in resp.jobs)
+            token = resp.next_page_token
+            if not token:
+                return out
 
     def cancel(self, job_id: str) -> Job:
         return convert.job_from_proto(self._call("CancelJob", pb.CancelJobRequest(id=job_id)))
 
-    def workers(self) -> list[WorkerInfo]:
-        resp = self._call("ListWorkers", pb.ListWorkersRequest())
-        return [convert.worker_from_proto(w) for w in resp.workers]
+    def workers(self, states: Sequence[str] = (), page_size: int = 0) -> list[WorkerInfo]:
+        """Every worker (by name), or those in ``states``, fetched a page at a time."""
+        out: list[WorkerInfo] = []
+        token = ""
+        while True:
+            resp = self._call("ListWorkers", pb.ListWorkersRequest(
+                page_size=page_size, page_token=token,
+                states=[pb.WorkerState.Value(s) for s in states]))
+            out.extend(convert.worker_from_proto(w) for w in resp.workers)
+            token = resp.next_page_token
+            if not token:
+                return out
 
     def watch(self, job_id: str, after_seq: int = 0, timeout: float | None = None) -> Iterator[JobEvent]:
         """Stored events, then live snapshots, until the job ends (or ``timeout`` seconds pass)."""

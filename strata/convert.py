@@ -206,6 +206,7 @@ def worker_to_proto(w: WorkerInfo) -> pb.Worker:
     return pb.Worker(
         name=w.name, address=w.address, state=pb.WorkerState.Value(w.state.value), device=w.device,
         memory=memory_to_proto(w.memory), last_seen=w.last_seen, shared_dir=w.shared_dir,
+        data_roots=w.data_roots,
         tasks=[pb.WorkerTask(job_id=t.job_id, role=t.role, index=t.index,
                              state=_task_state_to_proto(t.state),
                              memory_budget_bytes=t.memory_budget_bytes,
@@ -217,6 +218,7 @@ def worker_from_proto(m: pb.Worker) -> WorkerInfo:
     return WorkerInfo(
         name=m.name, address=m.address, device=m.device, state=WorkerState(pb.WorkerState.Name(m.state)),
         memory=memory_from_proto(m.memory), last_seen=m.last_seen, shared_dir=m.shared_dir,
+        data_roots=list(m.data_roots),
         tasks=[WorkerTask(job_id=t.job_id, role=t.role, index=t.index,
                           state=_task_state_from_proto(t.state),
                           memory_budget_bytes=t.memory_budget_bytes, in_use_bytes=t.in_use_bytes,
@@ -265,7 +267,8 @@ def task_config_to_proto(c: TaskConfig) -> pb.TaskConfig:
 
 def agent_settings_to_proto(a: AgentSettings) -> pb.AgentSettings:
     return pb.AgentSettings(output_dir=a.output_dir, threads=a.threads, device=a.device,
-                            blob_dir=a.blob_dir, shared_dir=a.shared_dir)
+                            blob_dir=a.blob_dir, shared_dir=a.shared_dir,
+                            data_roots=list(a.data_roots))
 
 
 def with_agent_settings(m: pb.TaskConfig, a: AgentSettings) -> pb.TaskConfig:
@@ -301,7 +304,8 @@ def task_config_from_proto(m: pb.TaskConfig) -> TaskConfig:
         section=section, restart=m.restart,
         agent=AgentSettings(output_dir=m.agent.output_dir, threads=m.agent.threads,
                             device=m.agent.device or AgentSettings.device,
-                            blob_dir=m.agent.blob_dir, shared_dir=m.agent.shared_dir))
+                            blob_dir=m.agent.blob_dir, shared_dir=m.agent.shared_dir,
+                            data_roots=tuple(m.agent.data_roots)))
 
 
 # --- agent commands ---------------------------------------------------------------------------

@@ -77,3 +77,7 @@ class DuplicateAgent(StrataError):
         super().__init__(f"worker name {name[:64]!r} is in use by a live agent; give each "
                          "agent its own --name")
         self.name = name
+
+
+class QuotaExceeded(StrataError):
+    """A caller is over one of its limits (pending jobs per user): RESOURCE_EXHAUSTED."""

@@ -38,7 +38,7 @@ class LocalCluster:
                  listen: str = "127.0.0.1:0", threads: int | None = None,
                  heartbeat_timeout_s: float = 10.0, quiet: bool = True, log_dir: str | None = None,
                  allow_user_code: bool = True, shared_dir: str | None = None,
-                 tls: bool = False):
+                 tls: bool = False, data_roots: list[str] | None = None):
         self.n_workers = workers
         # one user on loopback: that user's own code may run (``--allow-user-code``)
         self.allow_user_code = allow_user_code
@@ -51,6 +51,8 @@ class LocalCluster:
         # one directory every local agent sees: the shared storage of a one-host cluster
         self.shared_dir = os.path.abspath(shared_dir or os.path.join(self.state_dir, "shared"))
         os.makedirs(self.shared_dir, exist_ok=True)
+        #: the agents' --data-root (none: unconfined)
+        self.data_roots = [os.path.abspath(r) for r in data_roots or []]
         self.listen = listen
         self.threads = threads if threads is not None else max(1, (os.cpu_count() or 1) // max(1, workers))
         self.heartbeat_timeout_s = heartbeat_timeout_s
@@ -165,6 +167,7 @@ class LocalCluster:
             ["worker", "--coordinator", self.address, "--memory-budget",
              memory_budget or self.memory_budget, "--name", name, "--work-dir", work_dir,
              "--threads", str(self.threads), "--shared-dir", self.shared_dir]
+            + [a for r in self.data_roots for a in ("--data-root", r)]
             + (["--tls-ca", self.tls_paths["ca"], "--tls-cert", self.tls_paths["agent"],
                 "--tls-key", self.tls_paths["agent_key"], "--token-file",
                 self._token_file("agent", name)] if self.tls_paths else []),

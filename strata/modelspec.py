@@ -309,13 +309,31 @@ def _is_keras_module(module: Any) -> bool:
     return isinstance(module, str) and (module == "keras" or module.startswith("keras."))
 
 
+#: Keras' own markers for values it serializes as objects without a module (tensors, tuples,
+#: slices...): deserialized without importing anything. ``__lambda__`` (code) and
+#: ``__typespec__`` (which names a module) are not among them.
+_KERAS_VALUE_CLASSES = frozenset({"__keras_tensor__", "__tensor__", "__numpy__", "__bytes__",
+                                  "__tuple__", "__slice__", "__ellipsis__"})
+_IDENTIFIER_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_")
+
+
 def check_keras_json_safe(obj: Any) -> None:
     """Refuses Lambda layers and every serialized object that is not Keras' own.
 
-    Walks the whole JSON tree. A serialized object is a mapping with ``class_name`` and
-    ``registered_name``; it must come from a ``keras`` module and its ``registered_name``
-    must be null or its own class name (``register_keras_serializable`` writes
-    ``"package>Name"``, unregistered subclasses have ``module: null``)."""
+    Walks the whole JSON tree, every nested config included. Every mapping with a
+    ``class_name`` is a serialized object, whatever else it carries:
+
+    - ``class_name`` must be a plain identifier, never Lambda or ``__lambda__``;
+    - a ``module`` must be ``keras`` or under it (Keras imports it to find the class); it
+      may be left out only in the older form without ``registered_name`` either;
+    - a ``registered_name``, when given and not null, must be the class name itself, or for
+      a function (``class_name: function``) a plain name, never ``"package>Name"`` (what
+      ``register_keras_serializable`` writes);
+    - without a module, the class must be found among Keras' own by name, which only looks
+      up registered built-ins; Keras' value markers (``__tuple__``, ``__keras_tensor__``...)
+      are allowed, ``__typespec__`` and any other marker are not.
+
+    Keras' safe mode stays on in the task process as well (``worker.models``)."""
 
     def layer_name(node: dict) -> str:
         cfg = node.get("config")
@@ -332,21 +350,41 @@ def check_keras_json_safe(obj: Any) -> None:
             return
         if not isinstance(node, dict):
             return
-        cls = node.get("class_name")
-        if cls == "Lambda" or cls == "__lambda__":
-            raise ModelSpecError(_KJ, f"layer {layer_name(node)!r} is a Lambda layer; Lambda and "
-                                      f"custom code are refused (safe mode)")
-        if isinstance(cls, str) and "registered_name" in node:
-            module, reg = node.get("module"), node.get("registered_name")
-            if not _is_keras_module(module) or (reg is not None and reg != cls) or ">" in cls:
-                raise ModelSpecError(
-                    _KJ, f"object {layer_name(node)!r} (class {cls}, module {module!r}, "
-                         f"registered_name {reg!r}) is not a built-in Keras object; custom "
-                         f"objects and custom code are refused (safe mode)")
+        if "class_name" in node:
+            _check_object(node, layer_name)
         for v in node.values():
             walk(v, depth + 1)
 
     walk(obj, 0)
+
+
+def _check_object(node: dict, layer_name: Any) -> None:
+    cls, module, reg = node.get("class_name"), node.get("module"), node.get("registered_name")
+
+    def refuse(why: str) -> None:
+        raise ModelSpecError(
+            _KJ, f"object {str(layer_name(node))[:64]!r} (class {str(cls)[:64]!r}, module "
+                 f"{str(module)[:64]!r}): {why}; custom objects and custom code are refused "
+                 f"(safe mode)")
+
+    if not isinstance(cls, str) or not cls or len(cls) > 128:
+        refuse("class_name is not a class name")
+    if cls in ("Lambda", "__lambda__"):
+        raise ModelSpecError(_KJ, f"layer {str(layer_name(node))[:64]!r} is a Lambda layer; "
+                                  f"Lambda and custom code are refused (safe mode)")
+    if cls.startswith("__"):
+        if cls not in _KERAS_VALUE_CLASSES or module is not None:
+            refuse("is not one of the values Keras serializes itself")
+        return
+    if not set(cls) <= _IDENTIFIER_CHARS:
+        refuse("class_name is not a plain identifier")
+    # Keras 3 writes a module for each of its own objects (null: a class it cannot import)
+    if (module is not None or "registered_name" in node) and not _is_keras_module(module):
+        refuse("its module is not Keras")
+    if reg is not None:
+        plain = isinstance(reg, str) and reg and set(reg) <= _IDENTIFIER_CHARS
+        if not plain or (cls != "function" and reg != cls):
+            refuse(f"registered_name {str(reg)[:64]!r} is not a built-in Keras name")
 
 
 # --------------------------------------------------------------------------------------------

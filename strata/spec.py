@@ -227,8 +227,8 @@ def _float(d: Mapping[str, Any], key: str, field: str, default: float) -> float:
         raise SpecError(field, f"must be a number, got {value!r}")
     try:
         out = float(value)
-    except (TypeError, ValueError):
-        raise SpecError(field, f"must be a number, got {value!r}") from None
+    except (TypeError, ValueError, OverflowError):
+        raise SpecError(field, f"must be a number, got {str(value)[:64]!r}") from None
     if not out > 0 or out != out or out == float("inf"):
         raise SpecError(field, f"must be a positive finite number, got {value!r}")
     return out
@@ -267,12 +267,20 @@ def _profile(value: Any) -> str:
     raise SpecError("memory.profile", f"must be auto, true or false; got {value!r}")
 
 
+#: every string field but model.keras_json (the same limit as the protocol's, coordinator.bounds)
+MAX_STRING_CHARS = 4096
+
+
 def _str(d: Mapping[str, Any], key: str, field: str, default: str = "") -> str:
     value = d.get(key)
     if value is None:
         return default
     if not isinstance(value, str):
         raise SpecError(field, f"must be a string, got {type(value).__name__}")
+    if len(value) > MAX_STRING_CHARS:
+        raise SpecError(field, f"at most {MAX_STRING_CHARS} characters, got {len(value)}")
+    if "\0" in value:
+        raise SpecError(field, "contains a NUL character")
     return value
 
 
@@ -293,7 +301,7 @@ def parse_job_spec(raw: Any) -> JobSpec:
     if not isinstance(name, str) or not name:
         raise SpecError("name", "is required: a lowercase name like 'digits-mlp'")
     if not NAME_RE.match(name):
-        raise SpecError("name", f"{name!r} must be 1-40 characters of a-z, 0-9 and '-', "
+        raise SpecError("name", f"{name[:64]!r} must be 1-40 characters of a-z, 0-9 and '-', "
                                 "starting and ending with a letter or digit")
     from strata import strategies
 
@@ -525,8 +533,11 @@ def _code(raw: Any) -> dict[str, Any]:
     sha = raw.get("sha256")
     if not isinstance(sha, str) or not SHA256_RE.match(sha):
         raise SpecError("code.dir", "is required: the project directory to run the code from")
+    size = raw.get("size") or 0
+    if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size < 1 << 50:
+        raise SpecError("code.size", "must be a byte count")
     out: dict[str, Any] = {"dir_name": str(raw.get("dir_name") or "code")[:255], "sha256": sha,
-                           "size": int(raw.get("size") or 0)}
+                           "size": size}
     for key in ("model", "dataset"):
         v = raw.get(key) or ""
         if not isinstance(v, str) or (v and not _CALLABLE.match(v)):

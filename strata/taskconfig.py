@@ -72,6 +72,7 @@ class AgentSettings:
     device: str = "CPU"
     blob_dir: str = ""      # the agent's fetched blobs (a job's .keras file), by SHA-256
     shared_dir: str = ""    # --shared-dir: every agent of the cluster sees it at this path
+    data_roots: tuple[str, ...] = ()  # --data-root: data.path must resolve inside one
 
 
 @dataclasses.dataclass(frozen=True)

@@ -220,6 +220,7 @@ class WorkerInfo:
     tasks: list[WorkerTask] = dataclasses.field(default_factory=list)
     last_seen: float = 0.0
     shared_dir: str = ""
+    data_roots: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -84,6 +84,9 @@ class AgentConfig:
     #: --shared-dir: a directory every agent of the cluster sees at the same path, holding
     #: each job's checkpoints and outputs under ``jobs/JOB_ID/`` (empty: no checkpointed jobs)
     shared_dir: str = ""
+    #: --data-root: jobs read data.path and data.test_path only under these (``strata.dataroots``;
+    #: empty: anywhere this user may read)
+    data_roots: tuple[str, ...] = ()
     #: the coordinator's CA, and this agent's certificate under mutual TLS (empty: plain text)
     tls: ClientTls = dataclasses.field(default_factory=ClientTls)
     #: its ``agent`` token (``strata.auth``; empty when the coordinator has no auth)
@@ -183,7 +186,7 @@ class TaskProcess:
             device="GPU:0" if self.agent.cfg.device.startswith("GPU") else "CPU",
             blob_dir=os.path.abspath(self.agent.blob_dir),
             shared_dir=os.path.abspath(self.agent.cfg.shared_dir) if self.agent.cfg.shared_dir
-            else ""))
+            else "", data_roots=self.agent.cfg.data_roots))
         config_path = os.path.join(self.dir, "config.pb")
         with open(config_path, "wb") as f:
             f.write(config.SerializeToString())
@@ -419,7 +422,8 @@ class Agent:
             budget_bytes=self.cfg.budget_bytes, free_ports=self.free_ports, tasks=self._reports(),
             work_dir=os.path.abspath(self.cfg.work_dir), pid=os.getpid(),
             shared_dir=os.path.abspath(self.cfg.shared_dir) if self.cfg.shared_dir else "",
-            draining=self.draining.is_set()), timeout=RPC_TIMEOUT_S)
+            draining=self.draining.is_set(), data_roots=list(self.cfg.data_roots)),
+            timeout=RPC_TIMEOUT_S)
         self.session = resp.session
         self.heartbeat_interval = resp.heartbeat_interval_s or 1.0
         log.info("registered with %s as %s (%s, host %s)", self.cfg.coordinator, self.cfg.name,

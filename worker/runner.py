@@ -79,7 +79,16 @@ def load_data(cfg: TaskConfig, input_shape: tuple[int, ...],
 
 def check_data_available(cfg: TaskConfig) -> None:
     """What can be checked before TensorFlow is imported (a bad config fails in milliseconds):
-    a data file's presence and arrays."""
+    a data file's presence and arrays. First of all, the data paths must lie inside the
+    agent's data roots (``strata.dataroots``), before anything says whether a file exists."""
+    from strata.dataroots import OutsideRoots, confine
+
+    for field, path in (("data.path", cfg.spec.data.path),
+                        ("data.test_path", cfg.spec.data.test_path)):
+        try:
+            confine(path, field, cfg.agent.data_roots)
+        except OutsideRoots as e:
+            raise TaskConfigError(e.field, e.message) from None
     if cfg.spec.code_dataset:
         return  # the job's own input pipeline
     from strata.worker.data import DataError, check_streamed, load_npz_keys

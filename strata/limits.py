@@ -1,0 +1,11 @@
+"""Per-user limits of the coordinator, and their defaults (``strata coordinator`` flags).
+
+Light on purpose: the CLI reads the defaults for its ``--help`` without importing the
+coordinator.
+"""
+
+#: jobs one user may have waiting (PENDING) at once; more are refused with RESOURCE_EXHAUSTED
+#: (``--max-pending-per-user``). With authentication off every job has the same owner, "".
+DEFAULT_MAX_PENDING_PER_USER = 1000
+#: task processes one job may run (``--max-tasks-per-job``; raise it for larger clusters)
+DEFAULT_MAX_TASKS_PER_JOB = 256
