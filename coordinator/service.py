@@ -101,12 +101,43 @@ F = TypeVar("F", bound=Callable[..., Any])
 CALLER: contextvars.ContextVar[Caller | None] = contextvars.ContextVar("caller", default=None)
 
 
+#: the common name of a client certificate that may act as any agent (``strata certs`` makes
+#: one by default); any other certificate acts on the cluster API only as the agent it names
+ANY_AGENT_CN = "agent"
+
+
+def _certificate_name(context: Any) -> str | None:
+    """The common name of the caller's client certificate (mutual TLS), else None."""
+    try:
+        names = context.auth_context().get("x509_common_name") or ()
+    except Exception:  # noqa: BLE001 - no auth context on a plain-text channel
+        return None
+    return names[0].decode("utf-8", "replace") if names else None
+
+
+def check_certificate(self: Any, method: str, agent: Any, context: Any) -> None:
+    """Under mutual TLS without tokens, a client certificate binds an agent to its name: a
+    certificate whose common name is not ``agent`` may call the cluster API only as the agent
+    of that name. Raises PermissionDenied."""
+    if not getattr(self, "bind_certificates", False) or method not in CLUSTER:
+        return
+    cn = _certificate_name(context)
+    if cn is not None and cn != ANY_AGENT_CN and isinstance(agent, str) and agent != cn:
+        raise PermissionDenied(f"the certificate of {cn[:64]!r} cannot act as agent "
+                               f"{agent[:64]!r}")
+
+
 async def _authorize(self: Any, name: str, request: Any, context: Any) -> None:
     """The token check of every RPC (``strata.auth``): who calls, and whether that role may
-    call ``name`` (agents: only as the agent their token names)."""
+    call ``name`` (agents: only as the agent their token names). Without tokens, under mutual
+    TLS, the client certificate names the agent (``check_certificate``)."""
     auth: Auth | None = getattr(self, "auth", None)
     if auth is None or not auth.enabled:
         CALLER.set(None)
+        try:
+            check_certificate(self, name, getattr(request, "name", None), context)
+        except PermissionDenied as e:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
         return
     try:
         caller = auth.caller(context.invocation_metadata())
@@ -124,7 +155,7 @@ def owned(job_owner: str) -> None:
         raise PermissionDenied(f"{caller.name} ({caller.role}) does not own this job")
 
 
-def _checked(self: Any, name: str, request: Any) -> Any:
+def _checked(self: Any, name: str, request: Any, context: Any) -> Any:
     """The request, once it decoded and every field is within its bounds
     (``coordinator.bounds``); a client-streaming request is checked message by message, and
     an agent's token is checked against the agent name of each."""
@@ -143,11 +174,13 @@ def _checked(self: Any, name: str, request: Any) -> Any:
                                        "does not decode")
             check_request(msg)
             agent = getattr(msg, "name", None)
-            if auth is not None and name in CLUSTER and isinstance(agent, str):
+            if auth is not None and auth.enabled and name in CLUSTER and isinstance(agent, str):
                 try:
                     auth.check(CALLER.get(), name, agent)
                 except Denied as e:
                     raise PermissionDenied(e.message) from None
+            else:
+                check_certificate(self, name, agent, context)
             yield msg
     return messages()
 
@@ -162,7 +195,7 @@ def rpc(method: F) -> F:
         async def stream(self: Any, request: Any, context: Any) -> AsyncIterator[Any]:
             await _authorize(self, name, request, context)
             try:
-                request = _checked(self, name, request)
+                request = _checked(self, name, request, context)
                 async for item in method(self, request, context):
                     yield item
             except grpc.aio.AbortError:
@@ -175,7 +208,7 @@ def rpc(method: F) -> F:
     async def unary(self: Any, request: Any, context: Any) -> Any:
         await _authorize(self, name, request, context)
         try:
-            request = _checked(self, name, request)
+            request = _checked(self, name, request, context)
             return await method(self, request, context)
         except grpc.aio.AbortError:
             raise
@@ -409,9 +442,12 @@ class JobServicer(pb_grpc.JobServiceServicer):
 
 
 class ClusterServicer(pb_grpc.ClusterServiceServicer):
-    def __init__(self, coord: Coordinator, auth: Auth | None = None):
+    def __init__(self, coord: Coordinator, auth: Auth | None = None,
+                 bind_certificates: bool = False):
         self.coord = coord
         self.auth = auth
+        #: mutual TLS: a client certificate names the one agent it may act as
+        self.bind_certificates = bind_certificates
 
     @rpc
     async def RegisterAgent(self, request: pb.RegisterAgentRequest,
@@ -544,7 +580,8 @@ async def serve(listen: str, state_dir: str, *, heartbeat_timeout_s: float = 10.
     ])
     auth = Auth(auth_tokens or None)
     add_service(JobServicer(coord, auth), "JobService", server)
-    add_service(ClusterServicer(coord, auth), "ClusterService", server)
+    add_service(ClusterServicer(coord, auth, bind_certificates=bool(tls_client_ca)),
+                "ClusterService", server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     services = (

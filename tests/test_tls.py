@@ -92,3 +92,46 @@ def test_strata_certs_makes_a_usable_set(tmp_path):
     r = subprocess.run([sys.executable, "-m", "strata.cli", "certs", "--out", str(out)],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--force" in r.stderr  # never replaces a CA silently
+
+
+def test_without_tokens_a_client_certificate_binds_an_agent_to_its_name(tmp_path):
+    """Mutual TLS, no --auth-tokens: a certificate made for node-a registers node-a only;
+    the cluster-wide ``agent`` certificate registers any name."""
+    import grpc
+
+    from strata.protos import strata_pb2 as pb
+    from strata.protos import strata_pb2_grpc as pb_grpc
+    from strata.tls import channel
+
+    p = make_cluster_certs(str(tmp_path / "certs"), clients=("agent", "node-a"))
+    port_file = tmp_path / "address"
+    proc = subprocess.Popen([sys.executable, "-m", "strata.cli", "coordinator", "--listen",
+                             "127.0.0.1:0", "--state-dir", str(tmp_path / "s"), "--port-file",
+                             str(port_file), "--tls-cert", p["server"], "--tls-key",
+                             p["server_key"], "--tls-client-ca", p["ca"]],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        import time
+
+        deadline = time.monotonic() + 60
+        while not port_file.exists():
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        address = port_file.read_text()
+
+        def register(cert: str, name: str) -> grpc.StatusCode:
+            ch = channel(address, ClientTls(p["ca"], p[cert], p[f"{cert}_key"]))
+            try:
+                pb_grpc.ClusterServiceStub(ch).RegisterAgent(pb.RegisterAgentRequest(
+                    name=name, host="127.0.0.1", budget_bytes=1 << 30), timeout=20)
+                return grpc.StatusCode.OK
+            except grpc.RpcError as e:
+                return e.code()
+            finally:
+                ch.close()
+        assert register("node-a", "node-b") == grpc.StatusCode.PERMISSION_DENIED
+        assert register("node-a", "node-a") == grpc.StatusCode.OK
+        assert register("agent", "node-c") == grpc.StatusCode.OK
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
