@@ -28,12 +28,15 @@ from strata.coordinator.agents import (
 from strata.coordinator.blobs import DEFAULT_MAX_UPLOAD_BYTES, BlobStore
 from strata.coordinator.logs import JobLogs
 from strata.coordinator.placement import Capacity, TaskDemand, place
+from strata.coordinator.series import Series
 from strata.coordinator.store import Store, WorkerRecord
 from strata.errors import (
     InfeasibleError, InvalidTransition, NotFoundError, NotYours, QuotaExceeded, SpecError,
 )
 from strata.dataroots import outside_message, under_roots
-from strata.limits import DEFAULT_MAX_PENDING_PER_USER, DEFAULT_MAX_TASKS_PER_JOB
+from strata.limits import (
+    DEFAULT_MAX_PENDING_PER_USER, DEFAULT_MAX_TASKS_PER_JOB, DEFAULT_RETENTION_S,
+)
 from strata.measured import apply_measured, measured_kinds, task_kind
 from strata.memory import format_size, uncalibrated_kinds
 from strata.oom import describe as describe_oom
@@ -70,6 +73,8 @@ PROBE_FROM_BYTES = 64 << 20
 # coordinator restart the agents it knew have this long beyond the heartbeat timeout to come
 # back before they are LOST (and their jobs restart)
 REREGISTER_GRACE_S = 10.0
+#: how often finished jobs are checked against --retention
+EXPIRY_INTERVAL_S = 60.0
 # how long a job waits, after its probe ended, for the probe's remaining tasks to report their end
 PROBE_SETTLE_S = 30.0
 
@@ -78,6 +83,28 @@ PROBE_SETTLE_S = 30.0
 class PreparedJob:
     spec: JobSpec
     plan: JobPlan
+
+
+def plan_on(prepared: PreparedJob, capacities: Sequence[Capacity],
+            measured: Mapping[str, int]) -> Plan:
+    """A prepared job placed on these capacities: what ``strata plan`` shows, for the
+    coordinator's workers or (offline) for N workers of a given budget."""
+    spec, plan = prepared.spec, prepared.plan
+    placement = place([TaskDemand(t.role, t.index, t.memory_budget_bytes) for t in plan.tasks],
+                      list(capacities)) if plan.feasible else None
+    assigned = placement.assignments if placement is not None else {}
+    tasks = [dataclasses.replace(t, worker=assigned.get((t.role, t.index), "")
+                                 if assigned else t.worker) for t in plan.tasks]
+    if not plan.feasible:
+        return Plan(spec.strategy, False, plan.reason, tasks)
+    summary = f"{plan.summary}; " if plan.summary else ""
+    if wants_probe(spec, plan) and not measured_kinds(spec, measured):
+        summary += (f"memory.profile: a probe run ({probe_spec(spec).training.steps} steps) "
+                    "measures the tasks first and the estimates become its peaks; ")
+    if placement is None or not placement.assignments:
+        why = placement.reason if placement is not None else ""
+        return Plan(spec.strategy, True, f"{summary}admissible; would wait: {why}", tasks)
+    return Plan(spec.strategy, True, f"{summary}fits now", tasks)
 
 
 def prepare(spec: JobSpec | Mapping[str, Any], workers: Sequence[WorkerOffer] = (),
@@ -167,8 +194,14 @@ class Coordinator:
                  start_timeout_s: float = 300.0, clock: Callable[[], float] = time.time,
                  max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES, allow_user_code: bool = False,
                  max_pending_per_user: int = DEFAULT_MAX_PENDING_PER_USER,
-                 max_tasks_per_job: int = DEFAULT_MAX_TASKS_PER_JOB):
+                 max_tasks_per_job: int = DEFAULT_MAX_TASKS_PER_JOB,
+                 retention_s: float = DEFAULT_RETENTION_S):
         self.store = store
+        #: finished jobs are deleted this long after they ended (``--retention``; 0: kept)
+        self.retention_s = retention_s
+        self._next_expiry = 0.0
+        #: recent progress and memory of each job, for the status page (not stored)
+        self.series = Series()
         #: one tenant cannot fill the queue or the cluster: ``--max-pending-per-user``,
         #: ``--max-tasks-per-job`` (with authentication off every job has the owner "")
         self.max_pending_per_user = max_pending_per_user
@@ -269,8 +302,19 @@ class Coordinator:
     def with_outputs(self, job: Job) -> Job:
         """``job`` with its output directory and files as they are now."""
         files = self.blobs.outputs(job.id)
-        return dataclasses.replace(job, output_dir=self.blobs.output_dir(job.id) if files else "",
-                                   outputs=files)
+        out = self.blobs.output_dir(job.id) if files else ""
+        tensorboard = ""
+        if any(f.startswith("tensorboard/") for f in files):
+            tensorboard = os.path.join(out, "tensorboard")
+        else:  # still on the shared directory of the workers that run it
+            for t in job.tasks:
+                w = self.workers.get(t.worker)
+                if w is not None and w.record.shared_dir:
+                    tensorboard = os.path.join(w.record.shared_dir, "jobs", job.id, "output",
+                                               "tensorboard")
+                    break
+        return dataclasses.replace(job, output_dir=out, outputs=files,
+                                   tensorboard_dir=tensorboard)
 
     def _set_task_state(self, task: Task, target: TaskState) -> bool:
         if task.state == target:
@@ -459,22 +503,7 @@ class Coordinator:
     def plan(self, spec: JobSpec | Mapping[str, Any] | PreparedJob) -> Plan:
         """What the coordinator would run now, on the free budgets of the connected workers."""
         prepared = self._prepared(spec, free=True)
-        spec, plan = prepared.spec, prepared.plan
-        placement = place([TaskDemand(t.role, t.index, t.memory_budget_bytes) for t in plan.tasks],
-                          self._capacities(Needs.of(spec))) if plan.feasible else None
-        assigned = placement.assignments if placement is not None else {}
-        tasks = [dataclasses.replace(t, worker=assigned.get((t.role, t.index), "")
-                                     if assigned else t.worker) for t in plan.tasks]
-        if not plan.feasible:
-            return Plan(spec.strategy, False, plan.reason, tasks)
-        summary = f"{plan.summary}; " if plan.summary else ""
-        if wants_probe(spec, plan) and not measured_kinds(spec, self.measured):
-            summary += (f"memory.profile: a probe run ({probe_spec(spec).training.steps} steps) "
-                        "measures the tasks first and the estimates become its peaks; ")
-        if placement is None or not placement.assignments:
-            why = placement.reason if placement is not None else ""
-            return Plan(spec.strategy, True, f"{summary}admissible; would wait: {why}", tasks)
-        return Plan(spec.strategy, True, f"{summary}fits now", tasks)
+        return plan_on(prepared, self._capacities(Needs.of(prepared.spec)), self.measured)
 
     async def watch(self, job_id: str, after_seq: int = 0,
                     max_interval_s: float = 5.0) -> AsyncIterator[JobEvent]:
@@ -511,11 +540,48 @@ class Coordinator:
             return
         self.logs.append(job_id, role, index, data)
 
-    def read_logs(self, job_id: str, tasks: list[tuple[str, int]],
-                  follow: bool) -> AsyncIterator[tuple[str, int, bytes]]:
+    def read_logs(self, job_id: str, tasks: list[tuple[str, int]], follow: bool,
+                  tail_lines: int = 0) -> AsyncIterator[tuple[str, int, bytes]]:
         job = self.get(job_id)
         return self.logs.read(job_id, tasks, follow,
-                              lambda: job.state.final and all(t.state.final for t in job.tasks))
+                              lambda: job.state.final and all(t.state.final for t in job.tasks),
+                              tail_lines)
+
+    def delete(self, job_id: str) -> Job:
+        """Forgets a finished job: its records, events, logs and stored outputs. Checkpoints on
+        the agents' shared directory are the agents' (``jobs/JOB_ID/`` there)."""
+        job = self.get(job_id)
+        if not job.state.final or any(not t.state.final for t in job.tasks):
+            raise InvalidTransition("job", job.state.value, "DELETED",
+                                    hint="cancel it first, then delete it once it has ended")
+        for probing, probe in list(self._probe_of.items()):
+            if job.id in (probing, probe):
+                del self._probe_of[probing]
+        self.jobs.pop(job.id, None)
+        if job.recovery.request_id:
+            self._by_request.pop(job.recovery.request_id, None)
+        for d in (self._metrics_saved, self._scheduled_at):
+            d.pop(job.id, None)
+        self.store.delete_job(job.id)
+        self.series.forget(job.id)
+        self.logs.delete(job.id)
+        self.blobs.delete_outputs(job.id)
+        self._notify(job.id)
+        return job
+
+    def _expire(self, now: float) -> None:
+        """Deletes jobs that ended more than ``retention_s`` ago (``--retention``)."""
+        if not self.retention_s or now < self._next_expiry:
+            return
+        self._next_expiry = now + EXPIRY_INTERVAL_S
+        old = [j.id for j in self.jobs.values()
+               if j.state.final and j.finished_at and now - j.finished_at > self.retention_s
+               and all(t.state.final for t in j.tasks)]
+        for job_id in old:
+            self.delete(job_id)
+        if old:
+            log.info("deleted %d job(s) that ended more than %g s ago", len(old),
+                     self.retention_s)
 
     # --- cluster API --------------------------------------------------------------------------
 
@@ -674,6 +740,7 @@ class Coordinator:
         if lead and r.test_accuracy is not None:
             job.metrics.test_accuracy = r.test_accuracy
             job.metrics.test_loss = r.test_loss
+        self.series.record(job, task, self.clock())
         if r.state == TaskState.CANCELLED and job.state == JobState.SUCCEEDED \
                 and strategy.stopped_counts_as_success(job, task):
             # a server task stopped because its driver finished: that is how such a task ends
@@ -892,6 +959,7 @@ class Coordinator:
         now = self.clock()
         for w in self.agents.expired(now, self.heartbeat_timeout_s):
             self._mark_lost(w)
+        self._expire(now)
         for job in sorted(self.jobs.values(), key=lambda j: (j.created_at, j.id)):
             if job.state == JobState.PENDING:
                 if job.id in self._probe_of and not self._after_probe(job):

@@ -18,6 +18,7 @@ import logging
 import os
 import re
 import signal
+import time
 from typing import IO, Any, AsyncIterator, Callable, Iterable, NoReturn, TypeVar
 
 import grpc
@@ -28,8 +29,11 @@ from grpc_reflection.v1alpha import reflection
 from strata.auth import CLUSTER, Auth, AuthFileError, Caller, Denied
 from strata.coordinator.bounds import Undecodable, check_request
 from strata.coordinator.core import Coordinator, prepare
+from strata.coordinator.web import RPC_SECONDS
 from strata.dataroots import check_roots
-from strata.limits import DEFAULT_MAX_PENDING_PER_USER, DEFAULT_MAX_TASKS_PER_JOB
+from strata.limits import (
+    DEFAULT_MAX_PENDING_PER_USER, DEFAULT_MAX_TASKS_PER_JOB, DEFAULT_RETENTION_S,
+)
 from strata.coordinator.store import SqliteStore
 from strata.protos import strata_pb2 as pb
 from strata.protos import strata_pb2_grpc as pb_grpc
@@ -193,28 +197,46 @@ def rpc(method: F) -> F:
     if inspect.isasyncgenfunction(method):
         @functools.wraps(method)
         async def stream(self: Any, request: Any, context: Any) -> AsyncIterator[Any]:
-            await _authorize(self, name, request, context)
+            start = time.perf_counter()
             try:
-                request = _checked(self, name, request, context)
-                async for item in method(self, request, context):
-                    yield item
-            except grpc.aio.AbortError:
-                raise
-            except Exception as e:  # noqa: BLE001 - mapped to a status code
-                await _abort(context, e)
+                await _authorize(self, name, request, context)
+                try:
+                    request = _checked(self, name, request, context)
+                    async for item in method(self, request, context):
+                        yield item
+                except grpc.aio.AbortError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - mapped to a status code
+                    await _abort(context, e)
+            finally:
+                _observe(name, start, context)
         return stream  # type: ignore[return-value]
 
     @functools.wraps(method)
     async def unary(self: Any, request: Any, context: Any) -> Any:
-        await _authorize(self, name, request, context)
+        start = time.perf_counter()
         try:
-            request = _checked(self, name, request, context)
-            return await method(self, request, context)
-        except grpc.aio.AbortError:
-            raise
-        except Exception as e:  # noqa: BLE001 - mapped to a status code
-            await _abort(context, e)
+            await _authorize(self, name, request, context)
+            try:
+                request = _checked(self, name, request, context)
+                return await method(self, request, context)
+            except grpc.aio.AbortError:
+                raise
+            except Exception as e:  # noqa: BLE001 - mapped to a status code
+                await _abort(context, e)
+        finally:
+            _observe(name, start, context)
     return unary  # type: ignore[return-value]
+
+
+def _observe(method: str, start: float, context: Any) -> None:
+    """The call's latency, by method and status code (``/metrics``)."""
+    try:
+        code = context.code()
+    except Exception:  # noqa: BLE001 - a context without one
+        code = None
+    label = code.name if isinstance(code, grpc.StatusCode) else "OK"
+    RPC_SECONDS.labels(method, label).observe(time.perf_counter() - start)
 
 
 DEFAULT_PAGE_SIZE = 100
@@ -388,6 +410,12 @@ class JobServicer(pb_grpc.JobServiceServicer):
         return convert.job_to_proto(self.coord.cancel(request.id), with_spec=False)
 
     @rpc
+    async def DeleteJob(self, request: pb.DeleteJobRequest, context: Any) -> pb.DeleteJobResponse:
+        owned(self.coord.get(request.id).owner)
+        self.coord.delete(request.id)
+        return pb.DeleteJobResponse()
+
+    @rpc
     async def WatchJob(self, request: pb.WatchJobRequest, context: Any) -> AsyncIterator[pb.JobEvent]:
         async for event in self.coord.watch(request.id, request.after_seq):
             yield convert.event_to_proto(event)
@@ -403,7 +431,8 @@ class JobServicer(pb_grpc.JobServiceServicer):
                      if t.role == request.role and t.index == request.index]
             if not tasks:
                 raise NotFoundError("task", f"{request.role}:{request.index} of {job.id}")
-        async for role, index, data in self.coord.read_logs(job.id, tasks, request.follow):
+        async for role, index, data in self.coord.read_logs(job.id, tasks, request.follow,
+                                                            request.tail_lines):
             yield pb.LogChunk(role=role, index=index, data=data)
 
     @rpc
@@ -558,7 +587,9 @@ async def serve(listen: str, state_dir: str, *, heartbeat_timeout_s: float = 10.
                 allow_user_code: bool = False, tls_cert: str = "", tls_key: str = "",
                 tls_client_ca: str = "", auth_tokens: str = "",
                 max_pending_per_user: int = DEFAULT_MAX_PENDING_PER_USER,
-                max_tasks_per_job: int = DEFAULT_MAX_TASKS_PER_JOB) -> None:
+                max_tasks_per_job: int = DEFAULT_MAX_TASKS_PER_JOB,
+                retention_s: float = DEFAULT_RETENTION_S, http_listen: str = "",
+                http_port_file: str | None = None) -> None:
     """Runs the coordinator until SIGINT/SIGTERM. Prints (and optionally writes) the bound
     address. With ``tls_cert``/``tls_key`` it serves TLS only; with ``tls_client_ca`` clients
     and agents must present a certificate that CA signed (``strata.tls``)."""
@@ -572,7 +603,7 @@ async def serve(listen: str, state_dir: str, *, heartbeat_timeout_s: float = 10.
                         heartbeat_interval_s=heartbeat_interval_s, start_timeout_s=start_timeout_s,
                         max_upload_bytes=max_upload_bytes, allow_user_code=allow_user_code,
                         max_pending_per_user=max_pending_per_user,
-                        max_tasks_per_job=max_tasks_per_job)
+                        max_tasks_per_job=max_tasks_per_job, retention_s=retention_s)
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -606,6 +637,20 @@ async def serve(listen: str, state_dir: str, *, heartbeat_timeout_s: float = 10.
     how = ("mutual TLS" if tls_client_ca else "TLS") if credentials is not None else "plain text"
     print(f"strata coordinator listening on {address}, {how} (state in "
           f"{os.path.abspath(state_dir)})", flush=True)
+    http = None
+    if http_listen:
+        from strata.coordinator import web
+
+        try:
+            http, url = await web.start(http_listen, coord, auth, tls_cert, tls_key)
+        except OSError as e:
+            raise SystemExit(f"--http-listen {http_listen}: cannot bind that address "
+                             f"({e.strerror or e})") from None
+        print(f"status page at {url}/, Prometheus metrics at {url}/metrics", flush=True)
+        if http_port_file:
+            with open(http_port_file + ".tmp", "w") as f:
+                f.write(url)
+            os.replace(http_port_file + ".tmp", http_port_file)
     if port_file:
         tmp = port_file + ".tmp"
         with open(tmp, "w") as f:
@@ -631,6 +676,8 @@ async def serve(listen: str, state_dir: str, *, heartbeat_timeout_s: float = 10.
     await stop.wait()
     log.info("stopping")
     await health_servicer.enter_graceful_shutdown()
+    if http is not None:
+        http.close()
     coord.stop()
     await server.stop(grace=2.0)
     loop_task.cancel()

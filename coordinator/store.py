@@ -72,6 +72,10 @@ class Store(abc.ABC):
     def events(self, job_id: str, after_seq: int = 0) -> list[EventRecord]: ...
 
     @abc.abstractmethod
+    def delete_job(self, job_id: str) -> None:
+        """Removes a job with its tasks, events and restart bookkeeping."""
+
+    @abc.abstractmethod
     def put_worker(self, worker: WorkerRecord) -> None: ...
 
     @abc.abstractmethod
@@ -227,6 +231,12 @@ class SqliteStore(Store):
                 "SELECT job_id, seq, time, kind, message FROM events WHERE job_id=? AND seq>? "
                 "ORDER BY seq", (job_id, after_seq)).fetchall()
         return [EventRecord(*r) for r in rows]
+
+    def delete_job(self, job_id: str) -> None:
+        with self._lock, self._db:
+            for table in ("tasks", "events", "job_recovery"):
+                self._db.execute(f"DELETE FROM {table} WHERE job_id = ?", (job_id,))
+            self._db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
 
     def put_worker(self, worker: WorkerRecord) -> None:
         with self._lock:

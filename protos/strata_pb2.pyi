@@ -307,7 +307,7 @@ class TaskInfo(_message.Message):
     def __init__(self, role: _Optional[str] = ..., index: _Optional[int] = ..., worker: _Optional[str] = ..., state: _Optional[_Union[TaskState, str]] = ..., stage: _Optional[int] = ..., memory_budget_bytes: _Optional[int] = ..., peak_memory_bytes: _Optional[int] = ..., in_use_bytes: _Optional[int] = ..., estimated_memory_bytes: _Optional[int] = ..., failure: _Optional[_Union[FailureKind, str]] = ..., exit_code: _Optional[int] = ..., message: _Optional[str] = ..., address: _Optional[str] = ..., weights_sha256: _Optional[str] = ..., model_path: _Optional[str] = ..., replica: _Optional[int] = ..., layers: _Optional[_Iterable[str]] = ..., replica_weights_sha256: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("id", "name", "state", "strategy", "message", "restarts", "created_at", "finished_at", "metrics", "tasks", "spec", "estimated_memory_bytes", "started_at", "output_dir", "outputs", "checkpoint_step", "steps_repeated", "owner")
+    __slots__ = ("id", "name", "state", "strategy", "message", "restarts", "created_at", "finished_at", "metrics", "tasks", "spec", "estimated_memory_bytes", "started_at", "output_dir", "outputs", "checkpoint_step", "steps_repeated", "tensorboard_dir", "owner")
     ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -325,6 +325,7 @@ class Job(_message.Message):
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
     STEPS_REPEATED_FIELD_NUMBER: _ClassVar[int]
+    TENSORBOARD_DIR_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
     id: str
     name: str
@@ -343,8 +344,9 @@ class Job(_message.Message):
     outputs: _containers.RepeatedScalarFieldContainer[str]
     checkpoint_step: int
     steps_repeated: int
+    tensorboard_dir: str
     owner: str
-    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., strategy: _Optional[str] = ..., message: _Optional[str] = ..., restarts: _Optional[int] = ..., created_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., metrics: _Optional[_Union[JobMetrics, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[TaskInfo, _Mapping]]] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., estimated_memory_bytes: _Optional[int] = ..., started_at: _Optional[float] = ..., output_dir: _Optional[str] = ..., outputs: _Optional[_Iterable[str]] = ..., checkpoint_step: _Optional[int] = ..., steps_repeated: _Optional[int] = ..., owner: _Optional[str] = ...) -> None: ...
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., strategy: _Optional[str] = ..., message: _Optional[str] = ..., restarts: _Optional[int] = ..., created_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., metrics: _Optional[_Union[JobMetrics, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[TaskInfo, _Mapping]]] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., estimated_memory_bytes: _Optional[int] = ..., started_at: _Optional[float] = ..., output_dir: _Optional[str] = ..., outputs: _Optional[_Iterable[str]] = ..., checkpoint_step: _Optional[int] = ..., steps_repeated: _Optional[int] = ..., tensorboard_dir: _Optional[str] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class JobEvent(_message.Message):
     __slots__ = ("seq", "time", "kind", "message", "job")
@@ -486,6 +488,16 @@ class CancelJobRequest(_message.Message):
     id: str
     def __init__(self, id: _Optional[str] = ...) -> None: ...
 
+class DeleteJobRequest(_message.Message):
+    __slots__ = ("id",)
+    ID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    def __init__(self, id: _Optional[str] = ...) -> None: ...
+
+class DeleteJobResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class WatchJobRequest(_message.Message):
     __slots__ = ("id", "after_seq")
     ID_FIELD_NUMBER: _ClassVar[int]
@@ -495,18 +507,20 @@ class WatchJobRequest(_message.Message):
     def __init__(self, id: _Optional[str] = ..., after_seq: _Optional[int] = ...) -> None: ...
 
 class GetLogsRequest(_message.Message):
-    __slots__ = ("job_id", "role", "index", "all_tasks", "follow")
+    __slots__ = ("job_id", "role", "index", "all_tasks", "follow", "tail_lines")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     ALL_TASKS_FIELD_NUMBER: _ClassVar[int]
     FOLLOW_FIELD_NUMBER: _ClassVar[int]
+    TAIL_LINES_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     role: str
     index: int
     all_tasks: bool
     follow: bool
-    def __init__(self, job_id: _Optional[str] = ..., role: _Optional[str] = ..., index: _Optional[int] = ..., all_tasks: _Optional[bool] = ..., follow: _Optional[bool] = ...) -> None: ...
+    tail_lines: int
+    def __init__(self, job_id: _Optional[str] = ..., role: _Optional[str] = ..., index: _Optional[int] = ..., all_tasks: _Optional[bool] = ..., follow: _Optional[bool] = ..., tail_lines: _Optional[int] = ...) -> None: ...
 
 class LogChunk(_message.Message):
     __slots__ = ("role", "index", "data")

@@ -89,6 +89,11 @@ class JobServiceStub:
                 request_serializer=strata_dot_protos_dot_strata__pb2.DrainWorkerRequest.SerializeToString,
                 response_deserializer=strata_dot_protos_dot_strata__pb2.Worker.FromString,
                 _registered_method=True)
+        self.DeleteJob = channel.unary_unary(
+                '/strata.v1.JobService/DeleteJob',
+                request_serializer=strata_dot_protos_dot_strata__pb2.DeleteJobRequest.SerializeToString,
+                response_deserializer=strata_dot_protos_dot_strata__pb2.DeleteJobResponse.FromString,
+                _registered_method=True)
 
 
 class JobServiceServicer:
@@ -164,6 +169,13 @@ class JobServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DeleteJob(self, request, context):
+        """A finished job's records, events, logs and stored outputs (FAILED_PRECONDITION while it runs).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_JobServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -221,6 +233,11 @@ def add_JobServiceServicer_to_server(servicer, server):
                     servicer.DrainWorker,
                     request_deserializer=strata_dot_protos_dot_strata__pb2.DrainWorkerRequest.FromString,
                     response_serializer=strata_dot_protos_dot_strata__pb2.Worker.SerializeToString,
+            ),
+            'DeleteJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteJob,
+                    request_deserializer=strata_dot_protos_dot_strata__pb2.DeleteJobRequest.FromString,
+                    response_serializer=strata_dot_protos_dot_strata__pb2.DeleteJobResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -520,6 +537,33 @@ class JobService:
             '/strata.v1.JobService/DrainWorker',
             strata_dot_protos_dot_strata__pb2.DrainWorkerRequest.SerializeToString,
             strata_dot_protos_dot_strata__pb2.Worker.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/strata.v1.JobService/DeleteJob',
+            strata_dot_protos_dot_strata__pb2.DeleteJobRequest.SerializeToString,
+            strata_dot_protos_dot_strata__pb2.DeleteJobResponse.FromString,
             options,
             channel_credentials,
             insecure,

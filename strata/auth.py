@@ -40,7 +40,7 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,127}$")
 #: the request's agent name as well)
 READ = frozenset({"GetJob", "ListJobs", "WatchJob", "ListWorkers"})
 SUBMIT = frozenset({"SubmitJob", "PlanJob", "UploadBlob"})
-OWN_JOB = frozenset({"CancelJob", "GetLogs", "DownloadOutput"})
+OWN_JOB = frozenset({"CancelJob", "GetLogs", "DownloadOutput", "DeleteJob"})
 ADMIN_ONLY = frozenset({"DrainWorker"})
 CLUSTER = frozenset({"RegisterAgent", "Heartbeat", "Connect", "ReportTask", "AppendLogs",
                      "FetchBlob", "UploadOutput", "DrainAgent"})

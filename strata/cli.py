@@ -1,13 +1,17 @@
+# PYTHON_ARGCOMPLETE_OK
 """The ``strata`` command line.
 
 Exit codes: 0 success; 1 the job FAILED or was CANCELLED, or the command failed; 2 bad usage or a
 rejected job spec (the message names the field or flag); 3 the coordinator cannot be reached;
-4 no such job or task.
+4 no such job or task; 124 ``strata wait --timeout`` ran out.
+
+Shell completion: ``eval "$(register-python-argcomplete strata)"`` (argcomplete).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -21,6 +25,8 @@ from typing import Any, Callable
 from strata.limits import DEFAULT_MAX_PENDING_PER_USER, DEFAULT_MAX_TASKS_PER_JOB
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNAVAILABLE, EXIT_NOT_FOUND = 0, 1, 2, 3, 4
+#: `strata wait --timeout` ran out (as timeout(1) exits)
+EXIT_TIMEOUT = 124
 
 DEMO_SPEC: dict[str, Any] = {
     "name": "digits-mlp",
@@ -39,6 +45,21 @@ class UsageError(Exception):
 def _fail(message: str, code: int) -> int:
     print(f"strata: {message}", file=sys.stderr)
     return code
+
+
+def _duration(flag: str, text: str) -> float:
+    """``7d``, ``12h``, ``30m``, ``45s`` or plain seconds."""
+    units = {"d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0}
+    t = text.strip().lower()
+    scale = units.get(t[-1:], 0.0)
+    number = t[:-1] if scale else t
+    try:
+        value = float(number) * (scale or 1.0)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < 1e10 or value != value:
+        raise UsageError(f"{flag} {text[:32]!r}: a duration such as 7d, 12h, 30m or seconds")
+    return value
 
 
 def _size(flag: str, text: str) -> int:
@@ -83,6 +104,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     if args.start_timeout <= 0:
         raise UsageError("--start-timeout must be positive")
     max_upload = _size("--max-upload", args.max_upload)
+    retention = _duration("--retention", args.retention)
     from strata.tls import TlsError, check_listen, server_credentials
 
     if bool(args.tls_cert) != bool(args.tls_key):
@@ -92,8 +114,12 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
             raise UsageError(f"--{flag.replace('_', '-')}: 1 to 1000000, got {getattr(args, flag)}")
     if args.tls_client_ca and not args.tls_cert:
         raise UsageError("--tls-client-ca needs --tls-cert and --tls-key (mutual TLS is TLS)")
+    if args.http_listen:
+        _address("--http-listen", args.http_listen, allow_port_zero=True)
     try:
         check_listen(args.listen, bool(args.tls_cert), args.insecure)
+        if args.http_listen:
+            check_listen(args.http_listen, bool(args.tls_cert), args.insecure)
         if args.tls_cert:
             server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)  # readable
     except TlsError as e:
@@ -112,7 +138,8 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
                       tls_cert=args.tls_cert, tls_key=args.tls_key,
                       tls_client_ca=args.tls_client_ca, auth_tokens=args.auth_tokens,
                       max_pending_per_user=args.max_pending_per_user,
-                      max_tasks_per_job=args.max_tasks_per_job))
+                      max_tasks_per_job=args.max_tasks_per_job, retention_s=retention,
+                      http_listen=args.http_listen, http_port_file=args.http_port_file))
     return EXIT_OK
 
 
@@ -206,7 +233,8 @@ def _start_local(args: argparse.Namespace, workers: int, budget: str, quiet: boo
     tls = not is_loopback(listen.rsplit(":", 1)[0])
     return LocalCluster(workers=workers, memory_budget=budget, state_dir=args.state_dir,
                         listen=listen, quiet=quiet, shared_dir=getattr(args, "shared_dir", None),
-                        tls=tls, data_roots=getattr(args, "data_root", [])).start()
+                        tls=tls, data_roots=getattr(args, "data_root", []),
+                        http_listen=getattr(args, "http_listen", "")).start()
 
 
 def _catch_stop_signals() -> dict:
@@ -228,6 +256,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"strata cluster up: coordinator {cluster.address}, {args.workers} workers with "
               f"{args.memory_budget} each (state in {cluster.state_dir})", flush=True)
         print(f"export STRATA_COORDINATOR={cluster.address}", flush=True)
+        if cluster.http_url:
+            print(f"status page at {cluster.http_url}/, metrics at {cluster.http_url}/metrics",
+                  flush=True)
         if cluster.tls_paths:
             p = cluster.tls_paths
             print(f"export STRATA_TLS_CA={p['ca']} STRATA_TLS_CERT={p['client']} "
@@ -390,6 +421,11 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _local_time(t: float) -> str:
+    """A time as a local date (with its zone), as users read them."""
+    return time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(t))
+
+
 def _print_status(job) -> None:
     m = job.metrics
     print(f"job {job.id} ({job.name}): {job.state.value}" + (f" - {job.message}" if job.message else ""))
@@ -398,6 +434,8 @@ def _print_status(job) -> None:
           + (f"; {m.examples_per_sec:,.0f} examples/s" if m.examples_per_sec else "")
           + (f"; test accuracy {m.test_accuracy:.4f}" if m.test_accuracy is not None else ""))
     print(f"  memory estimate {_fmt_bytes(job.estimated_memory_bytes)} per task")
+    print(f"  created {_local_time(job.created_at)}"
+          + (f"; finished {_local_time(job.finished_at)}" if job.finished_at else ""))
     if job.checkpoint_step or job.restarts:
         print(f"  checkpoint at step {job.checkpoint_step}; restarts {job.restarts}; steps "
               f"trained again {job.steps_repeated}")
@@ -410,8 +448,11 @@ def _print_status(job) -> None:
         if t.model_path:
             print(f"  model saved by {t.role}:{t.index} on {t.worker}: {t.model_path}")
     if job.output_dir:
-        print(f"  outputs: {job.output_dir} ({', '.join(job.outputs)}); fetch with "
+        shown = [o for o in job.outputs if not o.startswith("tensorboard/")]
+        print(f"  outputs: {job.output_dir} ({', '.join(shown)}); fetch with "
               f"`strata download {job.id} DIR`")
+    if job.tensorboard_dir:
+        print(f"  TensorBoard: tensorboard --logdir {job.tensorboard_dir}")
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -447,6 +488,80 @@ def cmd_drain(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_wait(args: argparse.Namespace) -> int:
+    if args.timeout is not None and args.timeout <= 0:
+        raise UsageError(f"--timeout {args.timeout:g}: seconds, more than 0")
+    with _client(args) as c:
+        try:
+            job = c.wait(args.job_id, timeout=args.timeout)
+        except TimeoutError:
+            job = c.get(args.job_id)
+            print(f"{job.id}: still {job.state.value} after {args.timeout:g} s", file=sys.stderr)
+            return EXIT_TIMEOUT
+    print(f"{job.id}: {job.state.value}" + (f" - {job.message}" if job.message else ""))
+    return EXIT_OK if job.state.value == "SUCCEEDED" else EXIT_FAILED
+
+
+def cmd_delete(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        c.delete(args.job_id)
+    print(f"{args.job_id}: deleted")
+    return EXIT_OK
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from strata.client import local_spec
+    from strata.coordinator.core import prepare
+
+    spec = local_spec(args.job, args.set)
+    plan = prepare(spec).plan  # the model profiled, the strategy's plan without workers
+    if not plan.tasks:  # stages are cut to fit the workers' budgets
+        print(f"{args.job}: valid - {spec.name}, {spec.strategy}; its stages are planned "
+              f"against the workers' budgets (strata plan {args.job} --workers N "
+              f"--memory-budget SIZE shows them)")
+        return EXIT_OK
+    print(f"{args.job}: valid - {spec.name}, {spec.strategy}, {len(plan.tasks)} task(s), "
+          f"about {_fmt_bytes(plan.largest_estimate)} for the largest")
+    return EXIT_OK
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    """A probe for containers and service managers: the coordinator's gRPC health service, or
+    (``--heartbeat-file``) how long ago an agent's last heartbeat was accepted."""
+    if args.heartbeat_file:
+        try:
+            age = time.time() - os.path.getmtime(args.heartbeat_file)
+        except OSError:
+            print(f"{args.heartbeat_file}: no heartbeat yet", file=sys.stderr)
+            return EXIT_FAILED
+        if age > args.max_age:
+            print(f"last heartbeat {age:.0f} s ago (more than {args.max_age:g})", file=sys.stderr)
+            return EXIT_FAILED
+        print(f"last heartbeat {age:.1f} s ago")
+        return EXIT_OK
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from strata.auth import with_token
+    from strata.client import default_address
+    from strata.tls import channel
+
+    address = _address("--coordinator", args.coordinator or default_address())
+    ch = channel(address, _client_tls(args))
+    try:
+        token = _token(args)
+        stub = health_pb2_grpc.HealthStub(with_token(ch, token) if token else ch)
+        status = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=args.max_age)
+    except grpc.RpcError as e:
+        print(f"{address}: {e.code().name} {e.details() or ''}".rstrip(), file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    finally:
+        ch.close()
+    name = health_pb2.HealthCheckResponse.ServingStatus.Name(status.status)
+    print(f"{address}: {name}")
+    return EXIT_OK if status.status == health_pb2.HealthCheckResponse.SERVING else EXIT_FAILED
+
+
 def cmd_cancel(args: argparse.Namespace) -> int:
     with _client(args) as c:
         job = c.cancel(args.job_id)
@@ -461,11 +576,13 @@ def cmd_logs(args: argparse.Namespace) -> int:
         if not role or not idx.isdigit():
             raise UsageError(f"--task {args.task!r}: expected ROLE:INDEX, e.g. worker:0")
         index = int(idx)
+    if args.tail < 0:
+        raise UsageError(f"--tail {args.tail}: a number of lines, 0 or more")
     with _client(args) as c:
         job = c.get(args.job_id)
         prefix = role is None and len(job.tasks) > 1
         pending: dict[tuple[str, int], bytes] = {}
-        for r, i, data in c.logs(args.job_id, role, index, follow=args.follow):
+        for r, i, data in c.logs(args.job_id, role, index, follow=args.follow, tail=args.tail):
             if not prefix:
                 sys.stdout.buffer.write(data)
                 sys.stdout.flush()
@@ -501,11 +618,41 @@ def cmd_workers(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _offline_plan(args: argparse.Namespace):
+    """``strata plan --workers N --memory-budget SIZE``: the plan for N idle workers of that
+    budget, computed here (the coordinator's planner, no coordinator)."""
+    from strata.client import local_spec
+    from strata.coordinator.core import PreparedJob, plan_on, prepare
+    from strata.coordinator.placement import Capacity
+    from strata.types import WorkerOffer
+
+    if not 1 <= args.workers <= 4096:
+        raise UsageError(f"--workers {args.workers}: 1 to 4096")
+    budget = _size("--memory-budget", args.memory_budget)
+    names = [f"worker-{i}" for i in range(args.workers)]
+    spec = local_spec(args.job, args.set)
+    prepared: PreparedJob = prepare(spec, [WorkerOffer(n, budget) for n in names])
+    plan = plan_on(prepared, [Capacity(name=n, budget_bytes=budget, free_bytes=budget,
+                                       free_ports=64) for n in names], {})
+    if plan.feasible and any(not t.worker for t in plan.tasks):
+        # idle workers that cannot hold it now never will: no job ends to make room
+        why = plan.reason.rsplit("would wait: ", 1)[-1]
+        return dataclasses.replace(plan, feasible=False, reason=(
+            f"{args.workers} worker(s) of {_fmt_bytes(budget)} cannot hold every task at "
+            f"once: {why}"))
+    return plan
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from strata.types import plan_to_json
 
-    with _client(args) as c:
-        plan = c.plan(args.job, overrides=args.set)
+    if (args.workers is None) != (args.memory_budget is None):
+        raise UsageError("--workers and --memory-budget go together (offline planning)")
+    if args.workers is not None:
+        plan = _offline_plan(args)
+    else:
+        with _client(args) as c:
+            plan = c.plan(args.job, overrides=args.set)
     if args.json:
         _print_json(plan_to_json(plan))
     else:
@@ -518,10 +665,48 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 # --- parser -----------------------------------------------------------------------------------
 
+JSON_HELP = "print JSON (the shapes in docs/ARCHITECTURE.md), for scripts"
+#: one example per command, shown at the end of its --help
+EXAMPLES = {
+    "coordinator": "strata coordinator --listen 0.0.0.0:50051 --state-dir /var/lib/strata "
+                   "--tls-cert server.crt --tls-key server.key --auth-tokens tokens",
+    "certs": "strata certs --out tls --host coord.example.org --client node-a",
+    "worker": "strata worker --coordinator coord:50051 --memory-budget 8GiB --device GPU:0 "
+              "--shared-dir /mnt/shared --data-root /mnt/datasets",
+    "up": "strata up --workers 2 --memory-budget 2GiB",
+    "demo": "strata demo --set training.epochs=2",
+    "submit": "strata submit examples/digits-mlp.yaml --set workers=2 --follow",
+    "jobs": "strata jobs --state RUNNING --state PENDING",
+    "status": "strata status job-1a2b3c4d --json",
+    "wait": "strata wait job-1a2b3c4d --timeout 600 && echo trained",
+    "drain": "strata drain host1-gpu0",
+    "cancel": "strata cancel job-1a2b3c4d",
+    "delete": "strata delete job-1a2b3c4d",
+    "logs": "strata logs job-1a2b3c4d --task worker:1 --tail 50 --follow",
+    "workers": "strata workers --json",
+    "download": "strata download job-1a2b3c4d out/",
+    "plan": "strata plan examples/deep-pipeline.yaml --workers 4 --memory-budget 2GiB",
+    "validate": "strata validate examples/digits-ps.yaml",
+    "health": "strata health --coordinator 127.0.0.1:50051",
+}
+
+
+class _Help(argparse.RawDescriptionHelpFormatter):
+    """Each flag's help ends with its default, unless the help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("default" in text or not action.option_strings
+                or action.default in (None, False, [], "", argparse.SUPPRESS)):
+            return text
+        return f"{text} (default: {action.default})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="strata", description="Strata: distributed TensorFlow training.",
                                 epilog="Exit codes: 0 ok; 1 job failed or command failed; 2 bad usage "
-                                       "or rejected spec; 3 coordinator unreachable; 4 not found.")
+                                       "or rejected spec; 3 coordinator unreachable; 4 not found; "
+                                       "124 strata wait timed out.")
     from strata import __version__
     from strata.types import JobState, WorkerState
 
@@ -530,7 +715,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
 
     def add(name: str, fn: Callable[[argparse.Namespace], int], help_: str, client: bool = True):
-        sp = sub.add_parser(name, help=help_, description=help_)
+        sp = sub.add_parser(name, help=help_.split(". ")[0], description=help_)
         sp.set_defaults(fn=fn)
         if client:
             sp.add_argument("--coordinator", metavar="HOST:PORT",
@@ -551,7 +736,15 @@ def build_parser() -> argparse.ArgumentParser:
                              "no token)")
 
     sp = add("coordinator", cmd_coordinator, "run the control plane", client=False)
-    sp.add_argument("--listen", default="127.0.0.1:50051", metavar="HOST:PORT")
+    sp.add_argument("--listen", default="127.0.0.1:50051", metavar="HOST:PORT",
+                    help="the address to serve gRPC on; off loopback it needs TLS or --insecure")
+    sp.add_argument("--http-listen", default="", metavar="HOST:PORT",
+                    help="serve the status page (/) and Prometheus metrics (/metrics) here; "
+                         "behind the same tokens, over TLS with --tls-cert (default: none)")
+    sp.add_argument("--http-port-file", help=argparse.SUPPRESS)
+    sp.add_argument("--retention", default="7d", metavar="DURATION",
+                    help="delete finished jobs (records, logs, outputs) this long after they "
+                         "ended: 7d, 12h, 30m, seconds; 0 keeps them")
     sp.add_argument("--state-dir", default=".strata/coordinator", metavar="DIR",
                     help="where the SQLite state and job logs live")
     sp.add_argument("--heartbeat-timeout", type=float, default=10.0, metavar="SECONDS",
@@ -586,7 +779,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = add("certs", cmd_certs, "make a CA, a coordinator certificate and client certificates",
              client=False)
-    sp.add_argument("--out", required=True, metavar="DIR")
+    sp.add_argument("--out", required=True, metavar="DIR", help="where to write the files")
     sp.add_argument("--host", action="append", default=[], metavar="NAME",
                     help="a name or address clients reach the coordinator at (repeatable; "
                          "localhost and the loopback addresses are always included)")
@@ -596,11 +789,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = add("worker", cmd_worker, "run a worker agent that owns one device", client=False)
     sp.add_argument("--coordinator", default=os.environ.get("STRATA_COORDINATOR", "127.0.0.1:50051"),
-                    metavar="HOST:PORT")
+                    metavar="HOST:PORT", help="the coordinator's address ($STRATA_COORDINATOR)")
     sp.add_argument("--memory-budget", required=True, metavar="SIZE", help="e.g. 2GiB, 512MiB, 1.5GB")
     sp.add_argument("--name", help="worker name (default: HOSTNAME-DEVICE)")
     sp.add_argument("--device", default="CPU", help="CPU or GPU:N")
-    sp.add_argument("--work-dir", default=".strata/worker", metavar="DIR")
+    sp.add_argument("--work-dir", default=".strata/worker", metavar="DIR",
+                    help="the agent's own files: task configs, fetched blobs, outputs without "
+                         "a shared directory")
     sp.add_argument("--threads", type=int, default=0, help="intra-op threads per task (0: TF default)")
     sp.add_argument("--advertise-host", default="", metavar="HOST",
                     help="address task peers reach this host at (default: the route to the coordinator)")
@@ -617,55 +812,99 @@ def build_parser() -> argparse.ArgumentParser:
                             ("demo", cmd_demo, "train the digits MLP on a local 2-worker cluster")):
         sp = add(name, fn, help_, client=False)
         if name == "up":
-            sp.add_argument("--workers", type=int, default=2)
-        sp.add_argument("--memory-budget", default="1GiB", metavar="SIZE")
+            sp.add_argument("--workers", type=int, default=2, help="worker agents to start")
+        sp.add_argument("--memory-budget", default="1GiB", metavar="SIZE",
+                        help="each worker's memory budget")
         sp.add_argument("--listen", default="127.0.0.1:50051" if name == "up" else "127.0.0.1:0",
-                        metavar="HOST:PORT")
-        sp.add_argument("--state-dir", default=".strata/local" if name == "up" else None, metavar="DIR")
+                        metavar="HOST:PORT", help="the coordinator's address; off loopback it "
+                                                  "makes certificates and tokens (mutual TLS)")
+        sp.add_argument("--state-dir", default=".strata/local" if name == "up" else None,
+                        metavar="DIR", help="the coordinator's state and the workers' files"
+                        + ("" if name == "up" else " (default: a new temporary directory)"))
         sp.add_argument("--shared-dir", default=None, metavar="DIR",
                         help="the workers' shared directory (default: STATE_DIR/shared)")
         sp.add_argument("--data-root", action="append", default=[], metavar="DIR",
                         help="the workers' data roots (repeatable; default: none, unconfined)")
+        sp.add_argument("--http-listen", default="", metavar="HOST:PORT",
+                        help="the coordinator's status page and /metrics (default: none)")
         if name == "demo":
-            sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+            sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                            help="override a field of the demo job (repeatable)")
 
     sp = add("submit", cmd_submit, "submit a job file (YAML or JSON)")
-    sp.add_argument("job", metavar="JOB.yaml")
+    sp.add_argument("job", metavar="JOB.yaml", help="the job file")
     sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="override a field, e.g. --set training.epochs=3")
+                    help="override a field, e.g. --set training.epochs=3 (repeatable)")
     sp.add_argument("--follow", action="store_true", help="show live progress until the job ends")
 
     sp = add("jobs", cmd_jobs, "list jobs")
-    sp.add_argument("--json", action="store_true")
+    sp.add_argument("--json", action="store_true", help=JSON_HELP)
     sp.add_argument("--state", action="append", default=[], type=str.upper,
                     choices=[s.value for s in JobState], metavar="STATE",
                     help="only jobs in this state (repeatable): "
                          + ", ".join(s.value for s in JobState))
     sp = add("status", cmd_status, "show one job")
-    sp.add_argument("job_id", metavar="JOB_ID")
-    sp.add_argument("--json", action="store_true")
+    sp.add_argument("job_id", metavar="JOB_ID", help="the job")
+    sp.add_argument("--json", action="store_true", help=JSON_HELP)
+    sp = add("wait", cmd_wait, "wait for a job to end; exit 0 if it SUCCEEDED, 1 if it FAILED "
+                               "or was CANCELLED")
+    sp.add_argument("job_id", metavar="JOB_ID", help="the job")
+    sp.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                    help=f"give up after this long, exit {EXIT_TIMEOUT} (default: no limit)")
     sp = add("drain", cmd_drain, "stop placing tasks on a worker and move its jobs elsewhere "
                                  "(they resume from their checkpoints)")
-    sp.add_argument("worker", metavar="WORKER")
+    sp.add_argument("worker", metavar="WORKER", help="the worker's name (strata workers)")
     sp = add("cancel", cmd_cancel, "cancel a job")
-    sp.add_argument("job_id", metavar="JOB_ID")
+    sp.add_argument("job_id", metavar="JOB_ID", help="the job")
+    sp = add("delete", cmd_delete, "delete a finished job: its records, events, logs and "
+                                   "stored outputs")
+    sp.add_argument("job_id", metavar="JOB_ID", help="the job (cancel a running one first)")
     sp = add("logs", cmd_logs, "print a job's task logs")
-    sp.add_argument("job_id", metavar="JOB_ID")
-    sp.add_argument("--task", metavar="ROLE:INDEX")
-    sp.add_argument("--follow", action="store_true")
+    sp.add_argument("job_id", metavar="JOB_ID", help="the job")
+    sp.add_argument("--task", metavar="ROLE:INDEX",
+                    help="one task's log, e.g. worker:1 (default: every task's, each line "
+                         "prefixed with its task)")
+    sp.add_argument("--follow", action="store_true", help="keep printing until the job ends")
+    sp.add_argument("--tail", type=int, default=0, metavar="N",
+                    help="only the last N lines of each task's log (default: all)")
     sp = add("workers", cmd_workers, "list worker agents and their memory")
-    sp.add_argument("--json", action="store_true")
+    sp.add_argument("--json", action="store_true", help=JSON_HELP)
     sp.add_argument("--state", action="append", default=[], type=str.upper,
                     choices=[s.value for s in WorkerState], metavar="STATE",
                     help="only workers in this state (repeatable): "
                          + ", ".join(s.value for s in WorkerState))
     sp = add("download", cmd_download, "fetch a job's outputs (trained model, metrics.json)")
-    sp.add_argument("job_id", metavar="JOB_ID")
-    sp.add_argument("dest", metavar="DIR")
-    sp = add("plan", cmd_plan, "show what the coordinator would run; starts nothing")
-    sp.add_argument("job", metavar="JOB.yaml")
-    sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    sp.add_argument("--json", action="store_true")
+    sp.add_argument("job_id", metavar="JOB_ID", help="the job")
+    sp.add_argument("dest", metavar="DIR", help="where to write them (made if missing)")
+    sp = add("plan", cmd_plan, "show what would run: tasks, workers, stages, memory per task; "
+                               "starts nothing. With --workers and --memory-budget it needs no "
+                               "coordinator")
+    sp.add_argument("job", metavar="JOB.yaml", help="the job file")
+    sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a field, e.g. --set workers=4 (repeatable)")
+    sp.add_argument("--workers", type=int, default=None, metavar="N",
+                    help="plan offline for N workers of --memory-budget each (default: the "
+                         "coordinator's workers)")
+    sp.add_argument("--memory-budget", default=None, metavar="SIZE",
+                    help="each offline worker's budget, e.g. 8GiB")
+    sp.add_argument("--json", action="store_true", help=JSON_HELP)
+    sp = add("health", cmd_health, "probe the coordinator's health service (exit 0 when "
+                                   "SERVING), or an agent's last heartbeat")
+    sp.add_argument("--heartbeat-file", default="", metavar="FILE",
+                    help="an agent's WORK_DIR/agent.alive: healthy when a heartbeat was "
+                         "accepted within --max-age (default: probe the coordinator)")
+    sp.add_argument("--max-age", type=float, default=30.0, metavar="SECONDS",
+                    help="how old the last heartbeat may be; also the coordinator probe's "
+                         "timeout")
+    sp = add("validate", cmd_validate, "check a job file on this machine, as the coordinator "
+                                       "would: fields, model, memory estimate; nothing is sent",
+             client=False)
+    sp.add_argument("job", metavar="JOB.yaml", help="the job file")
+    sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a field (repeatable)")
+    for name, sp in sub.choices.items():
+        sp.formatter_class = _Help
+        sp.epilog = f"example:\n  {EXAMPLES[name]}"
     return p
 
 
@@ -673,7 +912,14 @@ def main(argv: list[str] | None = None) -> int:
     from strata.client import CoordinatorError, Infeasible, JobRejected, NotFound, Unavailable
     from strata.errors import SpecError
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    try:
+        import argcomplete
+
+        argcomplete.autocomplete(parser)  # `eval "$(register-python-argcomplete strata)"`
+    except ImportError:
+        pass
+    args = parser.parse_args(argv)
     try:
         return args.fn(args)
     except UsageError as e:
@@ -694,10 +940,14 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(e.message, EXIT_FAILED)
     except KeyboardInterrupt:
         return _fail("interrupted", 130)
+    except BrokenPipeError:
+        # the reader went away (`strata logs ... | head`): end quietly; stdout is pointed at
+        # /dev/null so that the interpreter's last flush does not complain either
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_OK
     except (OSError, RuntimeError, TimeoutError) as e:
         return _fail(str(e) or type(e).__name__, EXIT_FAILED)
-    except BrokenPipeError:
-        return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -146,6 +146,17 @@ def _spec_proto(spec: SpecInput, overrides: list[str] | None = None
         raise JobRejected(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.field) from None
 
 
+def local_spec(spec: SpecInput, overrides: list[str] | None = None) -> JobSpec:
+    """The job as the coordinator would parse it, checked on this machine alone (``strata
+    validate``, ``strata plan --workers``): local files it names are read, nothing is sent,
+    and a code directory packed on the way is removed again."""
+    msg, files = _spec_proto(spec, overrides)
+    for path in files:
+        if os.path.basename(path).startswith("strata-code-"):
+            os.unlink(path)
+    return convert.spec_from_proto(msg)
+
+
 class Client:
     def __init__(self, address: str | None = None, timeout: float = 10.0,
                  tls: ClientTls | None = None, token: str | None = None):
@@ -287,6 +298,11 @@ class Client:
     def cancel(self, job_id: str) -> Job:
         return convert.job_from_proto(self._call("CancelJob", pb.CancelJobRequest(id=job_id)))
 
+    def delete(self, job_id: str) -> None:
+        """Deletes a finished job: records, events, logs, stored outputs (Infeasible while it
+        runs)."""
+        self._call("DeleteJob", pb.DeleteJobRequest(id=job_id))
+
     def workers(self, states: Sequence[str] = (), page_size: int = 0) -> list[WorkerInfo]:
         """Every worker (by name), or those in ``states``, fetched a page at a time."""
         out: list[WorkerInfo] = []
@@ -330,9 +346,11 @@ class Client:
                 return job
 
     def logs(self, job_id: str, role: str | None = None, index: int = 0, follow: bool = False,
-             timeout: float | None = None) -> Iterator[tuple[str, int, bytes]]:
+             timeout: float | None = None, tail: int = 0) -> Iterator[tuple[str, int, bytes]]:
+        """Task logs in chunks: every task's, or one task's; ``tail``: only the last lines of
+        each first."""
         req = pb.GetLogsRequest(job_id=job_id, role=role or "", index=index, all_tasks=role is None,
-                                follow=follow)
+                                follow=follow, tail_lines=tail)
         try:
             for chunk in self._stub.GetLogs(req, timeout=timeout):
                 yield chunk.role, chunk.index, chunk.data

@@ -153,7 +153,7 @@ def job_to_proto(j: Job, with_spec: bool = True) -> pb.Job:
         tasks=[task_to_proto(t) for t in j.tasks],
         spec=spec_to_proto(j.spec) if j.spec is not None and with_spec else None,
         output_dir=j.output_dir, outputs=list(j.outputs), checkpoint_step=j.checkpoint_step,
-        steps_repeated=j.steps_repeated, owner=j.owner,
+        steps_repeated=j.steps_repeated, owner=j.owner, tensorboard_dir=j.tensorboard_dir,
     )
 
 
@@ -175,7 +175,7 @@ def job_from_proto(m: pb.Job) -> Job:
         ),
         tasks=[task_from_proto(m.id, t) for t in m.tasks],
         output_dir=m.output_dir, outputs=list(m.outputs), checkpoint_step=m.checkpoint_step,
-        steps_repeated=m.steps_repeated, owner=m.owner,
+        steps_repeated=m.steps_repeated, owner=m.owner, tensorboard_dir=m.tensorboard_dir,
     )
 
 

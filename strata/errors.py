@@ -52,8 +52,9 @@ class InfeasibleError(StrataError):
 class InvalidTransition(StrataError):
     """A lifecycle change that the transition table forbids (e.g. cancelling a finished job)."""
 
-    def __init__(self, kind: str, current: str, target: str):
-        super().__init__(f"{kind} cannot go from {current} to {target}")
+    def __init__(self, kind: str, current: str, target: str, hint: str = ""):
+        super().__init__(f"{kind} cannot go from {current} to {target}"
+                         + (f": {hint}" if hint else ""))
         self.kind = kind
         self.current = current
         self.target = target

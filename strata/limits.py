@@ -9,3 +9,6 @@ coordinator.
 DEFAULT_MAX_PENDING_PER_USER = 1000
 #: task processes one job may run (``--max-tasks-per-job``; raise it for larger clusters)
 DEFAULT_MAX_TASKS_PER_JOB = 256
+#: finished jobs are deleted (records, logs, stored outputs) this long after they ended
+#: (``--retention``; 0 keeps them)
+DEFAULT_RETENTION_S = 7 * 24 * 3600.0

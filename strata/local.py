@@ -38,7 +38,8 @@ class LocalCluster:
                  listen: str = "127.0.0.1:0", threads: int | None = None,
                  heartbeat_timeout_s: float = 10.0, quiet: bool = True, log_dir: str | None = None,
                  allow_user_code: bool = True, shared_dir: str | None = None,
-                 tls: bool = False, data_roots: list[str] | None = None):
+                 tls: bool = False, data_roots: list[str] | None = None,
+                 http_listen: str = ""):
         self.n_workers = workers
         # one user on loopback: that user's own code may run (``--allow-user-code``)
         self.allow_user_code = allow_user_code
@@ -51,6 +52,9 @@ class LocalCluster:
         # one directory every local agent sees: the shared storage of a one-host cluster
         self.shared_dir = os.path.abspath(shared_dir or os.path.join(self.state_dir, "shared"))
         os.makedirs(self.shared_dir, exist_ok=True)
+        #: the coordinator's --http-listen, and where it serves once started
+        self.http_listen = http_listen
+        self.http_url = ""
         #: the agents' --data-root (none: unconfined)
         self.data_roots = [os.path.abspath(r) for r in data_roots or []]
         self.listen = listen
@@ -130,8 +134,10 @@ class LocalCluster:
 
     def start_coordinator(self) -> str:
         port_file = os.path.join(self.state_dir, "coordinator.address")
-        if os.path.exists(port_file):
-            os.unlink(port_file)
+        http_file = os.path.join(self.state_dir, "coordinator.http")
+        for f in (port_file, http_file):
+            if os.path.exists(f):
+                os.unlink(f)
         # a restart keeps the port the agents know
         listen = (f"{self.listen.rsplit(':', 1)[0]}:{self.address.rsplit(':', 1)[1]}"
                   if self.address else self.listen)
@@ -139,6 +145,8 @@ class LocalCluster:
             ["coordinator", "--listen", listen, "--state-dir", self.state_dir,
              "--heartbeat-timeout", str(self.heartbeat_timeout_s), "--port-file", port_file]
             + (["--allow-user-code"] if self.allow_user_code else [])
+            + (["--http-listen", self.http_listen, "--http-port-file", http_file]
+               if self.http_listen else [])
             + (["--tls-cert", self.tls_paths["server"], "--tls-key", self.tls_paths["server_key"],
                 "--tls-client-ca", self.tls_paths["ca"], "--auth-tokens", self.tokens_file]
                if self.tls_paths else []),
@@ -159,6 +167,9 @@ class LocalCluster:
         # every interface: the local processes dial loopback (in the certificate's names)
         self.address = f"127.0.0.1:{port}" if host.strip("[]") in ("0.0.0.0", "::", "") \
             else bound
+        if self.http_listen:  # written before the address file
+            with open(http_file) as f:
+                self.http_url = f.read().strip().replace("://0.0.0.0:", "://127.0.0.1:")
         return self.address
 
     def add_worker(self, name: str, memory_budget: str | None = None, wait: bool = True) -> None:

@@ -189,6 +189,9 @@ class Job:
     recovery: JobRecovery = dataclasses.field(default_factory=JobRecovery)
     #: the NAME of the token that submitted it (``strata.auth``; empty with auth off)
     owner: str = ""
+    #: its TensorBoard logs (``tensorboard --logdir``): the shared directory while it runs,
+    #: the coordinator's copy of its outputs once they are in (empty: not known)
+    tensorboard_dir: str = ""
 
 
 @dataclasses.dataclass
@@ -315,7 +318,7 @@ def job_to_json(j: Job) -> dict[str, Any]:
         "tasks": [task_to_json(t) for t in j.tasks],
         "output_dir": j.output_dir or None, "outputs": list(j.outputs),
         "checkpoint_step": j.checkpoint_step, "steps_repeated": j.steps_repeated,
-        "owner": j.owner,
+        "owner": j.owner, "tensorboard_dir": j.tensorboard_dir or None,
     }
 
 

@@ -49,6 +49,8 @@ PORT_POOL = 4
 LOG_FLUSH_INTERVAL_S = 0.5
 FINISHED_KEEP_S = 120.0   # finished tasks stay in heartbeats this long, in case a report was lost
 MAX_LOG_CHUNK = 256 * 1024
+#: under --work-dir: the time of the latest heartbeat the coordinator accepted
+ALIVE_FILE = "agent.alive"
 REGISTER_BACKOFF_MAX_S = 5.0
 #: SIGTERM: how long the agent waits for the coordinator to move its tasks elsewhere
 DRAIN_TIMEOUT_S = 60.0
@@ -416,6 +418,20 @@ class Agent:
         return MemoryStatus(budget_bytes=self.cfg.budget_bytes, reserved_bytes=reserved,
                             in_use_bytes=in_use, peak_bytes=self.peak_bytes)
 
+    @property
+    def alive_file(self) -> str:
+        """Touched at each heartbeat the coordinator accepted: ``strata health
+        --heartbeat-file`` (a container's liveness and readiness probe) reads its age."""
+        return os.path.join(self.cfg.work_dir, ALIVE_FILE)
+
+    def _alive(self) -> None:
+        try:
+            with open(self.alive_file + ".tmp", "w") as f:
+                f.write(f"{time.time():.3f} {self.cfg.name}\n")
+            os.replace(self.alive_file + ".tmp", self.alive_file)
+        except OSError as e:
+            log.warning("cannot write %s: %s", self.alive_file, e)
+
     def register(self) -> None:
         resp = self.stub.RegisterAgent(pb.RegisterAgentRequest(
             name=self.cfg.name, host=self.cfg.host, device=self.cfg.device,
@@ -425,6 +441,7 @@ class Agent:
             draining=self.draining.is_set(), data_roots=list(self.cfg.data_roots)),
             timeout=RPC_TIMEOUT_S)
         self.session = resp.session
+        self._alive()
         self.heartbeat_interval = resp.heartbeat_interval_s or 1.0
         log.info("registered with %s as %s (%s, host %s)", self.cfg.coordinator, self.cfg.name,
                  self.cfg.device, self.cfg.host)
@@ -633,6 +650,7 @@ class Agent:
                 if resp.reregister:
                     self._reregister.set()
                     continue
+                self._alive()
             except grpc.RpcError as e:
                 log.warning("heartbeat failed (%s)", e.code())
                 if e.code() == grpc.StatusCode.UNAVAILABLE:

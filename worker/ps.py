@@ -487,7 +487,7 @@ class PsChiefRunner(TrainingRunner):
         coordinator = self.coordinator
         start = self.start_step
         progress = Progress(self.events, self.memory, steps, self.gb, self.cfg.report_interval_s,
-                            self.memory_label, start=start)
+                            self.memory_label, start=start, scalars=self.scalars)
         window = max(4, 4 * self.n_workers)
         self.watchdog.set_phase("train")
         ckpt = self.checkpointer

@@ -21,6 +21,7 @@ parameter_server chief), ``strata.worker.pipeline`` (the pipeline and hybrid dri
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from typing import Any, Callable
 
@@ -122,13 +123,55 @@ def gradient_step(tf: Any, model: Any, optimizer: Any, loss_fn: Any, mixed: str,
     return step_fn
 
 
+class Scalars:
+    """TensorBoard scalars of one task: ``OUTPUT_DIR/tensorboard/ROLE-INDEX`` (the job's
+    output location, on the shared directory when the workers have one; the coordinator keeps
+    a copy with the job's outputs). Never fails the training: a writer that errs is logged
+    once and dropped."""
+
+    def __init__(self, tf: Any, cfg: TaskConfig):
+        self.tf = tf
+        self.dir = os.path.join(cfg.agent.output_dir, "tensorboard",
+                                f"{cfg.role}-{cfg.index}")
+        self.writer: Any = None
+        from tensorflow.core.framework import summary_pb2
+
+        md = summary_pb2.SummaryMetadata(data_class=summary_pb2.DATA_CLASS_SCALAR)
+        md.plugin_data.plugin_name = "scalars"
+        self.metadata = md.SerializeToString()
+        try:
+            with tf.device("/device:CPU:0"):
+                self.writer = tf.summary.create_file_writer(self.dir)
+        except Exception as e:  # noqa: BLE001 - TensorBoard is an extra
+            log(f"tensorboard: cannot write {self.dir}: {e}")
+
+    def write(self, step: int, values: dict[str, float]) -> None:
+        if self.writer is None:
+            return
+        tf = self.tf
+        try:
+            with tf.device("/device:CPU:0"), self.writer.as_default():
+                for name, value in values.items():
+                    # what tf.summary.scalar writes, without the tensorboard package (which
+                    # tensorflow-cpu does not bring): a float32 scalar tagged for the scalars
+                    # dashboard
+                    tf.summary.write(name, tf.constant(float(value), tf.float32), step=step,
+                                     metadata=self.metadata)
+            self.writer.flush()
+        except Exception as e:  # noqa: BLE001
+            log(f"tensorboard: stopped writing {self.dir}: {e}")
+            self.writer = None
+
+
 class Progress:
     """Reports ``first_step`` once and ``progress`` (step, loss, examples/s, this process's
     allocator figures) after the first and the last step and at most every ``interval`` s."""
 
     def __init__(self, events: Events, memory: Callable[[], dict], total_steps: int,
-                 global_batch: int, interval: float, label: str = "mem", start: int = 0):
+                 global_batch: int, interval: float, label: str = "mem", start: int = 0,
+                 scalars: Scalars | None = None):
         self.events, self.memory, self.total = events, memory, total_steps
+        self.scalars = scalars
         self.gb, self.interval, self.label = global_batch, interval, label
         self.first = start + 1  # a resumed task's first step
         self.t_start = time.time()
@@ -149,6 +192,10 @@ class Progress:
                          examples_per_sec=eps, memory=m)
         log(f"step {step}/{self.total} loss {loss:.4f} {eps:,.0f} ex/s {self.label} "
             f"{format_mib(m['current'])} (peak {format_mib(m['peak'])})")
+        if self.scalars is not None:
+            self.scalars.write(step, {"loss": loss, "examples_per_sec": eps,
+                                      "memory/in_use_bytes": m["current"],
+                                      "memory/peak_bytes": m["peak"]})
         self.last_t, self.last_step, self.last_report = now, step, now
 
 
@@ -181,6 +228,7 @@ class TrainingRunner:
         self.checkpointer: Checkpointer | None = None
         self.resume_from: Found | None = None
         self.start_step = 0
+        self.scalars: Scalars | None = None
 
     # -- hooks
 
@@ -313,7 +361,7 @@ class TrainingRunner:
     def train(self, steps: int) -> None:
         start = self.start_step
         progress = Progress(self.events, self.memory, steps, self.gb, self.cfg.report_interval_s,
-                            self.memory_label, start=start)
+                            self.memory_label, start=start, scalars=self.scalars)
         for step in range(start + 1, steps + 1):
             read_loss = self.train_step(step)
             if step == start + 1:
@@ -374,6 +422,8 @@ class TrainingRunner:
             + ", ".join(f"{k} {v}" for k, v in started.items()))
         self.data = self.load()
         steps = self.data.steps
+        if self.cfg.agent.output_dir:
+            self.scalars = Scalars(self.tf, self.cfg)
         if self.cfg.checkpoints_enabled:
             self.checkpointer = Checkpointer(self.cfg, self.events,
                                              writer=self.checkpoint_writer())
@@ -405,6 +455,9 @@ class TrainingRunner:
         test_loss, test_acc = self.evaluate()
         fields = self.result_fields()
         m = self.memory()
+        if self.scalars is not None:
+            self.scalars.write(steps, {"test/accuracy": test_acc, "test/loss": test_loss,
+                                       "memory/peak_bytes": m["peak"]})
         self.events.emit("result", test_accuracy=test_acc, test_loss=test_loss, memory=m,
                          steps=steps, train_seconds=train_s, **fields)
         digest = str(fields.get("weights_sha256") or "")

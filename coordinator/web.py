@@ -1,0 +1,222 @@
+"""The coordinator's HTTP listener (``--http-listen``): Prometheus metrics and a status page.
+
+- ``/metrics``: Prometheus text format (``prometheus_client``). Names follow its conventions:
+  the ``strata_`` prefix, base units (``_bytes``, ``_seconds``), ``_total`` for counters.
+- ``/``: the status page, one static HTML file with its script inline (``status.html``; no
+  build step). It reads ``/api/state`` every two seconds.
+- ``/api/state``: workers and jobs as ``strata workers --json`` / ``strata jobs --json`` show
+  them, with each job's recent progress and per-task memory (``coordinator.series``).
+- ``/healthz``: ``ok`` while the coordinator serves.
+
+Read only. With ``--auth-tokens`` every path but ``/`` and ``/healthz`` needs a token of a
+role that may read jobs (``Authorization: Bearer TOKEN``; Prometheus' ``authorization``
+setting sends it); the page asks for one and keeps it in the browser tab's session storage.
+Served with the coordinator's TLS certificate when it has one. A tiny HTTP/1.1 server on the
+coordinator's own event loop: it reads the coordinator's state without locks or threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import ssl
+import time
+from typing import Any, Iterator
+from urllib.parse import urlsplit
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
+
+import grpc
+
+from strata.auth import Auth, Denied
+from strata.types import JobState, WorkerState, job_to_json, worker_to_json
+
+log = logging.getLogger("strata.coordinator.web")
+
+#: the gRPC edge's latencies (``coordinator.service.rpc`` observes every call)
+RPC_REGISTRY = CollectorRegistry()
+RPC_SECONDS = Histogram("strata_rpc_duration_seconds", "Time to handle a gRPC call (for a "
+                        "streaming call, to its last message)", ["method", "code"],
+                        registry=RPC_REGISTRY,
+                        buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                                 2.5, 5.0, 10.0, 30.0, 60.0, float("inf")))
+QUEUE_BUCKETS = (1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 3600.0, 4 * 3600.0, 24 * 3600.0)
+#: finished jobs shown on the page (newest first), besides every job not yet finished
+RECENT_JOBS = 20
+MAX_REQUEST_BYTES = 8192
+REQUEST_TIMEOUT_S = 10.0
+PAGE = os.path.join(os.path.dirname(__file__), "status.html")
+
+
+class StrataCollector(Collector):
+    """The coordinator's state as metrics, read at each scrape."""
+
+    def __init__(self, coord: Any):
+        self.coord = coord
+
+    def collect(self) -> Iterator[Any]:
+        coord = self.coord
+        jobs = list(coord.jobs.values())
+        by_state = GaugeMetricFamily("strata_jobs", "Jobs held, by state", labels=["state"])
+        for s in JobState:
+            by_state.add_metric([s.value], sum(1 for j in jobs if j.state == s))
+        yield by_state
+        restarts = CounterMetricFamily("strata_job_restarts", "Restarts of the jobs held, in all",
+                                       labels=[])
+        restarts.add_metric([], sum(j.restarts for j in jobs))
+        yield restarts
+        waited = sorted(j.started_at - j.created_at for j in jobs
+                        if j.started_at and j.started_at >= j.created_at)
+        buckets = [(str(b), sum(1 for w in waited if w <= b)) for b in QUEUE_BUCKETS]
+        buckets.append(("+Inf", len(waited)))
+        yield HistogramMetricFamily("strata_job_queue_seconds", "From submit to the first "
+                                    "training step, of the jobs held that started",
+                                    buckets=buckets, sum_value=sum(waited))
+        live = [j for j in jobs if not j.state.final]
+        step = GaugeMetricFamily("strata_job_step", "Training step of each unfinished job",
+                                 labels=["job", "name"])
+        total = GaugeMetricFamily("strata_job_steps", "Steps each unfinished job will train",
+                                  labels=["job", "name"])
+        loss = GaugeMetricFamily("strata_job_loss", "Latest training loss of each unfinished job",
+                                 labels=["job", "name"])
+        speed = GaugeMetricFamily("strata_job_examples_per_second", "Training throughput of each "
+                                  "unfinished job", labels=["job", "name"])
+        job_restarts = CounterMetricFamily("strata_job_restarts_per_job", "Restarts of each "
+                                           "unfinished job", labels=["job", "name"])
+        for j in live:
+            labels = [j.id, j.name]
+            step.add_metric(labels, j.metrics.step)
+            total.add_metric(labels, j.metrics.total_steps)
+            if j.metrics.loss is not None:
+                loss.add_metric(labels, j.metrics.loss)
+            speed.add_metric(labels, j.metrics.examples_per_sec or 0.0)
+            job_restarts.add_metric(labels, j.restarts)
+        yield from (step, total, loss, speed, job_restarts)
+        workers = coord.list_workers()
+        by_wstate = GaugeMetricFamily("strata_workers", "Worker agents, by state",
+                                      labels=["state"])
+        for ws in WorkerState:
+            by_wstate.add_metric([ws.value], sum(1 for w in workers if w.state == ws))
+        yield by_wstate
+        figures = (("budget", "Memory budget of each worker"),
+                   ("reserved", "Memory reserved by the tasks placed on each worker"),
+                   ("in_use", "Memory in use by each worker's tasks (their allocators)"),
+                   ("peak", "Peak memory of each worker's tasks"))
+        for key, text in figures:
+            g = GaugeMetricFamily(f"strata_worker_memory_{key}_bytes", text,
+                                  labels=["worker", "device"])
+            for w in workers:
+                g.add_metric([w.name, w.device], getattr(w.memory, f"{key}_bytes"))
+            yield g
+
+
+def state_json(coord: Any) -> dict[str, Any]:
+    """What the status page shows: every worker, every unfinished job and the latest finished
+    ones, each job with its recent progress and per-task memory."""
+    jobs = sorted(coord.jobs.values(), key=lambda j: (j.created_at, j.id), reverse=True)
+    live = [j for j in jobs if not j.state.final]
+    done = [j for j in jobs if j.state.final][:RECENT_JOBS]
+    out = []
+    for j in live + done:
+        d = job_to_json(j)
+        d.update(coord.series.of(j.id))
+        out.append(d)
+    return {"time": time.time(), "workers": [worker_to_json(w) for w in coord.list_workers()],
+            "jobs": out}
+
+
+class Web:
+    def __init__(self, coord: Any, auth: Auth | None):
+        self.coord = coord
+        self.auth = auth
+        self.registry = CollectorRegistry()
+        self.registry.register(StrataCollector(coord))
+        with open(PAGE, "rb") as f:
+            self.page = f.read()
+
+    def _check(self, headers: dict[str, str]) -> tuple[int, str] | None:
+        """None when the caller may read; else the HTTP status and why."""
+        if self.auth is None or not self.auth.enabled:
+            return None
+        value = headers.get("authorization", "")
+        try:  # the page and the metrics read what ListJobs and ListWorkers do
+            self.auth.check(self.auth.caller((("authorization", value),)), "ListJobs")
+        except Denied as e:
+            return (401 if e.code == grpc.StatusCode.UNAUTHENTICATED else 403, e.message)
+        return None
+
+    def route(self, path: str, headers: dict[str, str]) -> tuple[int, str, bytes]:
+        if path in ("/", "/index.html"):
+            return 200, "text/html; charset=utf-8", self.page
+        if path == "/healthz":
+            return 200, "text/plain; charset=utf-8", b"ok\n"
+        if path not in ("/metrics", "/api/state"):
+            return 404, "text/plain; charset=utf-8", b"not found\n"
+        refused = self._check(headers)
+        if refused is not None:
+            code, why = refused
+            return code, "application/json", json.dumps({"error": why}).encode()
+        if path == "/metrics":
+            body = generate_latest(self.registry) + generate_latest(RPC_REGISTRY)
+            return 200, "text/plain; version=0.0.4; charset=utf-8", body
+        return 200, "application/json", json.dumps(state_json(self.coord)).encode()
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_TIMEOUT_S)
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError,
+                ConnectionError, ssl.SSLError):
+            writer.close()
+            return
+        try:
+            lines = head.decode("latin-1").split("\r\n")
+            method, target, _version = lines[0].split(" ", 2)
+            headers = {}
+            for line in lines[1:]:
+                if ":" in line:
+                    k, v = line.split(":", 1)
+                    headers[k.strip().lower()] = v.strip()
+            if method not in ("GET", "HEAD"):
+                code, ctype, body = 405, "text/plain; charset=utf-8", b"GET only\n"
+            else:
+                code, ctype, body = self.route(urlsplit(target).path, headers)
+        except ValueError:
+            code, ctype, body = 400, "text/plain; charset=utf-8", b"bad request\n"
+        except Exception:  # noqa: BLE001 - never take the coordinator down
+            log.exception("status page")
+            code, ctype, body = 500, "text/plain; charset=utf-8", b"internal error\n"
+        reason = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden",
+                  404: "Not Found", 405: "Method Not Allowed"}.get(code, "Error")
+        writer.write((f"HTTP/1.1 {code} {reason}\r\nContent-Type: {ctype}\r\n"
+                      f"Content-Length: {len(body)}\r\nCache-Control: no-store\r\n"
+                      "X-Content-Type-Options: nosniff\r\n"
+                      "Content-Security-Policy: default-src 'self'; script-src 'unsafe-inline';"
+                      " style-src 'unsafe-inline'\r\nConnection: close\r\n\r\n").encode())
+        if not head.startswith(b"HEAD"):
+            writer.write(body)
+        try:
+            await writer.drain()
+        except (ConnectionError, ssl.SSLError):
+            pass
+        writer.close()
+
+
+async def start(listen: str, coord: Any, auth: Auth | None, tls_cert: str = "",
+                tls_key: str = "") -> tuple[asyncio.Server, str]:
+    """Starts the listener; returns it and the bound ``scheme://host:port``."""
+    host, _, port = listen.rpartition(":")
+    host = host.strip("[]")
+    context = None
+    if tls_cert:
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(tls_cert, tls_key)
+    web = Web(coord, auth)
+    server = await asyncio.start_server(web.handle, host or None, int(port), ssl=context,
+                                        limit=MAX_REQUEST_BYTES)
+    bound = server.sockets[0].getsockname()[1]
+    shown = f"[{host}]" if ":" in host else host
+    return server, f"{'https' if context else 'http'}://{shown}:{bound}"

@@ -1,0 +1,205 @@
+"""The coordinator's HTTP listener: Prometheus metrics, the status page's state, tokens; then
+the real page in headless Chromium against a running job, its memory figures checked against
+`strata workers --json`, and a screenshot kept for the README."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import ssl
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from strata.types import JobState, TaskReport, TaskState
+
+GiB = 1 << 30
+JOB = {"name": "web", "workers": 1,
+       "model": {"builtin": {"kind": "mlp", "input_shape": [64], "hidden": [32], "classes": 10}},
+       "data": {"source": "digits", "batch_size": 64}, "training": {"steps": 50}}
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def running(env):
+    coord, clock, store, _ = env
+    session = coord.register("w0", "127.0.0.1", "CPU", GiB, [5000, 5001], [], shared_dir="/s")
+    job = coord.submit(JOB)
+    coord.tick()
+    t = job.tasks[0]
+    for step in (5, 10):
+        clock.now += 2
+        coord.report("w0", session, TaskReport(job.id, t.role, t.index, TaskState.RUNNING,
+                                               attempt=t.attempt, step=step, total_steps=50,
+                                               loss=2.0 / step, examples_per_sec=1000.0,
+                                               in_use_bytes=step << 20, peak_bytes=12 << 20))
+    return coord, job
+
+
+def test_metrics_follow_prometheus_conventions(env):
+    from strata.coordinator.web import Web
+
+    coord, job = running(env)
+    code, ctype, body = Web(coord, None).route("/metrics", {})
+    text = body.decode()
+    assert code == 200 and ctype.startswith("text/plain; version=0.0.4")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(text) for s in f.samples}
+    w0 = (("device", "CPU"), ("worker", "w0"))
+    me = (("job", job.id), ("name", "web"))
+    assert samples[("strata_jobs", (("state", "RUNNING"),))] == 1
+    assert samples[("strata_workers", (("state", "BUSY"),))] == 1
+    assert samples[("strata_worker_memory_budget_bytes", w0)] == GiB
+    assert samples[("strata_worker_memory_reserved_bytes", w0)] == job.tasks[0].memory_budget_bytes
+    assert samples[("strata_worker_memory_in_use_bytes", w0)] == 0  # no heartbeat yet
+    assert samples[("strata_job_step", me)] == 10
+    assert samples[("strata_job_loss", me)] == pytest.approx(0.2)
+    assert samples[("strata_job_examples_per_second", me)] == 1000
+    assert samples[("strata_job_restarts_total", ())] == 0
+    assert ("strata_job_queue_seconds_bucket", (("le", "+Inf"),)) in samples
+    for family in text_string_to_metric_families(text):
+        assert family.name.startswith("strata_"), family.name
+        for s in family.samples:
+            if family.type == "counter":
+                assert s.name.endswith(("_total", "_created")), s.name
+            if "memory" in s.name:
+                assert s.name.endswith("_bytes"), s.name
+
+
+def test_state_carries_series_and_tokens_guard_everything_but_the_page(env, tmp_path):
+    from strata.auth import Auth
+    from strata.coordinator.web import Web
+
+    coord, job = running(env)
+    code, _, body = Web(coord, None).route("/api/state", {})
+    state = json.loads(body)
+    (j,) = state["jobs"]
+    assert j["id"] == job.id and [p[1] for p in j["progress"]] == [5.0, 10.0]
+    assert [p[1] for p in j["memory"]["worker:0"]] == [5 << 20, 10 << 20]
+    assert state["workers"][0]["memory"]["budget_bytes"] == GiB
+    tokens = tmp_path / "tokens"
+    tokens.write_text("v" * 20 + " viewer eve\n" + "a" * 20 + " agent w0\n")
+    web = Web(coord, Auth(str(tokens)))
+    assert web.route("/", {})[0] == 200 and web.route("/healthz", {})[0] == 200
+    assert web.route("/metrics", {})[0] == 401
+    assert web.route("/api/state", {"authorization": "Bearer " + "x" * 20})[0] == 401
+    assert web.route("/api/state", {"authorization": "Bearer " + "a" * 20})[0] == 403
+    assert web.route("/metrics", {"authorization": "Bearer " + "v" * 20})[0] == 200
+    assert web.route("/nope", {})[0] == 404
+
+
+# --------------------------------------------------------------------------------------------
+# a real coordinator, a real job, a real browser
+
+
+def _get(url: str, token: str = "", context=None) -> tuple[int, bytes]:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token
+                                 else {})
+    try:
+        with urllib.request.urlopen(req, timeout=10, context=context) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+@pytest.mark.integration
+def test_the_listener_serves_tls_and_tokens_with_the_coordinator(tmp_path):
+    from strata.local import LocalCluster
+
+    c = LocalCluster(workers=0, tls=True, state_dir=str(tmp_path), http_listen="127.0.0.1:0")
+    try:
+        c.start_coordinator()
+        assert c.http_url.startswith("https://")
+        ctx = ssl.create_default_context(cafile=c.tls_paths["ca"])
+        assert _get(c.http_url + "/healthz", context=ctx) == (200, b"ok\n")
+        assert _get(c.http_url + "/metrics", context=ctx)[0] == 401
+        code, body = _get(c.http_url + "/metrics", c.admin_token, context=ctx)
+        assert code == 200 and b"strata_workers" in body
+    finally:
+        c.stop()
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium package (.ci/run "
+                                             "installs it)")
+def test_status_page_in_headless_chromium_shows_a_running_job(tmp_path):
+    from strata.local import LocalCluster
+
+    c = LocalCluster(workers=2, memory_budget="1GiB", state_dir=str(tmp_path / "cluster"),
+                     threads=1, http_listen="127.0.0.1:0")
+    c.start()
+    try:
+        with c.client() as client:
+            job = client.submit({**JOB, "workers": 2, "training": {"steps": 100000}})
+            deadline = time.monotonic() + 120
+            while True:
+                j = client.get(job.id)
+                if j.state == JobState.RUNNING and j.metrics.step > 20:
+                    break
+                assert time.monotonic() < deadline and not j.state.final, j.message
+                time.sleep(0.5)
+            time.sleep(3)  # a few points of loss and memory for the charts
+            dom = _chromium(["--dump-dom", c.http_url + "/"], tmp_path)
+            workers = json.loads(subprocess.run(
+                [sys.executable, "-m", "strata.cli", "workers", "--json", "--coordinator",
+                 c.address], capture_output=True, text=True, timeout=60).stdout)
+            png = os.path.join(ROOT, "docs", "status-page.png")
+            _chromium(["--screenshot=" + png, "--window-size=1280,900",
+                       "--hide-scrollbars", c.http_url + "/"], tmp_path)
+            client.cancel(job.id)
+    finally:
+        c.stop()
+    assert 'data-loaded="1"' in dom, dom[:2000]
+    assert f'data-job="{job.id}"' in dom and "RUNNING" in dom
+    assert dom.count("<polyline") >= 2  # the loss curve and per-task memory
+    rows = {m.group(1): m.group(0) for m in re.finditer(r'<tr data-worker="([^"]+)"[^>]*>', dom)}
+    assert set(rows) == {w["name"] for w in workers}
+    for w in workers:
+        attrs = dict(re.findall(r'data-([a-z-]+)="([^"]*)"', rows[w["name"]]))
+        m = w["memory"]
+        # budget and reservations do not move while the job runs; in use and peak do
+        assert int(attrs["budget"]) == m["budget_bytes"]
+        assert int(attrs["reserved"]) == m["reserved_bytes"] > 0
+        assert 0 < int(attrs["peak"]) <= m["budget_bytes"]
+    assert os.path.getsize(png) > 10_000
+
+
+def _chromium(args: list[str], tmp_path) -> str:
+    profile = tempfile.mkdtemp(dir=tmp_path)
+    r = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu",
+                        "--disable-quic", "--no-first-run", "--disable-background-networking",
+                        "--disable-component-update", "--disable-sync",
+                        f"--user-data-dir={profile}", "--virtual-time-budget=8000", *args],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stdout
+
+
+def test_series_keep_one_point_a_second_even_when_reports_come_a_little_faster():
+    from strata.coordinator.series import POINTS, Series
+    from strata.types import Job, JobMetrics, Task
+
+    s = Series()
+    job = Job(id="j", name="j", state=JobState.RUNNING, strategy="x", spec=None,
+              metrics=JobMetrics())
+    task = Task(job_id="j", role="worker", index=0)
+    for i in range(2 * POINTS):
+        job.metrics.step, job.metrics.loss = i + 1, 1.0 / (i + 1)
+        task.in_use_bytes = i
+        s.record(job, task, 1000.0 + 0.98 * i)   # heartbeats slightly under a second apart
+    progress = s.of("j")["progress"]
+    assert len(progress) == POINTS                # bounded
+    times = [p[0] for p in progress]
+    assert all(1.0 <= b - a < 2.0 for a, b in zip(times, times[1:]))
+    assert progress[-1][1] == 2 * POINTS          # the newest figures are kept
+    s.forget("j")
+    assert s.of("j") == {"progress": [], "memory": {}}
