@@ -19,20 +19,24 @@ DEPLOY = os.path.join(ROOT, "deploy")
 KUBECTL = shutil.which("kubectl")
 
 
-@pytest.fixture(scope="module")
-def manifests() -> list[dict]:
+def render(overlay: str) -> list[dict]:
     if KUBECTL is None:
         pytest.skip("needs kubectl (for `kubectl kustomize`)")
-    r = subprocess.run([KUBECTL, "kustomize", os.path.join(DEPLOY, "kubernetes")],
+    r = subprocess.run([KUBECTL, "kustomize", os.path.join(DEPLOY, "kubernetes", overlay)],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     return [d for d in yaml.safe_load_all(r.stdout) if d]
 
 
+@pytest.fixture(scope="module")
+def manifests() -> list[dict]:
+    return render("")
+
+
 def test_every_manifest_is_valid_against_the_kubernetes_schemas(manifests):
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
     version = "1.30"
-    for doc in manifests:
+    for doc in manifests + render("gpu"):
         kubernetes_validate.validate(doc, version, strict=True)  # raises naming the field
     kinds = sorted((d["kind"], d["metadata"]["name"]) for d in manifests)
     assert kinds == sorted([
@@ -87,8 +91,8 @@ def test_the_agent_command_line_is_one_strata_accepts(tmp_path):
     flags (the budget arithmetic included)."""
     from strata.cli import build_parser
 
-    agents = yaml.safe_load(open(os.path.join(DEPLOY, "kubernetes", "agents.yaml")).read()
-                            .split("\n---\n")[1])
+    agents = yaml.safe_load(open(os.path.join(DEPLOY, "kubernetes", "base", "agents.yaml"))
+                            .read().split("\n---\n")[1])
     script = agents["spec"]["template"]["spec"]["containers"][0]["args"][0]
     env = {"POD_NAME": "strata-agent-0", "POD_NAMESPACE": "strata", "STRATA_DEVICE": "CPU",
            "MEMORY_LIMIT": str(8 << 30), "PATH": os.environ["PATH"]}
@@ -101,18 +105,31 @@ def test_the_agent_command_line_is_one_strata_accepts(tmp_path):
     assert args.data_root == ["/data"] and args.shared_dir == "/shared"
 
 
+def test_the_gpu_overlay_gives_each_agent_one_gpu_and_its_budget():
+    agents = by(render("gpu"), "StatefulSet", "strata-agent")
+    (c,) = agents["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 1 and c["image"] == "strata:gpu"
+    assert env["STRATA_DEVICE"] == "GPU:0" and env["STRATA_MEMORY_BUDGET"] == "70GiB"
+
+
 # --------------------------------------------------------------------------------------------
 # Slurm
 
 
 STUB = """#!/usr/bin/env bash
 printf '%s\\0' "$(basename "$0")" "$@" >> "$STUB_LOG"; printf '\\n' >> "$STUB_LOG"
-# the coordinator runs until the allocation ends: long enough for the agents to start
-case " $* " in *" coordinator "*) sleep 2 ;; esac
+# the coordinator runs until the allocation ends: here, until every agent has started
+case " $* " in *" coordinator "*)
+    for _ in $(seq 300); do
+        [ "$(grep -a -c ' worker ' <(tr '\\0' ' ' < "$STUB_LOG"))" -ge "$STUB_AGENTS" ] && break
+        sleep 0.1
+    done ;;
+esac
 """
 
 
-def run_sbatch(tmp_path, **env) -> list[list[str]]:
+def run_sbatch(tmp_path, agents: int, **env) -> list[list[str]]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name in ("srun", "strata"):
@@ -126,7 +143,8 @@ def run_sbatch(tmp_path, **env) -> list[list[str]]:
     assert subprocess.run(["bash", "-n", script]).returncode == 0
     r = subprocess.run(["bash", script], env={
         "PATH": f"{bin_dir}:{os.environ['PATH']}", "HOME": str(tmp_path), "STUB_LOG": str(log),
-        "SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "node-[a-b]", **env},
+        "SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "node-[a-b]", "STUB_AGENTS": str(agents),
+        **env},
         capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     return [line.split("\0")[:-1] for line in log.read_text().splitlines() if line]
@@ -140,7 +158,7 @@ def srun_command(call: list[str]) -> tuple[dict[str, str], list[str]]:
 
 
 def test_slurm_starts_a_coordinator_then_one_agent_per_gpu_on_every_node(tmp_path):
-    calls = run_sbatch(tmp_path, SLURM_GPUS_ON_NODE="2", STRATA_TLS_DIR="/etc/strata/tls")
+    calls = run_sbatch(tmp_path, 4, SLURM_GPUS_ON_NODE="2", STRATA_TLS_DIR="/etc/strata/tls")
     runs = [srun_command(c) for c in calls if c[0] == "srun"]
     (opts, coord), *agents = runs
     assert opts["nodelist"] == "node-a" and coord[:2] == ["strata", "coordinator"]
@@ -161,7 +179,7 @@ def test_slurm_starts_a_coordinator_then_one_agent_per_gpu_on_every_node(tmp_pat
 
 
 def test_slurm_without_gpus_starts_one_cpu_agent_per_node(tmp_path):
-    calls = run_sbatch(tmp_path)
+    calls = run_sbatch(tmp_path, 2)
     agents = [srun_command(c)[1] for c in calls if c[0] == "srun"][1:]
     assert sorted(dict(zip(a[2::2], a[3::2]))["--name"] for a in agents) == ["node-a-cpu",
                                                                             "node-b-cpu"]
