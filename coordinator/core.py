@@ -73,6 +73,8 @@ PROBE_FROM_BYTES = 64 << 20
 # coordinator restart the agents it knew have this long beyond the heartbeat timeout to come
 # back before they are LOST (and their jobs restart)
 REREGISTER_GRACE_S = 10.0
+#: a gap between ticks longer than this (real time) means the event loop was held up
+LOOP_STALL_S = 2.0
 #: how often finished jobs are checked against --retention
 EXPIRY_INTERVAL_S = 60.0
 # how long a job waits, after its probe ended, for the probe's remaining tasks to report their end
@@ -180,6 +182,11 @@ def probe_spec(spec: JobSpec) -> JobSpec:
         checkpoint_every_steps=0, max_restarts=0)
 
 
+def _over(job: Job) -> bool:
+    """The job and every task of it have ended (for good: final states are never left)."""
+    return job.state.final and all(t.state.final for t in job.tasks)
+
+
 def _tasks_of(job_id: str, plan: JobPlan, attempt: int = 0) -> list[Task]:
     return [Task(job_id=job_id, role=t.role, index=t.index, stage=t.stage, replica=t.replica,
                  first_layer=t.first_layer, last_layer=t.last_layer, layers=list(t.layers),
@@ -218,6 +225,29 @@ class Coordinator:
         self._scheduled_at: dict[str, float] = {}  # job id -> when it was placed (this process)
         self.clock = clock
         self.jobs: dict[str, Job] = {j.id: j for j in store.load_jobs()}
+        #: the jobs that are not over: the job or one of its tasks has not ended. The hot paths
+        #: (the control loop, heartbeats, reservations, the workers view) read these alone, so
+        #: their cost follows what runs and waits, not the history kept for --retention. A job
+        #: leaves once it and every task have ended, which no state ever undoes.
+        self._live: dict[str, Job] = {j.id: j for j in self.jobs.values() if not _over(j)}
+        #: worker -> the task ports its unfinished tasks hold (a heartbeat's free ports never
+        #: include them): kept as tasks are placed and end
+        self._ports_held: dict[str, set[str]] = {}
+        for j in self._live.values():
+            for t in j.tasks:
+                if t.worker and t.address and not t.state.final:
+                    self._ports_held.setdefault(t.worker, set()).add(t.address.rsplit(":", 1)[1])
+        #: raised whenever room can grow (a task ends, an agent registers or comes back, an
+        #: agent offers more ports): a waiting job whose placement failed is not tried again
+        #: until it moves (``_try_schedule``)
+        self._room_version = 0
+        self._tried: dict[str, tuple[Any, ...]] = {}
+        #: during a tick: the capacities by job needs, and the placements that failed by
+        #: (needs, demands), both dropped as soon as a job is placed (``tick``)
+        self._tick_cache: dict[Any, Any] | None = None
+        self._tick_failed: dict[Any, Any] = {}
+        self._tick_version = 0
+        self._last_tick_mono = 0.0
         #: client request id -> the job its SubmitJob created (a retried submit returns it)
         self._by_request: dict[str, str] = {j.recovery.request_id: j.id
                                             for j in self.jobs.values() if j.recovery.request_id}
@@ -322,6 +352,10 @@ class Coordinator:
         if not can_transition(task.state, target):
             raise InvalidTransition("task", task.state.value, target.value)
         task.state = target
+        if target.final:
+            self._room_version += 1
+            if task.worker and task.address:
+                self._ports_held.get(task.worker, set()).discard(task.address.rsplit(":", 1)[1])
         return True
 
     # --- job API ------------------------------------------------------------------------------
@@ -381,7 +415,7 @@ class Coordinator:
             raise SpecError(field, f"the job would run {tasks} tasks; this coordinator allows at "
                                    f"most {self.max_tasks_per_job} per job "
                                    f"(--max-tasks-per-job)")
-        pending = sum(1 for j in self.jobs.values()
+        pending = sum(1 for j in self._live.values()
                       if j.owner == owner and j.state == JobState.PENDING)
         if pending >= self.max_pending_per_user:
             who = f"{owner} has" if owner else "there are"
@@ -436,6 +470,7 @@ class Coordinator:
         self.store.put_job(job)
         self.store.put_tasks(job.tasks)
         self.jobs[job_id] = job  # only once stored: a failed write leaves no phantom job
+        self._live[job_id] = job
         if request_id:
             self._by_request[request_id] = job_id
         what = strategies.get(spec.strategy).describe_plan(spec, plan)
@@ -558,6 +593,8 @@ class Coordinator:
             if job.id in (probing, probe):
                 del self._probe_of[probing]
         self.jobs.pop(job.id, None)
+        self._live.pop(job.id, None)
+        self._tried.pop(job.id, None)
         if job.recovery.request_id:
             self._by_request.pop(job.recovery.request_id, None)
         for d in (self._metrics_saved, self._scheduled_at):
@@ -594,6 +631,9 @@ class Coordinator:
                            work_dir=work_dir, last_seen=now, shared_dir=shared_dir,
                            data_roots=list(data_roots or []))
         live = self.agents.register(rec, pid, free_ports, now, self.heartbeat_timeout_s)
+        held = self._ports_held.get(name, set())
+        live.free_ports = [p for p in live.free_ports if str(p) not in held]
+        self._room_version += 1  # a new agent, or one back with a new budget and ports
         live.record.draining = live.record.draining or draining
         self.store.put_worker(live.record)
         self._reconcile(live, reports)
@@ -626,10 +666,13 @@ class Coordinator:
         live.memory = memory
         # A heartbeat composed before the agent saw its latest start may still offer the port
         # that start took: never hand out a port a live task of this worker holds.
-        in_use = {t.address.rsplit(":", 1)[1] for j in self.jobs.values() for t in j.tasks
-                  if t.worker == name and not t.state.final and t.address}
-        live.free_ports = [p for p in free_ports if str(p) not in in_use]
+        in_use = self._ports_held.get(name, set())
+        offered = [p for p in free_ports if str(p) not in in_use]
+        if len(offered) > len(live.free_ports):
+            self._room_version += 1
+        live.free_ports = offered
         if was_lost:
+            self._room_version += 1
             live.lost = False
             log.info("worker %s is back", name)
             self.wake()
@@ -656,7 +699,7 @@ class Coordinator:
 
     def tasks_on(self, name: str) -> int:
         """Tasks assigned to the worker that have not ended."""
-        return sum(1 for j in self.jobs.values() for t in j.tasks
+        return sum(1 for j in self._live.values() for t in j.tasks
                    if t.worker == name and not t.state.final)
 
     def drain(self, name: str) -> WorkerInfo:
@@ -671,7 +714,7 @@ class Coordinator:
             live.record.draining = True
             self.store.put_worker(live.record)
             log.info("worker %s draining", name)
-        for job in list(self.jobs.values()):
+        for job in list(self._live.values()):
             if job.state in (JobState.SCHEDULED, JobState.RUNNING) and any(
                     t.worker == name and not t.state.final for t in job.tasks):
                 self._restart(job, f"worker {name} is draining", failure=False)
@@ -945,22 +988,60 @@ class Coordinator:
 
     def _reserved(self) -> dict[str, int]:
         out: dict[str, int] = {}
-        for job in self.jobs.values():
+        for job in self._live.values():
             for t in job.tasks:
                 if t.worker and not t.state.final:
                     out[t.worker] = out.get(t.worker, 0) + t.memory_budget_bytes
         return out
 
+    def _tick_fresh(self) -> bool:
+        """Whether the tick's caches may be used: inside a tick, and dropped first if room
+        grew since they were filled (a task ended while the tick ran)."""
+        if self._tick_cache is None:
+            return False
+        if self._tick_version != self._room_version:
+            self._tick_cache.clear()
+            self._tick_failed.clear()
+            self._tick_version = self._room_version
+        return True
+
     def _capacities(self, needs: Needs = NO_NEEDS) -> list[Capacity]:
+        if self._tick_fresh():  # within one tick, until a job is placed or room grows
+            assert self._tick_cache is not None
+            caps = self._tick_cache.get(needs)
+            if caps is None:
+                caps = self._tick_cache[needs] = self.agents.capacities(self._reserved(), needs)
+            return caps
         return self.agents.capacities(self._reserved(), needs)
 
     def tick(self) -> None:
         """One step of the control loop: detect lost agents, then schedule pending jobs."""
         now = self.clock()
-        for w in self.agents.expired(now, self.heartbeat_timeout_s):
-            self._mark_lost(w)
+        # After the event loop was held up (a long disk write, a slow plan), heartbeats that
+        # arrived meanwhile still wait to be handled: judging agents now would call healthy
+        # ones lost. The check waits one tick, which comes after those heartbeats.
+        mono = time.monotonic()
+        gap = mono - self._last_tick_mono if self._last_tick_mono else 0.0
+        self._last_tick_mono = mono
+        if gap > max(LOOP_STALL_S, 4 * self.tick_interval_s):
+            log.warning("the control loop was held up %.1f s: lost agents are judged next tick",
+                        gap)
+        else:
+            for w in self.agents.expired(now, self.heartbeat_timeout_s):
+                self._mark_lost(w)
         self._expire(now)
-        for job in sorted(self.jobs.values(), key=lambda j: (j.created_at, j.id)):
+        for job_id in [j.id for j in self._live.values() if _over(j)]:
+            del self._live[job_id]
+            self._tried.pop(job_id, None)
+        self._tick_cache, self._tick_failed = {}, {}
+        self._tick_version = self._room_version
+        try:
+            self._schedule(now)
+        finally:
+            self._tick_cache, self._tick_failed = None, {}
+
+    def _schedule(self, now: float) -> None:
+        for job in sorted(self._live.values(), key=lambda j: (j.created_at, j.id)):
             if job.state == JobState.PENDING:
                 if job.id in self._probe_of and not self._after_probe(job):
                     continue
@@ -1047,7 +1128,7 @@ class Coordinator:
     def _mark_lost(self, w: LiveWorker) -> None:
         log.warning("worker %s lost: no heartbeat for %.1f s", w.name, self.heartbeat_timeout_s)
         self.agents.mark_lost(w)
-        for job in self.jobs.values():
+        for job in list(self._live.values()):
             for t in job.tasks:
                 if t.worker == w.name and not t.state.final:
                     self._fail_task(job, t, FailureKind.LOST,
@@ -1057,8 +1138,21 @@ class Coordinator:
     def _try_schedule(self, job: Job) -> None:
         demands = [TaskDemand(t.role, t.index, t.memory_budget_bytes) for t in job.tasks]
         assert job.spec is not None
-        placement = place(demands, self._capacities(Needs.of(job.spec)))
+        # Nothing that could make room has happened since this job last failed to fit, and
+        # its demands are the same: it would fail again (placement is deterministic, and other
+        # placements only take room). Waiting jobs cost a tick nothing until something moves.
+        key = (self._room_version, tuple(d.budget_bytes for d in demands))
+        if self._tried.get(job.id) == key:
+            return
+        needs = Needs.of(job.spec)
+        # a job with the same needs and demands already failed this tick, on the same room
+        placement = self._tick_failed.get((needs, key[1])) if self._tick_fresh() else None
+        if placement is None:
+            placement = place(demands, self._capacities(needs))
         if not placement.assignments:
+            self._tried[job.id] = key
+            if self._tick_cache is not None:
+                self._tick_failed[(needs, key[1])] = placement
             if job.message != placement.reason:
                 job.message = placement.reason
                 self.store.put_job(job)
@@ -1070,9 +1164,13 @@ class Coordinator:
             port = live.free_ports.pop(0)
             t.worker = live.name
             t.address = f"{live.record.address}:{port}"
+            self._ports_held.setdefault(live.name, set()).add(str(port))
             t.attempt += 1
             cluster.setdefault(t.role, []).append(t.address)
         self.store.put_tasks(job.tasks)
+        if self._tick_cache is not None:  # room was taken: what failed may fail differently
+            self._tick_cache.clear()
+            self._tick_failed.clear()
         self._scheduled_at[job.id] = self.clock()
         self._set_job_state(job, JobState.SCHEDULED, "placed on " + ", ".join(
             f"{t.role}:{t.index}->{t.worker}" for t in job.tasks))
@@ -1119,13 +1217,17 @@ class Coordinator:
 
     def list_workers(self) -> list[WorkerInfo]:
         reserved = self._reserved()
+        on: dict[str, list[WorkerTask]] = {}
+        for j in self._live.values():
+            for t in j.tasks:
+                if t.worker and not t.state.final:
+                    on.setdefault(t.worker, []).append(WorkerTask(
+                        job_id=t.job_id, role=t.role, index=t.index, state=t.state,
+                        memory_budget_bytes=t.memory_budget_bytes, in_use_bytes=t.in_use_bytes,
+                        peak_bytes=t.peak_memory_bytes))
         out = []
         for w in sorted(self.agents.values(), key=lambda w: w.name):
-            tasks = [WorkerTask(job_id=t.job_id, role=t.role, index=t.index, state=t.state,
-                                memory_budget_bytes=t.memory_budget_bytes,
-                                in_use_bytes=t.in_use_bytes, peak_bytes=t.peak_memory_bytes)
-                     for j in self.jobs.values() for t in j.tasks
-                     if t.worker == w.name and not t.state.final]
+            tasks = on.get(w.name, [])
             if w.lost:
                 state = WorkerState.LOST
             elif w.record.draining:

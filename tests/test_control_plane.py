@@ -1,0 +1,116 @@
+"""The control plane's indexes, tick by tick: waiting jobs cost nothing until room grows and
+are placed as soon as it does; the live-job set and the held ports always agree with a full
+scan; finished jobs leave the hot path."""
+
+from __future__ import annotations
+
+from strata.coordinator import placement as placement_module
+from strata.types import JobState, TaskReport, TaskState
+
+GiB = 1 << 30
+SPEC = {"name": "cp", "workers": 1,
+        "model": {"builtin": {"kind": "mlp", "input_shape": [64], "hidden": [16], "classes": 10}},
+        "data": {"source": "digits", "batch_size": 64}, "training": {"steps": 100},
+        "memory": {"per_task_budget": "900MiB"}}
+
+
+def agree_with_a_full_scan(coord) -> None:
+    over = {j.id for j in coord.jobs.values()
+            if j.state.final and all(t.state.final for t in j.tasks)}
+    assert set(coord.jobs) - over <= set(coord._live)
+    held: dict[str, set[str]] = {}
+    for j in coord.jobs.values():
+        for t in j.tasks:
+            if t.worker and t.address and not t.state.final:
+                held.setdefault(t.worker, set()).add(t.address.rsplit(":", 1)[1])
+    assert {w: p for w, p in coord._ports_held.items() if p} == held
+
+
+def test_waiting_jobs_are_not_retried_until_room_grows_then_placed_at_once(env, monkeypatch):
+    coord, clock, store, _ = env
+    calls = []
+    real = placement_module.place
+
+    def counting(demands, agents):
+        calls.append(len(demands))
+        return real(demands, agents)
+    monkeypatch.setattr("strata.coordinator.core.place", counting)
+    s = coord.register("a", "127.0.0.1", "CPU", GiB, [5000, 5001, 5002], [], shared_dir="/s")
+    first = coord.submit(SPEC)
+    coord.tick()
+    assert first.state == JobState.SCHEDULED
+    waiting = [coord.submit(SPEC) for _ in range(50)]
+    calls.clear()
+    coord.tick()
+    assert len(calls) == 1          # 50 identical jobs, one placement tried
+    for _ in range(5):
+        clock.now += 1
+        coord.tick()
+    assert len(calls) == 1          # nothing moved: nothing tried
+    coord.heartbeat("a", s, coord.workers["a"].memory, [], [5001, 5002])  # no new room
+    coord.tick()
+    assert len(calls) == 1
+    t = first.tasks[0]
+    for state in (TaskState.RUNNING, TaskState.SUCCEEDED):
+        coord.report("a", s, TaskReport(first.id, t.role, t.index, state, attempt=t.attempt,
+                                        test_accuracy=0.5 if state.final else None))
+    agree_with_a_full_scan(coord)
+    assert first.state == JobState.SUCCEEDED, (first.state, first.message, t.state)
+    coord.tick()                    # room grew: a waiting job goes at once
+    states = sorted(j.state.value for j in waiting)  # one takes the room (same submit time)
+    assert states == ["PENDING"] * 49 + ["SCHEDULED"]
+    agree_with_a_full_scan(coord)
+    # the finished job has left the hot path
+    assert first.id not in coord._live and first.id in coord.jobs
+
+
+def test_a_port_held_by_a_live_task_is_never_offered_again(env):
+    coord, clock, store, _ = env
+    s = coord.register("a", "127.0.0.1", "CPU", 4 * GiB, [5000, 5001], [], shared_dir="/s")
+    job = coord.submit(SPEC)
+    coord.tick()
+    port = job.tasks[0].address.rsplit(":", 1)[1]
+    # a heartbeat composed before the agent saw the start still offers that port
+    coord.heartbeat("a", s, coord.workers["a"].memory, [], [5000, 5001])
+    assert port not in {str(p) for p in coord.workers["a"].free_ports}
+    # and a re-registration (a coordinator restart's reconnect) too
+    coord.register("a", "127.0.0.1", "CPU", 4 * GiB, [5000, 5001], [], shared_dir="/s",
+                   pid=coord.workers["a"].pid)
+    assert port not in {str(p) for p in coord.workers["a"].free_ports}
+    agree_with_a_full_scan(coord)
+    coord.cancel(job.id)
+    agree_with_a_full_scan(coord)
+
+
+def test_a_restarted_coordinator_rebuilds_its_indexes_from_the_store(env, tmp_path):
+    from strata.coordinator.core import Coordinator
+    from strata.coordinator.store import SqliteStore
+
+    coord, clock, store, _ = env
+    coord.register("a", "127.0.0.1", "CPU", 4 * GiB, [5000, 5001, 5002], [], shared_dir="/s")
+    running = coord.submit(SPEC)
+    done = coord.submit(SPEC)
+    coord.cancel(done.id)
+    coord.tick()
+    store.close()
+    again = Coordinator(SqliteStore(str(tmp_path / "s.db")), str(tmp_path), clock=clock)
+    assert running.id in again._live and done.id not in again._live
+    agree_with_a_full_scan(again)
+
+
+def test_a_held_up_loop_does_not_call_healthy_agents_lost(env):
+    import time
+
+    coord, clock, store, _ = env
+    s = coord.register("a", "127.0.0.1", "CPU", GiB, [5000], [], shared_dir="/s")
+    coord.tick()
+    clock.now += 30                      # past the 10 s timeout, as after a long stall
+    coord._last_tick_mono = time.monotonic() - 30
+    coord.tick()                         # the stalled tick: heartbeats may still be queued
+    assert not coord.workers["a"].lost
+    coord.heartbeat("a", s, coord.workers["a"].memory, [], [5000])  # ... and here it is
+    coord.tick()
+    assert not coord.workers["a"].lost
+    clock.now += 30                      # silent for real, no stall: lost
+    coord.tick()
+    assert coord.workers["a"].lost
