@@ -195,6 +195,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         raise UsageError(f"--device {args.device!r}: expected CPU or GPU:N")
     if args.threads < 0:
         raise UsageError("--threads must be >= 0")
+    if not 0 <= args.warm_pool <= 16:
+        raise UsageError(f"--warm-pool {args.warm_pool}: 0 to 16")
     name = args.name or f"{socket.gethostname()}-{device.lower().replace(':', '')}"
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.shared_dir and not os.path.isdir(args.shared_dir):
@@ -217,7 +219,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
                             host=args.advertise_host, threads=args.threads,
                             tls=_client_tls(args), token=_token(args),
                             shared_dir=os.path.abspath(args.shared_dir) if args.shared_dir
-                            else "", data_roots=tuple(roots)))
+                            else "", data_roots=tuple(roots), warm_pool=args.warm_pool))
 
 
 def _start_local(args: argparse.Namespace, workers: int, budget: str, quiet: bool):
@@ -234,7 +236,8 @@ def _start_local(args: argparse.Namespace, workers: int, budget: str, quiet: boo
     return LocalCluster(workers=workers, memory_budget=budget, state_dir=args.state_dir,
                         listen=listen, quiet=quiet, shared_dir=getattr(args, "shared_dir", None),
                         tls=tls, data_roots=getattr(args, "data_root", []),
-                        http_listen=getattr(args, "http_listen", "")).start()
+                        http_listen=getattr(args, "http_listen", ""),
+                        warm_pool=getattr(args, "warm_pool", 0)).start()
 
 
 def _catch_stop_signals() -> dict:
@@ -806,6 +809,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--data-root", action="append", default=[], metavar="DIR",
                     help="jobs read data.path / data.test_path only under this directory "
                          "(repeatable; default: none, anywhere this user can read)")
+    sp.add_argument("--warm-pool", type=int, default=1, metavar="N",
+                    help="task processes kept ready with TensorFlow imported, so a task starts "
+                         "without paying the import (each idles at about 300 MiB of RAM)")
     tls_flags(sp)
 
     for name, fn, help_ in (("up", cmd_up, "run a coordinator and N workers locally in the foreground"),
@@ -827,6 +833,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the workers' data roots (repeatable; default: none, unconfined)")
         sp.add_argument("--http-listen", default="", metavar="HOST:PORT",
                         help="the coordinator's status page and /metrics (default: none)")
+        sp.add_argument("--warm-pool", type=int, default=1, metavar="N",
+                        help="each worker's task processes kept ready with TensorFlow imported")
         if name == "demo":
             sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                             help="override a field of the demo job (repeatable)")

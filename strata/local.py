@@ -39,7 +39,7 @@ class LocalCluster:
                  heartbeat_timeout_s: float = 10.0, quiet: bool = True, log_dir: str | None = None,
                  allow_user_code: bool = True, shared_dir: str | None = None,
                  tls: bool = False, data_roots: list[str] | None = None,
-                 http_listen: str = ""):
+                 http_listen: str = "", warm_pool: int = 0):
         self.n_workers = workers
         # one user on loopback: that user's own code may run (``--allow-user-code``)
         self.allow_user_code = allow_user_code
@@ -52,6 +52,8 @@ class LocalCluster:
         # one directory every local agent sees: the shared storage of a one-host cluster
         self.shared_dir = os.path.abspath(shared_dir or os.path.join(self.state_dir, "shared"))
         os.makedirs(self.shared_dir, exist_ok=True)
+        #: each agent's --warm-pool (0 here by default: tests start processes enough)
+        self.warm_pool = warm_pool
         #: the coordinator's --http-listen, and where it serves once started
         self.http_listen = http_listen
         self.http_url = ""
@@ -179,6 +181,7 @@ class LocalCluster:
              memory_budget or self.memory_budget, "--name", name, "--work-dir", work_dir,
              "--threads", str(self.threads), "--shared-dir", self.shared_dir]
             + [a for r in self.data_roots for a in ("--data-root", r)]
+            + ["--warm-pool", str(self.warm_pool)]
             + (["--tls-ca", self.tls_paths["ca"], "--tls-cert", self.tls_paths["agent"],
                 "--tls-key", self.tls_paths["agent_key"], "--token-file",
                 self._token_file("agent", name)] if self.tls_paths else []),

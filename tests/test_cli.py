@@ -107,7 +107,7 @@ def test_checkpointed_job_without_a_shared_dir_is_refused(tmp_path):
         c.start_coordinator()
         proc = subprocess.Popen([sys.executable, "-m", "strata.cli", "worker", "--coordinator",
                                  c.address, "--memory-budget", "1GiB", "--name", "solo",
-                                 "--work-dir", str(tmp_path / "solo")],
+                                 "--work-dir", str(tmp_path / "solo"), "--warm-pool", "0"],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             with c.client() as client:

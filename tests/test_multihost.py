@@ -126,6 +126,7 @@ def test_cut_link_loses_the_agent_job_recovers_on_the_spare_agent_rejoins(hosts,
     for n in ("h1", "h2", "h3"):
         hosts.run(n, ["worker", "--coordinator", coord, "--memory-budget", "1GiB", "--name", n,
                       "--work-dir", str(tmp_path / "workers" / n), "--threads", "1",
+                      "--warm-pool", "0",
                       "--shared-dir", str(shared), "--tls-ca", p["ca"], "--tls-cert",
                       p["agent"], "--tls-key", p["agent_key"]], str(tmp_path / f"{n}.log"))
     with Client(coord, tls=ClientTls(p["ca"], p["client"], p["client_key"])) as client:

@@ -89,6 +89,8 @@ class AgentConfig:
     #: --data-root: jobs read data.path and data.test_path only under these (``strata.dataroots``;
     #: empty: anywhere this user may read)
     data_roots: tuple[str, ...] = ()
+    #: task processes kept ready with TensorFlow imported (``--warm-pool``; 0: none)
+    warm_pool: int = 0
     #: the coordinator's CA, and this agent's certificate under mutual TLS (empty: plain text)
     tls: ClientTls = dataclasses.field(default_factory=ClientTls)
     #: its ``agent`` token (``strata.auth``; empty when the coordinator has no auth)
@@ -192,37 +194,45 @@ class TaskProcess:
         config_path = os.path.join(self.dir, "config.pb")
         with open(config_path, "wb") as f:
             f.write(config.SerializeToString())
-        env = dict(os.environ)
-        env["TF_CONFIG"] = cmd.tf_config
-        env["TF_CPP_MIN_LOG_LEVEL"] = env.get("TF_CPP_MIN_LOG_LEVEL", "1")
-        env["PYTHONUNBUFFERED"] = "1"
         budget_mib = max(1, self.budget // (1 << 20))
-        if self.agent.cfg.device.startswith("GPU"):
-            env["CUDA_VISIBLE_DEVICES"] = self.agent.cfg.device.split(":", 1)[1]
+        own = task_env(self.agent.cfg.device, cmd.tf_config, budget_mib)
+        warm = self.agent.warm.take()
+        if warm is not None:
+            # a process with TensorFlow imported already: it takes the task's own settings
+            # before anything of TensorFlow's runtime starts (``strata.worker.warm``)
+            try:
+                order = {"config": config_path, "cwd": self.dir, "env": own}
+                assert warm.proc.stdin is not None
+                warm.proc.stdin.write((json.dumps(order) + "\n").encode())
+                warm.proc.stdin.flush()
+            except OSError:
+                warm.close()
+                warm = None
+        if warm is not None:
+            self.proc, read_fd = warm.proc, warm.events_fd
+            how = "warm"
         else:
-            env["CUDA_VISIBLE_DEVICES"] = ""
-            env["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
-            env["TF_CPU_BFC_MEM_LIMIT_IN_MB"] = str(budget_mib)
-        # The task imports the project's packages; make them importable however the agent runs.
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        read_fd, write_fd = os.pipe()
-        try:
-            self.proc = subprocess.Popen(
-                [self.agent.cfg.python, "-m", "strata.worker.task", "--config", config_path,
-                 "--events-fd", str(write_fd)],
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                pass_fds=(write_fd,), start_new_session=True, cwd=self.dir, env=env)
-        except OSError as e:
-            os.close(read_fd)
+            env = base_env(self.agent.cfg.device)
+            env.update(own)
+            read_fd, write_fd = os.pipe()
+            try:
+                self.proc = subprocess.Popen(
+                    [self.agent.cfg.python, "-m", "strata.worker.task", "--config", config_path,
+                     "--events-fd", str(write_fd)],
+                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    pass_fds=(write_fd,), start_new_session=True, cwd=self.dir, env=env)
+            except OSError as e:
+                os.close(read_fd)
+                os.close(write_fd)
+                self._finish(TaskState.FAILED, FailureKind.LAUNCH, -1,
+                             f"cannot start the task: {e}")
+                return
             os.close(write_fd)
-            self._finish(TaskState.FAILED, FailureKind.LAUNCH, -1, f"cannot start the task: {e}")
-            return
-        os.close(write_fd)
+            how = "cold"
         self.status.state = TaskState.STARTING
         self.agent.report(self)
-        log.info("task %s/%s:%d started (pid %d, budget %d MiB)", self.job_id, self.role, self.index,
-                 self.proc.pid, budget_mib)
+        log.info("task %s/%s:%d started (pid %d, %s, budget %d MiB)", self.job_id, self.role,
+                 self.index, self.proc.pid, how, budget_mib)
         for target, args in ((self._read_logs, (self.proc.stdout,)), (self._read_events, (read_fd,)),
                              (self._wait, ())):
             t = threading.Thread(target=target, args=args, daemon=True,
@@ -375,6 +385,109 @@ class TaskProcess:
         return not self.status.state.final
 
 
+def base_env(device: str) -> dict[str, str]:
+    """What every task process of this agent starts with, warm or not: the agent's one device,
+    quiet C++ logs, and the project importable however the agent runs."""
+    env = dict(os.environ)
+    env["TF_CPP_MIN_LOG_LEVEL"] = env.get("TF_CPP_MIN_LOG_LEVEL", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    env["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1] if device.startswith("GPU") else ""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def task_env(device: str, tf_config: str, budget_mib: int) -> dict[str, str]:
+    """What is one task's own: its cluster and, on CPU, its allocator's limit. TensorFlow reads
+    these when the strategy and the CPU device are created, not at import, so a warm process
+    takes them as well as a new one."""
+    env = {"TF_CONFIG": tf_config}
+    if not device.startswith("GPU"):
+        env["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
+        env["TF_CPU_BFC_MEM_LIMIT_IN_MB"] = str(budget_mib)
+    return env
+
+
+@dataclasses.dataclass
+class Warm:
+    proc: subprocess.Popen
+    events_fd: int
+
+    def close(self) -> None:
+        """Ends a warm process that was never given a task (its whole process group)."""
+        with contextlib.suppress(OSError):
+            os.close(self.events_fd)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=STOP_GRACE_S)
+
+
+class WarmPool:
+    """``--warm-pool N``: processes with TensorFlow imported, ready for a task
+    (``strata.worker.warm``). A task takes one if one is ready (else starts cold) and the pool
+    refills in the background. The agent stops every one it started when it stops."""
+
+    def __init__(self, size: int, python: str, device: str, work_dir: str):
+        self.size = size
+        self.python, self.device = python, device
+        self.dir = os.path.join(work_dir, "warm")
+        self.ready: list[Warm] = []
+        self.lock = threading.Lock()
+        self.closed = False
+
+    def _spawn(self) -> Warm | None:
+        os.makedirs(self.dir, exist_ok=True)
+        read_fd, write_fd = os.pipe()
+        try:
+            proc = subprocess.Popen(
+                [self.python, "-m", "strata.worker.warm", "--events-fd", str(write_fd)],
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.PIPE,
+                pass_fds=(write_fd,), start_new_session=True, cwd=self.dir,
+                env=base_env(self.device))
+        except OSError as e:
+            log.warning("cannot start a warm task process: %s", e)
+            os.close(read_fd)
+            return None
+        finally:
+            os.close(write_fd)
+        return Warm(proc, read_fd)
+
+    def fill(self) -> None:
+        while True:
+            with self.lock:
+                if self.closed or len(self.ready) >= self.size:
+                    return
+            warm = self._spawn()
+            if warm is None:
+                return
+            with self.lock:
+                if self.closed:
+                    warm.close()
+                    return
+                self.ready.append(warm)
+
+    def take(self) -> Warm | None:
+        with self.lock:
+            while self.ready:
+                warm = self.ready.pop(0)
+                if warm.proc.poll() is None:
+                    break
+                warm.close()  # died waiting: start another
+            else:
+                warm = None
+        if self.size and not self.closed:
+            threading.Thread(target=self.fill, daemon=True, name="warm-pool").start()
+        return warm
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+            ready, self.ready = self.ready, []
+        for warm in ready:
+            warm.close()
+
+
 class Agent:
     def __init__(self, cfg: AgentConfig):
         self.cfg = cfg
@@ -397,6 +510,9 @@ class Agent:
         self._reregister = threading.Event()
         self.blob_dir = os.path.join(cfg.work_dir, "blobs")
         self._blob_lock = threading.Lock()
+        self.warm = WarmPool(cfg.warm_pool, cfg.python, cfg.device, cfg.work_dir)
+        if cfg.warm_pool:
+            threading.Thread(target=self.warm.fill, daemon=True, name="warm-pool").start()
 
     # --- coordinator calls --------------------------------------------------------------------
 
@@ -688,6 +804,7 @@ class Agent:
 
     def shutdown(self) -> None:
         self.stopping.set()
+        self.warm.close()
         self.stop_all()
         self.flush_logs()
         self.channel.close()

@@ -60,14 +60,17 @@ def run_task(config_path: str, events: Events) -> int:
     return runner(cfg, events)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, watchdog: bool = True) -> None:
+    """``watchdog``: start the parent watchdog (a warm process, ``strata.worker.warm``, started
+    its own before it imported TensorFlow)."""
     p = argparse.ArgumentParser(prog="python -m strata.worker.task",
                                 description=(__doc__ or "").split("\n")[0])
     p.add_argument("--config", required=True, help="the TaskConfig message (.pb, or .json)")
     p.add_argument("--events-fd", type=int, default=None,
                    help="file descriptor for newline-delimited JSON events (default: stderr)")
     args = p.parse_args(argv)
-    start_parent_watchdog()
+    if watchdog:
+        start_parent_watchdog()
     events = Events(args.events_fd)
     install_sigterm_handler(events)
     code = TASK_EXIT_ERROR
