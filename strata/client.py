@@ -282,18 +282,19 @@ class Client:
     def get(self, job_id: str) -> Job:
         return convert.job_from_proto(self._call("GetJob", pb.GetJobRequest(id=job_id)))
 
+    def _pages(self, method: str, request: Any) -> Iterator[Any]:
+        """Every page of a paged list call (``page_token`` sent back until the last)."""
+        while True:
+            resp = self._call(method, request)
+            yield resp
+            if not resp.next_page_token:
+                return
+            request.page_token = resp.next_page_token
+
     def jobs(self, states: Sequence[str] = (), page_size: int = 0) -> list[Job]:
         """Every job (oldest first), or those in ``states``, fetched a page at a time."""
-        out: list[Job] = []
-        token = ""
-        while True:
-            resp = self._call("ListJobs", pb.ListJobsRequest(
-                page_size=page_size, page_token=token,
-                states=[pb.JobState.Value(s) for s in states]))
-            out.extend(convert.job_from_proto(j) for j in resp.jobs)
-            token = resp.next_page_token
-            if not token:
-                return out
+        req = pb.ListJobsRequest(page_size=page_size, states=[pb.JobState.Value(s) for s in states])
+        return [convert.job_from_proto(j) for r in self._pages("ListJobs", req) for j in r.jobs]
 
     def cancel(self, job_id: str) -> Job:
         return convert.job_from_proto(self._call("CancelJob", pb.CancelJobRequest(id=job_id)))
@@ -305,16 +306,10 @@ class Client:
 
     def workers(self, states: Sequence[str] = (), page_size: int = 0) -> list[WorkerInfo]:
         """Every worker (by name), or those in ``states``, fetched a page at a time."""
-        out: list[WorkerInfo] = []
-        token = ""
-        while True:
-            resp = self._call("ListWorkers", pb.ListWorkersRequest(
-                page_size=page_size, page_token=token,
-                states=[pb.WorkerState.Value(s) for s in states]))
-            out.extend(convert.worker_from_proto(w) for w in resp.workers)
-            token = resp.next_page_token
-            if not token:
-                return out
+        req = pb.ListWorkersRequest(page_size=page_size,
+                                    states=[pb.WorkerState.Value(s) for s in states])
+        return [convert.worker_from_proto(w) for r in self._pages("ListWorkers", req)
+                for w in r.workers]
 
     def watch(self, job_id: str, after_seq: int = 0, timeout: float | None = None) -> Iterator[JobEvent]:
         """Stored events, then live snapshots, until the job ends (or ``timeout`` seconds pass)."""

@@ -372,6 +372,11 @@ def test_a_burst_of_1000_submissions_from_many_clients(tmp_path):
             if not token:
                 break
         assert sorted(names) == sorted(f"burst-{i}" for i in first)
+        from strata.client import Client
+
+        with Client(c.address) as client:  # the client reads every page too
+            assert sorted(j.name for j in client.jobs(page_size=97)) == sorted(names)
+            assert len(client.jobs(states=["PENDING"], page_size=1000)) == 700
         pending = s.ListJobs(pb.ListJobsRequest(states=[pb.PENDING], page_size=1000), timeout=30)
         assert len(pending.jobs) == 700 and not pending.next_page_token
         print(f"1,050 submissions from 10 clients in {took:.1f} s "
