@@ -67,7 +67,12 @@ def test_keras_file_residual_cnn_trains_and_downloads(cluster, client, resnet_fi
     final = client.wait(job.id, timeout=TIMEOUT_S)
     assert final.state == JobState.SUCCEEDED, final.message
     assert final.metrics.test_accuracy >= 0.85, final.metrics
-    assert client.get(job.id).outputs == ["metrics.json", "model.keras"]
+    outputs = client.get(job.id).outputs
+    assert [o for o in outputs if not o.startswith("tensorboard/")] == ["metrics.json",
+                                                                        "model.keras"]
+    # each worker's TensorBoard scalars come with them (both wrote to the shared directory)
+    assert {o.split("/")[1] for o in outputs if o.startswith("tensorboard/")} == {
+        "worker-0", "worker-1"}
     # `strata status` names the outputs; `strata download` fetches them
     env = dict(os.environ, PYTHONPATH=ROOT)
     status = subprocess.run([sys.executable, "-m", "strata.cli", "status", job.id,
@@ -112,7 +117,8 @@ def test_keras_file_residual_cnn_pipeline_cuts_only_between_blocks(cluster, clie
     assert final.metrics.test_accuracy >= 0.8, final.metrics
     # the model comes back whole, assembled from the stages, and classifies as reported
     files = client.download(job.id, str(tmp_path / "out"))
-    assert sorted(os.path.basename(f) for f in files) == ["metrics.json", "model.keras"]
+    assert sorted(os.path.basename(f) for f in files
+                  if "tensorboard" not in f) == ["metrics.json", "model.keras"]
     import keras
 
     from strata.worker.data import load_digits_splits
