@@ -1,0 +1,186 @@
+"""Many agents against one coordinator, over real gRPC: heartbeat latency, false LOST, submits.
+
+    .venv/bin/python bench/agents_load.py [--agents 1000] [--seconds 30] [--pending 200]
+                                          [--finished 800]
+
+A real `strata coordinator` process (plain text, loopback, heartbeat timeout 10 s) and, in this
+process, `--agents` simulated agents on grpc.aio: each registers, opens its command stream
+and heartbeats once a second (start times spread over the first seconds). Before the agents
+come, `--finished` jobs are submitted and cancelled, and `--pending` jobs of 1.5 GiB wait:
+one agent of 2 GiB registers first and holds one such job, so they are admissible but find
+no room on the 1 GiB agents. While the agents heartbeat, one client submits a job every
+200 ms and cancels it.
+
+Prints JSON: heartbeat latency p50/p99/max (ms), heartbeats sent and failed, submit latency
+p50/p99 (ms), the agents the coordinator counts LOST at the end (must be 0), and the
+coordinator's CPU seconds per wall second. Both sides share this machine's cores: the load
+generator's own cost is in the latencies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import grpc  # noqa: E402
+
+from strata.protos import strata_pb2 as pb  # noqa: E402
+from strata.protos import strata_pb2_grpc as pb_grpc  # noqa: E402
+
+GiB = 1 << 30
+JOB = pb.JobSpec(name="load", strategy="multi_worker_mirrored", workers=1,
+                 model=pb.ModelSpec(builtin=pb.BuiltinModel(kind="mlp", input_shape=[64],
+                                                            hidden=[16], classes=10)),
+                 data=pb.DataSpec(source="digits", batch_size=64),
+                 training=pb.TrainingSpec(steps=10))
+#: a job no 1 GiB agent can hold: it waits (admitted: one agent of 2 GiB is registered first)
+BIG = pb.JobSpec()
+BIG.CopyFrom(JOB)
+BIG.memory.per_task_budget = "1536MiB"
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] if values else 0.0
+
+
+async def agent(stub, name: str, budget: int, stop: asyncio.Event, lat: list[float],
+                failed: list[int], start_in: float) -> None:
+    await asyncio.sleep(start_in)
+    resp = await stub.RegisterAgent(pb.RegisterAgentRequest(
+        name=name, host="10.0.0.1", device="CPU", budget_bytes=budget,
+        free_ports=[20000, 20001]), timeout=60)
+    session = resp.session
+    stream = stub.Connect(pb.ConnectRequest(name=name, session=session))
+
+    async def drain() -> None:
+        try:
+            async for _ in stream:
+                pass
+        except grpc.aio.AioRpcError:
+            pass
+    reader = asyncio.create_task(drain())
+    memory = pb.MemoryStatus(budget_bytes=budget)
+    next_at = time.monotonic()
+    while not stop.is_set():
+        t0 = time.monotonic()
+        try:
+            r = await stub.Heartbeat(pb.HeartbeatRequest(name=name, session=session,
+                                                         memory=memory,
+                                                         free_ports=[20000, 20001]), timeout=30)
+            lat.append(time.monotonic() - t0)
+            if r.reregister:
+                failed.append(1)
+        except grpc.aio.AioRpcError:
+            failed.append(1)
+        next_at += 1.0
+        await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+    stream.cancel()
+    reader.cancel()
+
+
+async def submitter(stub, stop: asyncio.Event, lat: list[float]) -> None:
+    while not stop.is_set():
+        t0 = time.monotonic()
+        job = await stub.SubmitJob(pb.SubmitJobRequest(spec=JOB), timeout=60)
+        lat.append(time.monotonic() - t0)
+        await stub.CancelJob(pb.CancelJobRequest(id=job.id), timeout=60)
+        await asyncio.sleep(0.2)
+
+
+async def run(address: str, args: argparse.Namespace) -> dict:
+    ch = grpc.aio.insecure_channel(address, options=[("grpc.max_concurrent_streams", 100000)])
+    cluster, jobs = pb_grpc.ClusterServiceStub(ch), pb_grpc.JobServiceStub(ch)
+    # the one agent that makes the large jobs admissible, holding a large job so they wait
+    big = await cluster.RegisterAgent(pb.RegisterAgentRequest(
+        name="big", host="10.0.0.2", device="CPU", budget_bytes=2 * GiB,
+        free_ports=[30000, 30001]), timeout=60)
+    for _ in range(args.finished):
+        j = await jobs.SubmitJob(pb.SubmitJobRequest(spec=JOB), timeout=60)
+        await jobs.CancelJob(pb.CancelJobRequest(id=j.id), timeout=60)
+    for _ in range(args.pending + 1):
+        await jobs.SubmitJob(pb.SubmitJobRequest(spec=BIG), timeout=60)
+    stop = asyncio.Event()
+    lat: list[float] = []
+    failed: list[int] = []
+    sub_lat: list[float] = []
+
+    async def big_alive() -> None:  # the large agent heartbeats too
+        while not stop.is_set():
+            await cluster.Heartbeat(pb.HeartbeatRequest(name="big", session=big.session,
+                                                        free_ports=[30001]), timeout=30)
+            await asyncio.sleep(1.0)
+    tasks = [asyncio.create_task(agent(cluster, f"sim-{i:05d}", GiB, stop, lat, failed,
+                                       random.random() * min(5.0, args.agents / 500)))
+             for i in range(args.agents)]
+    tasks.append(asyncio.create_task(big_alive()))
+    warm = min(10.0, 2 + args.agents / 500)
+    await asyncio.sleep(warm)
+    lat.clear()
+    failed.clear()
+    tasks.append(asyncio.create_task(submitter(jobs, stop, sub_lat)))
+    await asyncio.sleep(args.seconds)
+    workers = await jobs.ListWorkers(pb.ListWorkersRequest(states=[pb.LOST], page_size=1000),
+                                     timeout=60)
+    stop.set()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await ch.close()
+    return {"heartbeats": len(lat), "heartbeats_failed": len(failed),
+            "heartbeat_ms_p50": round(1e3 * pct(lat, 0.5), 1),
+            "heartbeat_ms_p99": round(1e3 * pct(lat, 0.99), 1),
+            "heartbeat_ms_max": round(1e3 * max(lat, default=0.0), 1),
+            "submits": len(sub_lat), "submit_ms_p50": round(1e3 * pct(sub_lat, 0.5), 1),
+            "submit_ms_p99": round(1e3 * pct(sub_lat, 0.99), 1),
+            "lost_at_end": len(workers.workers)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--agents", type=int, default=1000)
+    ap.add_argument("--seconds", type=float, default=30)
+    ap.add_argument("--pending", type=int, default=200)
+    ap.add_argument("--finished", type=int, default=800)
+    args = ap.parse_args()
+    state = tempfile.mkdtemp(prefix="strata-load-")
+    port_file = os.path.join(state, "address")
+    proc = subprocess.Popen([sys.executable, "-m", "strata.cli", "coordinator", "--listen",
+                             "127.0.0.1:0", "--state-dir", state, "--port-file", port_file,
+                             "--max-pending-per-user", "100000"],
+                            stdout=subprocess.DEVNULL, stderr=open(os.path.join(state, "log"), "w"),
+                            env={**os.environ, "PYTHONPATH": ROOT})
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(port_file):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        address = open(port_file).read().strip()
+        cpu0 = _cpu(proc.pid)
+        t0 = time.monotonic()
+        out = asyncio.run(run(address, args))
+        out["coordinator_cpu_per_s"] = round((_cpu(proc.pid) - cpu0) / (time.monotonic() - t0),
+                                             2)
+        out = {"agents": args.agents, "jobs_held": args.finished + args.pending + 1, **out}
+        print(json.dumps(out))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def _cpu(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+if __name__ == "__main__":
+    main()
