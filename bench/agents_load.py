@@ -105,11 +105,6 @@ async def run(address: str, args: argparse.Namespace) -> dict:
     big = await cluster.RegisterAgent(pb.RegisterAgentRequest(
         name="big", host="10.0.0.2", device="CPU", budget_bytes=2 * GiB,
         free_ports=[30000, 30001]), timeout=60)
-    for _ in range(args.finished):
-        j = await jobs.SubmitJob(pb.SubmitJobRequest(spec=JOB), timeout=60)
-        await jobs.CancelJob(pb.CancelJobRequest(id=j.id), timeout=60)
-    for _ in range(args.pending + 1):
-        await jobs.SubmitJob(pb.SubmitJobRequest(spec=BIG), timeout=60)
     stop = asyncio.Event()
     lat: list[float] = []
     failed: list[int] = []
@@ -120,10 +115,15 @@ async def run(address: str, args: argparse.Namespace) -> dict:
             await cluster.Heartbeat(pb.HeartbeatRequest(name="big", session=big.session,
                                                         free_ports=[30001]), timeout=30)
             await asyncio.sleep(1.0)
-    tasks = [asyncio.create_task(agent(cluster, f"sim-{i:05d}", GiB, stop, lat, failed,
+    tasks = [asyncio.create_task(big_alive())]
+    for _ in range(args.finished):
+        j = await jobs.SubmitJob(pb.SubmitJobRequest(spec=JOB), timeout=60)
+        await jobs.CancelJob(pb.CancelJobRequest(id=j.id), timeout=60)
+    for _ in range(args.pending + 1):
+        await jobs.SubmitJob(pb.SubmitJobRequest(spec=BIG), timeout=60)
+    tasks += [asyncio.create_task(agent(cluster, f"sim-{i:05d}", GiB, stop, lat, failed,
                                        random.random() * min(5.0, args.agents / 500)))
              for i in range(args.agents)]
-    tasks.append(asyncio.create_task(big_alive()))
     warm = min(10.0, 2 + args.agents / 500)
     await asyncio.sleep(warm)
     lat.clear()

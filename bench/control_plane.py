@@ -75,6 +75,7 @@ def main() -> None:
     db = os.path.join(tmp, "s.db")
     clock = Clock()
     coord = Coordinator(SqliteStore(db), tmp, heartbeat_timeout_s=1e9, clock=clock)
+    coord.max_pending_per_user = 10**9  # one simulated user queues them all
     t0 = time.perf_counter()
     sessions = {}
     for i in range(args.agents):

@@ -17,6 +17,7 @@ import json
 import logging
 import math
 import os
+import re
 import secrets
 import time
 from typing import Any, AsyncIterator, Callable, Mapping, Sequence
@@ -73,6 +74,8 @@ PROBE_FROM_BYTES = 64 << 20
 # coordinator restart the agents it knew have this long beyond the heartbeat timeout to come
 # back before they are LOST (and their jobs restart)
 REREGISTER_GRACE_S = 10.0
+#: the least time between two ticks of the control loop
+MIN_TICK_GAP_S = 0.05
 #: a gap between ticks longer than this (real time) means the event loop was held up
 LOOP_STALL_S = 2.0
 #: how often finished jobs are checked against --retention
@@ -180,6 +183,11 @@ def probe_spec(spec: JobSpec) -> JobSpec:
         memory=dataclasses.replace(spec.memory, profile="false"),
         # a few steps: nothing to checkpoint, and a failure is the job's answer, not retried
         checkpoint_every_steps=0, max_restarts=0)
+
+
+def _shape(message: str) -> str:
+    """A message with its numbers left out: what kind of thing it says."""
+    return re.sub(r"[0-9][0-9.,]*", "#", message)
 
 
 def _over(job: Job) -> bool:
@@ -1154,9 +1162,14 @@ class Coordinator:
             if self._tick_cache is not None:
                 self._tick_failed[(needs, key[1])] = placement
             if job.message != placement.reason:
+                # Only a new kind of reason is stored and becomes an event: counts in it ("3 of
+                # 980 workers") change with every agent that comes or goes, and a write and an
+                # event per waiting job per registration stalled the loop with many waiting.
+                news = _shape(job.message) != _shape(placement.reason)
                 job.message = placement.reason
-                self.store.put_job(job)
-                self._event(job, "message", placement.reason)
+                if news:
+                    self.store.put_job(job)
+                    self._event(job, "message", placement.reason)
             return
         cluster: dict[str, list[str]] = {}
         for t in sorted(job.tasks, key=lambda t: (t.role, t.index)):
@@ -1207,6 +1220,10 @@ class Coordinator:
                 self.tick()
             except Exception:  # a bug in one tick must not stop the control plane
                 log.exception("control loop tick failed")
+            # Wake-ups that come while a tick runs are served by the next one, at most
+            # MIN_TICK_GAP_S later: a burst of registrations or reports costs a few ticks,
+            # not one each, and the calls queued meanwhile are handled in between.
+            await asyncio.sleep(MIN_TICK_GAP_S)
 
     def stop(self) -> None:
         self._stopping = True

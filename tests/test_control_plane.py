@@ -114,3 +114,21 @@ def test_a_held_up_loop_does_not_call_healthy_agents_lost(env):
     clock.now += 30                      # silent for real, no stall: lost
     coord.tick()
     assert coord.workers["a"].lost
+
+
+def test_agents_coming_do_not_write_an_event_per_waiting_job_each(env):
+    """The waiting reason's counts change with every agent that registers; only a new kind
+    of reason is stored and told (a write per waiting job per registration stalled the loop)."""
+    coord, clock, store, _ = env
+    coord.register("big", "127.0.0.1", "CPU", 2 * GiB, [5000, 5001], [], shared_dir="/s")
+    big = {**SPEC, "memory": {"per_task_budget": "1536MiB"}}
+    coord.submit(big)
+    coord.tick()
+    waiting = [coord.submit(big) for _ in range(20)]
+    coord.tick()
+    before = {j.id: len(store.events(j.id)) for j in waiting}
+    for i in range(30):
+        coord.register(f"small-{i}", "127.0.0.1", "CPU", GiB, [6000 + i], [], shared_dir="/s")
+        coord.tick()
+    assert all(len(store.events(j.id)) == before[j.id] for j in waiting)
+    assert "of 31 connected workers" in waiting[0].message  # the figures stay current
