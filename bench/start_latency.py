@@ -24,27 +24,12 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
 
+from conftest import warm_processes  # noqa: E402
 from service_overhead import job_spec, run_by_hand, run_through_strata  # noqa: E402
 
 from strata.local import LocalCluster  # noqa: E402
-
-
-def warm_ready(n: int) -> bool:
-    """At least ``n`` warm processes have TensorFlow loaded."""
-    count = 0
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                if b"strata.worker.warm" not in f.read():
-                    continue
-            with open(f"/proc/{entry}/maps") as f:
-                count += "libtensorflow_framework" in f.read()
-        except OSError:
-            pass
-    return count >= n
 
 
 def main() -> int:
@@ -69,7 +54,7 @@ def main() -> int:
             for kind in order:
                 if kind == "warm":
                     deadline = time.monotonic() + 120
-                    while not warm_ready(2) and time.monotonic() < deadline:
+                    while len(warm_processes(imported=True)) < 2 and time.monotonic() < deadline:
                         time.sleep(0.2)
                     time.sleep(1.0)  # the refilled processes settle
                     row[kind] = run_through_strata(warm, raw)[1]

@@ -33,8 +33,8 @@ def spec(**overrides):
     return out
 
 
-def task_processes(marker: str) -> list[int]:
-    """PIDs of live processes whose command line contains ``worker.task`` and ``marker``."""
+def _processes(*needles: str) -> list[int]:
+    """PIDs of live (not zombie) processes whose command line contains every needle."""
     pids = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -47,9 +47,26 @@ def task_processes(marker: str) -> list[int]:
                     continue  # a zombie holds no memory and runs nothing
         except OSError:
             continue
-        if "worker.task" in cmd and marker in cmd:
+        if all(n in cmd for n in needles):
             pids.append(int(entry))
     return pids
+
+
+def task_processes(marker: str) -> list[int]:
+    """PIDs of live processes whose command line contains ``worker.task`` and ``marker``."""
+    return _processes("worker.task", marker)
+
+
+def warm_processes(imported: bool = False) -> list[int]:
+    """PIDs of the agents' warm task processes (``strata.worker.warm``); ``imported``: only
+    those that have loaded TensorFlow (its shared library is mapped)."""
+    def loaded(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                return "libtensorflow_framework" in f.read()
+        except OSError:
+            return False
+    return [p for p in _processes("strata.worker.warm") if not imported or loaded(p)]
 
 
 def wait_until(predicate, timeout: float, interval: float = 0.1, what: str = "condition"):

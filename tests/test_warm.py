@@ -12,31 +12,9 @@ import pytest
 from strata.local import LocalCluster
 from strata.types import FailureKind, JobState
 
-from conftest import spec, wait_until
+from conftest import spec, wait_until, warm_processes
 
 pytestmark = pytest.mark.integration
-
-
-def warm_processes() -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if b"strata.worker.warm" in f.read():
-                        out.append(int(entry))
-            except OSError:
-                pass
-    return out
-
-
-def imported(pid: int) -> bool:
-    """TensorFlow is loaded in the process (its shared library is mapped)."""
-    try:
-        with open(f"/proc/{pid}/maps") as f:
-            return "libtensorflow_framework" in f.read()
-    except OSError:
-        return False
 
 
 def agent_log(cluster, name: str) -> str:
@@ -49,9 +27,8 @@ def test_a_warm_task_keeps_its_budget_and_the_pool_refills(tmp_path):
                      warm_pool=1)
     c.start()
     try:
-        ready = wait_until(lambda: [p for p in warm_processes() if imported(p)] if len(
-            [p for p in warm_processes() if imported(p)]) >= 2 else None, 120,
-            what="two warm processes with TensorFlow imported")
+        ready = wait_until(lambda: (lambda got: got if len(got) >= 2 else None)(
+            warm_processes(imported=True)), 120, what="two warm processes with TensorFlow imported")
         with c.client() as client:
             # over its slice: the limit the agent handed over after the import is enforced
             tight = client.wait(client.submit(spec(name="warm-tight",
@@ -68,7 +45,7 @@ def test_a_warm_task_keeps_its_budget_and_the_pool_refills(tmp_path):
             wait_until(lambda: not set(ready) & set(warm_processes()), 30,
                        what="the warm processes that took the tasks to end")
             # refilled, and the next job (2 workers: its cluster handed over too) succeeds warm
-            wait_until(lambda: len([p for p in warm_processes() if imported(p)]) >= 2, 120,
+            wait_until(lambda: len(warm_processes(imported=True)) >= 2, 120,
                        what="the pool refilled")
             ok = client.wait(client.submit(spec(name="warm-ok", training={"steps": 30})).id,
                              timeout=180)
