@@ -820,7 +820,8 @@ def plan_pipeline(profile: ModelProfile, workers: Sequence[WorkerSlot], *, stage
                   microbatches: int, global_batch: int, replicas: int = 1,
                   optimizer: str = "adam", mixed_precision: str = "none",
                   recompute: bool = False, layer_costs: Sequence[float] | None = None,
-                  label_bytes: int = 8, data_bytes: int = 0) -> PipelinePlan:
+                  label_bytes: int = 8, data_bytes: int = 0,
+                  compressed: bool = False) -> PipelinePlan:
     """Splits ``profile``'s layers into ``stages`` contiguous stages (0: the planner picks the
     depth, fewest stages among equal bottlenecks) and places ``replicas`` copies of each on
     distinct ``workers``, minimising the slowest stage's cost subject to every task's memory
@@ -838,7 +839,8 @@ def plan_pipeline(profile: ModelProfile, workers: Sequence[WorkerSlot], *, stage
     model = StageCostModel(profile, microbatch=microbatch, microbatches=microbatches,
                            optimizer=optimizer, mixed_precision=mixed_precision,
                            recompute=recompute, replicas=replicas, layer_costs=layer_costs,
-                           label_bytes=label_bytes, data_bytes=data_bytes)
+                           label_bytes=label_bytes, data_bytes=data_bytes,
+                           compressed=compressed)
     view = _cut_view(model, profile)
     if stages and stages > view.L and view is not model:
         return PipelinePlan(False, _too_few_cuts(profile, stages), (), 0.0, replicas,

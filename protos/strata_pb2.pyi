@@ -186,6 +186,16 @@ class MemorySpec(_message.Message):
     profile: str
     def __init__(self, per_task_budget: _Optional[str] = ..., mixed_precision: _Optional[str] = ..., recompute: _Optional[bool] = ..., profile: _Optional[str] = ...) -> None: ...
 
+class GradientSpec(_message.Message):
+    __slots__ = ("accumulate", "compression", "pack_size")
+    ACCUMULATE_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    PACK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    accumulate: int
+    compression: str
+    pack_size: str
+    def __init__(self, accumulate: _Optional[int] = ..., compression: _Optional[str] = ..., pack_size: _Optional[str] = ...) -> None: ...
+
 class CodeSpec(_message.Message):
     __slots__ = ("dir_name", "sha256", "size", "model", "dataset")
     DIR_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -219,7 +229,7 @@ class RestartSpec(_message.Message):
     def __init__(self, max_restarts: _Optional[int] = ..., backoff_s: _Optional[float] = ..., retry_user_errors: _Optional[bool] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("name", "strategy", "workers", "parameter_servers", "stages", "microbatches", "model", "data", "training", "memory", "checkpoint", "restart", "code")
+    __slots__ = ("name", "strategy", "workers", "parameter_servers", "stages", "microbatches", "model", "data", "training", "memory", "checkpoint", "restart", "code", "gradients")
     NAME_FIELD_NUMBER: _ClassVar[int]
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -233,6 +243,7 @@ class JobSpec(_message.Message):
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     RESTART_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
+    GRADIENTS_FIELD_NUMBER: _ClassVar[int]
     name: str
     strategy: str
     workers: int
@@ -246,7 +257,8 @@ class JobSpec(_message.Message):
     checkpoint: CheckpointSpec
     restart: RestartSpec
     code: CodeSpec
-    def __init__(self, name: _Optional[str] = ..., strategy: _Optional[str] = ..., workers: _Optional[int] = ..., parameter_servers: _Optional[int] = ..., stages: _Optional[int] = ..., microbatches: _Optional[int] = ..., model: _Optional[_Union[ModelSpec, _Mapping]] = ..., data: _Optional[_Union[DataSpec, _Mapping]] = ..., training: _Optional[_Union[TrainingSpec, _Mapping]] = ..., memory: _Optional[_Union[MemorySpec, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointSpec, _Mapping]] = ..., restart: _Optional[_Union[RestartSpec, _Mapping]] = ..., code: _Optional[_Union[CodeSpec, _Mapping]] = ...) -> None: ...
+    gradients: GradientSpec
+    def __init__(self, name: _Optional[str] = ..., strategy: _Optional[str] = ..., workers: _Optional[int] = ..., parameter_servers: _Optional[int] = ..., stages: _Optional[int] = ..., microbatches: _Optional[int] = ..., model: _Optional[_Union[ModelSpec, _Mapping]] = ..., data: _Optional[_Union[DataSpec, _Mapping]] = ..., training: _Optional[_Union[TrainingSpec, _Mapping]] = ..., memory: _Optional[_Union[MemorySpec, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointSpec, _Mapping]] = ..., restart: _Optional[_Union[RestartSpec, _Mapping]] = ..., code: _Optional[_Union[CodeSpec, _Mapping]] = ..., gradients: _Optional[_Union[GradientSpec, _Mapping]] = ...) -> None: ...
 
 class JobMetrics(_message.Message):
     __slots__ = ("step", "total_steps", "loss", "test_accuracy", "examples_per_sec", "test_loss", "has_test_accuracy")

@@ -23,6 +23,8 @@ FEATURE_DTYPES = ("float32", "int64", "string")
 OPTIMIZERS = ("adam", "adamw", "sgd", "rmsprop", "adagrad")
 LOSSES = ("sparse_categorical_crossentropy", "categorical_crossentropy", "mean_squared_error")
 MIXED_PRECISION = ("none", "bfloat16", "float16")
+#: the all-reduce's wire format (``gradients.compression``)
+GRADIENT_COMPRESSION = ("none", "bfloat16", "float16")
 NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$")
 MAX_TASKS = 4096
 # The text of keras.Model.to_json() for a model of a few thousand layers is well under this;
@@ -85,6 +87,33 @@ class MemorySpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class GradientSpec:
+    """How data-parallel replicas exchange gradients (``strata.worker.exchange``)."""
+
+    #: each replica's share of the batch runs as this many slices in turn, their gradients
+    #: summed locally, then one exchange and one update: the same step as unsliced (up to
+    #: float rounding) for 1/N of the activations and 1/N of the exchanges per example
+    accumulate: int = 1
+    #: the all-reduce carries gradients as 16 bits (half the bytes; rounding measured in
+    #: docs/benchmarks.md); every replica receives the same sum, so replicas stay identical
+    compression: str = "none"
+    #: bytes per all-reduce pack ("4MiB"; "0": every gradient in one pack); empty: the default
+    pack_size: str = ""
+
+    @property
+    def pack_bytes(self) -> int:
+        """The pack size in bytes; the measured default when unset
+        (``strata.worker.exchange.DEFAULT_PACK_BYTES``)."""
+        if not self.pack_size:
+            from strata.worker.exchange import DEFAULT_PACK_BYTES
+
+            return DEFAULT_PACK_BYTES
+        from strata.memory import parse_size
+
+        return parse_size(self.pack_size)
+
+
+@dataclasses.dataclass(frozen=True)
 class JobSpec:
     name: str
     strategy: str
@@ -106,6 +135,7 @@ class JobSpec:
     retry_user_errors: bool = False
     #: users' own code: {"dir_name", "sha256", "size", "model", "dataset"} (empty: none)
     code: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    gradients: GradientSpec = GradientSpec()
 
     @property
     def code_model(self) -> str:
@@ -137,6 +167,7 @@ class JobSpec:
                      "features": json.loads(json.dumps(self.data.features))},
             "training": dataclasses.asdict(self.training),
             "memory": dataclasses.asdict(self.memory),
+            "gradients": dataclasses.asdict(self.gradients),
             "checkpoint": {"every_steps": self.checkpoint_every_steps,
                            "keep": self.checkpoint_keep},
             "restart": {"max_restarts": self.max_restarts, "backoff_s": self.restart_backoff_s,
@@ -170,6 +201,7 @@ class JobSpec:
                 optimizer=fill(OptimizerSpec, t.get("optimizer") or {}),
                 loss=str(t.get("loss") or TrainingSpec.loss), seed=int(t.get("seed", 0))),
             memory=fill(MemorySpec, sub("memory")),
+            gradients=fill(GradientSpec, sub("gradients")),
             checkpoint_every_steps=int(sub("checkpoint").get("every_steps", 0)),
             max_restarts=int(sub("restart").get("max_restarts", 0)),
             checkpoint_keep=int(sub("checkpoint").get("keep", cls.checkpoint_keep)),
@@ -184,7 +216,7 @@ class JobSpec:
 
 _TOP_KEYS = {
     "name", "strategy", "workers", "parameter_servers", "stages", "microbatches", "model", "data",
-    "training", "memory", "checkpoint", "restart", "code",
+    "training", "memory", "checkpoint", "restart", "code", "gradients",
 }
 
 
@@ -410,6 +442,8 @@ def parse_job_spec(raw: Any) -> JobSpec:
         profile=_profile(m.get("profile")),
     )
 
+    gradients = _gradients(raw, workers, data.batch_size)
+
     c = _section(raw, "checkpoint", {"every_steps", "keep"})
     r = _section(raw, "restart", {"max_restarts", "backoff_s", "retry_user_errors"})
     # 0 is a valid backoff (restart at once); _float takes positive numbers only
@@ -435,6 +469,7 @@ def parse_job_spec(raw: Any) -> JobSpec:
         restart_backoff_s=backoff,
         retry_user_errors=_bool(r, "retry_user_errors", "restart.retry_user_errors", False),
         code=code,
+        gradients=gradients,
     )
     _check_strategy_fields(spec, strategy)
     strategy.validate(spec)
@@ -550,16 +585,48 @@ def _code(raw: Any) -> dict[str, Any]:
     return out
 
 
+def _gradients(raw: Mapping[str, Any], workers: int, batch_size: int) -> GradientSpec:
+    g = _section(raw, "gradients", {"accumulate", "compression", "pack_size"})
+    accumulate = _int(g, "accumulate", "gradients.accumulate", 1, lo=1, hi=1024)
+    if batch_size % (workers * accumulate):
+        raise SpecError("gradients.accumulate", f"each of the {workers} workers' share of the "
+                                                f"global batch {batch_size} must split into "
+                                                f"{accumulate} equal slices")
+    pack = g.get("pack_size")
+    if isinstance(pack, int) and not isinstance(pack, bool):
+        pack = str(pack)
+    pack = "" if pack is None else pack
+    if not isinstance(pack, str):
+        raise SpecError("gradients.pack_size", f"must be a size like 4MiB, got {pack!r}")
+    if pack:
+        from strata.memory import parse_size
+
+        try:
+            if parse_size(pack) < 0:
+                raise ValueError("must not be negative")
+        except ValueError as e:
+            raise SpecError("gradients.pack_size", str(e)) from None
+    return GradientSpec(
+        accumulate=accumulate,
+        compression=_choice(g, "compression", "gradients.compression", "none",
+                            GRADIENT_COMPRESSION),
+        pack_size=pack)
+
+
 def _check_strategy_fields(spec: JobSpec, strategy: Any) -> None:
     """Optional fields that only some strategies take (each lists its own in ``fields``): set
-    to anything but their zero value for another strategy, they are refused, never ignored."""
+    to anything but their default (or zero) value for another strategy, they are refused,
+    never ignored."""
     from strata import strategies
 
     for field in strategies.all_fields():
         value: Any = spec
+        owner: Any = spec
         for part in field.split("."):
-            value = getattr(value, part)
-        if not value or field in strategy.fields:
+            owner, value = value, getattr(value, part)
+        default = {f.name: f.default for f in dataclasses.fields(owner)}.get(
+            field.rsplit(".", 1)[-1], dataclasses.MISSING)
+        if not value or value == default or field in strategy.fields:
             continue
         users = strategies.users_of(field)
         raise SpecError(field, f"applies to strategies {' and '.join(users)} only"

@@ -26,7 +26,9 @@ micro-batches, ``R`` the replicas and the stage's layers [first, last):
   sizes. (Earlier calibrations counted ``R - 2``, taking the first received gradient to reuse
   the micro-batches' place; the memory zoo (``bench/memory_zoo.py``) measured replica 1's
   tasks of a 2 x 2 hybrid job at 1.1-1.25 x that estimate and one ran out of memory, so the
-  buffers do coexist.)
+  buffers do coexist.) With ``gradients.compression`` (hybrid) the accumulated gradients
+  travel as 16 bits: the task's own 16-bit copy and the ``R - 1`` it receives, 2 bytes each,
+  on top (their float32 casts take the received buffers' place): ``2 R`` more bytes.
 - transient: the largest convolution workspace of the stage's layers
   (``strata.memory.conv_workspace_bytes``) or optimizer-update temporaries
   (``strata.memory.update_transient_bytes``), bounded from one end for the planner's search
@@ -123,7 +125,7 @@ class StageCostModel:
                  optimizer: str = "adam", mixed_precision: str = "none",
                  recompute: bool = False, replicas: int = 1,
                  layer_costs: Sequence[float] | None = None, label_bytes: int = 8,
-                 data_bytes: int = 0):
+                 data_bytes: int = 0, compressed: bool = False):
         layers = profile.layers
         if not layers:
             raise SpecError("model", "has no layers to split into stages")
@@ -153,7 +155,10 @@ class StageCostModel:
         self.c_weight = 4 + (2 if mixed else 0)
         slots = optimizer_buffers(self.optimizer)
         self.accumulates = M > 1 or replicas > 1
-        self.c_train = 4 * (1 + (1 if self.accumulates else 0) + slots + max(0, replicas - 1))
+        # 16-bit copies of the exchanged gradients (``gradients.compression``, replicas only)
+        self.c_wire = 2 * replicas if compressed and replicas > 1 else 0
+        self.c_train = 4 * (1 + (1 if self.accumulates else 0) + slots + max(0, replicas - 1)) \
+            + self.c_wire
         per_elem = PIPELINE_MIXED_ACTIVATION_BYTES if mixed else PIPELINE_ACTIVATION_BYTES
         self.c_act = per_elem * m * (1 if self.recompute else M)
         self.in_flight_examples = PIPELINE_INPUT_BATCHES * m * M * replicas  # global batches
@@ -325,7 +330,7 @@ class StageCostModel:
             "gradients": 4 * train,
             "accumulator": 4 * train if self.accumulates else 0,
             "optimizer_slots": 4 * slots * train,
-            "collective": 4 * train * max(0, self.replicas - 1),
+            "collective": (4 * max(0, self.replicas - 1) + self.c_wire) * train,
             "activations": math.ceil(self.c_act * acts),
             "boundary_input": math.ceil(self._boundary_in(first)),
             "boundary_gradients": math.ceil(self._grad_in(first) + self._grad_out(last)),

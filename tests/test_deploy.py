@@ -118,7 +118,10 @@ def test_the_gpu_overlay_gives_each_agent_one_gpu_and_its_budget():
 
 
 STUB = """#!/usr/bin/env bash
+# one record per call: agents start at once, and two unlocked writes each would interleave
+exec 9>>"$STUB_LOG.lock"; flock 9
 printf '%s\\0' "$(basename "$0")" "$@" >> "$STUB_LOG"; printf '\\n' >> "$STUB_LOG"
+flock -u 9
 # the coordinator runs until the allocation ends: here, until every agent has started
 case " $* " in *" coordinator "*)
     for _ in $(seq 300); do

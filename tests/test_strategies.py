@@ -194,9 +194,11 @@ def test_recompute_lowers_the_measured_peak(client):
 # hybrid
 
 
-def test_hybrid_replicas_stay_identical(client):
+@pytest.mark.parametrize("gradients", [{}, {"compression": "bfloat16"}])
+def test_hybrid_replicas_stay_identical(client, gradients):
+    # with compression the stages' gradients travel between the replicas as 16 bits
     final, _ = run_job(client, spec(name="digits-hybrid", strategy="hybrid", workers=2, stages=2,
-                                    microbatches=2))
+                                    microbatches=2, gradients=gradients))
     assert final.state == JobState.SUCCEEDED, final.message
     assert final.metrics.test_accuracy >= 0.90, final.metrics
     tasks = sorted(final.tasks, key=lambda t: (t.replica, t.stage))

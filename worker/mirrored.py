@@ -37,6 +37,7 @@ from strata.worker.common import (
     Events, cluster_from_tf_config, eval_sums, log,
 )
 from strata.worker.checkpoints import Found, checkpoint_path
+from strata.worker.exchange import accumulating_step, install_all_reduce
 from strata.worker.runner import Data, TrainingRunner, gradient_step
 
 #: seconds before an all-reduce that has not completed fails (STRATA_COLLECTIVE_TIMEOUT_S
@@ -71,6 +72,11 @@ class MirroredRunner(TrainingRunner):
             raise TaskConfigError("data.batch_size", f"global batch {self.gb} is not divisible "
                                                      f"by the {self.n_replicas} replicas")
         self.per_replica = self.gb // self.n_replicas
+        if self.per_replica % self.spec.gradients.accumulate:
+            raise TaskConfigError("gradients.accumulate", f"a replica's {self.per_replica} "
+                                                          "examples do not split into "
+                                                          f"{self.spec.gradients.accumulate} "
+                                                          "equal slices")
         return {"workers": self.n_workers, "replicas": self.n_replicas}
 
     def load(self) -> Data:
@@ -167,9 +173,17 @@ class MirroredRunner(TrainingRunner):
         self.iterator = iter(strategy.distribute_datasets_from_function(dataset_fn))
         with strategy.scope():
             optimizer.build(model.trainable_variables)
-        step_fn = gradient_step(
-            tf, model, optimizer, loss_fn, self.mixed,
-            lambda per_example: tf.nn.compute_average_loss(per_example, global_batch_size=gb))
+        g = self.spec.gradients
+        if g.compression != "none" or g.pack_bytes:
+            install_all_reduce(tf, optimizer, g.compression, g.pack_bytes)
+
+        def reduce(per_example: Any) -> Any:
+            return tf.nn.compute_average_loss(per_example, global_batch_size=gb)
+        if g.accumulate > 1:
+            step_fn = accumulating_step(tf, model, optimizer, loss_fn, self.mixed, reduce,
+                                        g.accumulate)
+        else:
+            step_fn = gradient_step(tf, model, optimizer, loss_fn, self.mixed, reduce)
 
         @tf.function
         def train_step(it: Any) -> Any:
@@ -184,7 +198,8 @@ class MirroredRunner(TrainingRunner):
         self._train_step, self._eval_batch = train_step, eval_batch
         self.local_replicas = len(strategy.extended.worker_devices)
         log(f"model {model.name}: {model.count_params():,} params, {self.per_replica} examples "
-            "per replica")
+            "per replica" + (f" in {g.accumulate} slices" if g.accumulate > 1 else "")
+            + (f", all-reduce in {g.compression}" if g.compression != "none" else ""))
 
     # -- checkpoints
 

@@ -132,6 +132,7 @@ from strata.taskconfig import PipelineSection, StageAssignment, TaskConfig, Task
 from strata.worker.common import (
     Events, cluster_from_tf_config, eval_sums, format_mib, log,
 )
+from strata.worker.exchange import wire_dtype
 from strata.worker.runner import TrainingRunner
 
 CONNECT_TIMEOUT_S = 120.0          # STRATA_PIPELINE_CONNECT_TIMEOUT_S overrides
@@ -449,6 +450,7 @@ class PipelineDriver(TrainingRunner):
         assert d is not None
         S, R, M, m = layout.stages, layout.replicas, layout.microbatches, layout.microbatch
         mixed, recompute, seed, gb = self.mixed, spec.memory.recompute, self.seed, self.gb
+        wire = wire_dtype(tf, spec.gradients.compression)  # hybrid: the exchange's dtype
         layer_names, dev_of, chief_dev = self.layer_names, self.dev_of, self.chief_dev
         loss_name = spec.training.loss
         n_train = d.n_train
@@ -646,16 +648,30 @@ class PipelineDriver(TrainingRunner):
 
             # average over the replicas: every replica's task of a stage receives the others'
             # accumulated gradients and sums all R in replica order (the same op on the same
-            # values: bit-identical means, and the same memory on every replica); unscale
+            # values: bit-identical means, and the same memory on every replica); unscale.
+            # gradients.compression: they travel as 16 bits, and each task sums the 16-bit
+            # values (its own too, rounded alike) cast back to float32
             means = [[None] * S for _ in range(R)]
             finite = []
             for s in range(S):
+                sent = [acc[r][s] for r in range(R)]  # as they travel, on their own tasks
+                if wire is not None and R > 1:
+                    for r in range(R):
+                        with tf.device(stages[r][s].device):
+                            sent[r] = [tf.cast(t, wire) for t in acc[r][s]]
                 got = {}  # (q, r): replica r's accumulated gradients as received on q's task
                 for q in range(R):
                     with tf.device(stages[q][s].device):
                         for r in range(R):
                             if r != q:
-                                got[(q, r)] = [tf.identity(t) for t in acc[r][s]]
+                                got[(q, r)] = [tf.identity(t) for t in sent[r]]
+                        if sent[q] is not acc[q][s]:
+                            dtypes = [t.dtype for t in acc[q][s]]
+                            acc[q][s] = [tf.cast(t, d) for t, d in zip(sent[q], dtypes)]
+                            for r in range(R):
+                                if r != q:
+                                    got[(q, r)] = [tf.cast(t, d)
+                                                   for t, d in zip(got[(q, r)], dtypes)]
                 for q in range(R):
                     st = stages[q][s]
                     with tf.device(st.device):

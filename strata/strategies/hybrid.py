@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 class Hybrid(Pipeline):
     name = "hybrid"
     summary = "data-parallel replicas of a pipeline"
+    fields = Pipeline.fields | {"gradients.compression"}
 
     def validate(self, spec: JobSpec) -> None:
         pass  # any number of replicas

@@ -32,6 +32,7 @@ class MultiWorkerMirrored(Strategy):
     lead: ClassVar[tuple[str, int]] = ("worker", 0)
     lead_drives = False
     runs_user_code = True
+    fields = frozenset({"gradients.accumulate", "gradients.compression", "gradients.pack_size"})
 
     def plan(self, spec: JobSpec, workers: Sequence[WorkerOffer],
              profile: ModelProfile | None) -> JobPlan:

@@ -66,7 +66,7 @@ class Pipeline(Strategy):
             label_bytes=label_bytes_of(spec.to_dict(), profile),
             # the driver keeps the training set in host memory, outside the allocator: only
             # the batches it draws count (the planner's input term)
-            data_bytes=0)
+            data_bytes=0, compressed=spec.gradients.compression != "none")
         S = p.num_stages
         tasks = []
         for s in sorted(p.stages, key=lambda s: (s.replica, s.index)):

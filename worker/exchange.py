@@ -1,0 +1,137 @@
+"""How data-parallel replicas exchange gradients: packs, 16-bit compression, accumulation.
+
+The job's ``gradients`` section (``strata.spec.GradientSpec``) chooses; ``strata.worker.mirrored``
+uses both functions here.
+
+- ``install_all_reduce``: Keras 3 all-reduces every gradient in the optimizer's own step
+  (``_all_reduce_sum_gradients``, one ``ReplicaContext.all_reduce`` over the list). This
+  replaces that method on the optimizer in use (the inner one of a LossScaleOptimizer) with the
+  same sum taken with the job's ``CommunicationOptions(bytes_per_pack=...)`` and, with
+  compression, over 16-bit copies of the float gradients, cast back after. TensorFlow packs the
+  gradients in reverse order (last layer first: the order backward produces them), so each
+  pack's all-reduce can start while earlier layers are still being differentiated. The
+  collective delivers the same bytes to every replica, so compressed replicas stay
+  bit-identical; the rounding (bfloat16: 8 bits of mantissa, float32's range; float16: 11 bits,
+  overflow past 65,504) is the only change, its effect on accuracy measured in
+  docs/benchmarks.md.
+- ``accumulating_step``: a replica's batch in ``k`` slices, one after the other in a
+  ``tf.while_loop``, their gradients summed into one float32 buffer per variable, then one
+  ``apply_gradients``: one exchange per step instead of one per slice. Each slice's loss is
+  reduced over the global batch, so the sum is the unsliced step's gradient (up to float
+  rounding): the same training, with a slice's activations alive instead of the batch's.
+
+The hook is a private Keras method; ``install_all_reduce`` fails the task (BAD_CONFIG, naming
+``gradients``) rather than silently not compressing if a Keras release renames it, and
+tests/test_exchange.py checks that it is still there.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from strata.taskconfig import TaskConfigError
+
+#: the all-reduce pack size when ``gradients.pack_size`` is unset: every gradient in one pack
+#: (TensorFlow's own default). Measured in docs/benchmarks.md (bench/allreduce.py): on CPU
+#: loopback smaller packs cost more collectives than their overlap saves.
+DEFAULT_PACK_BYTES = 0
+
+#: the Keras 3 optimizer method that all-reduces gradients in a replica context
+KERAS_ALL_REDUCE = "_all_reduce_sum_gradients"
+
+
+def wire_dtype(tf: Any, compression: str) -> Any:
+    return {"none": None, "bfloat16": tf.bfloat16, "float16": tf.float16}[compression]
+
+
+def install_all_reduce(tf: Any, optimizer: Any, compression: str, pack_bytes: int) -> None:
+    """Makes ``optimizer`` all-reduce its gradients with these options (see the module)."""
+    target = getattr(optimizer, "inner_optimizer", optimizer)
+    if not callable(getattr(target, KERAS_ALL_REDUCE, None)):
+        raise TaskConfigError("gradients", f"this Keras release's optimizer has no "
+                                           f"{KERAS_ALL_REDUCE}; Strata cannot set the "
+                                           "all-reduce's packs or compression (unset gradients)")
+    wire = wire_dtype(tf, compression)
+    options = tf.distribute.experimental.CommunicationOptions(bytes_per_pack=int(pack_bytes))
+
+    def all_reduce(grads_and_vars: Any) -> list:
+        pairs = list(grads_and_vars)
+        ctx = tf.distribute.get_replica_context()
+        if ctx is None:
+            return pairs
+        present = [i for i, (g, _) in enumerate(pairs) if g is not None]
+        sent = [_to_wire(tf, pairs[i][0], wire) for i in present]
+        # one collective call per wire dtype (a pack concatenates tensors of one dtype)
+        by_dtype: dict[Any, list[int]] = {}
+        for k, t in enumerate(sent):
+            by_dtype.setdefault(t.dtype, []).append(k)
+        got: list[Any] = [None] * len(sent)
+        for ks in by_dtype.values():
+            reduced = ctx.all_reduce(tf.distribute.ReduceOp.SUM, [sent[k] for k in ks],
+                                     options=options)
+            for k, r in zip(ks, reduced):
+                got[k] = r
+        out = list(pairs)
+        for k, i in enumerate(present):
+            g, v = pairs[i]
+            r = got[k]
+            if isinstance(r, tf.Tensor) and r.dtype != g.dtype:
+                r = tf.cast(r, g.dtype)
+            out[i] = (r, v)
+        return out
+
+    setattr(target, KERAS_ALL_REDUCE, all_reduce)
+
+
+def _to_wire(tf: Any, g: Any, wire: Any) -> Any:
+    """A dense float gradient as ``wire`` (16 bits); sparse ones (an Embedding's rows, gathered
+    not summed) and narrower ones as they are."""
+    if wire is None or isinstance(g, tf.IndexedSlices):
+        return g
+    g = tf.convert_to_tensor(g)
+    if g.dtype.is_floating and g.dtype.size > wire.size:
+        return tf.cast(g, wire)
+    return g
+
+
+def accumulating_step(tf: Any, model: Any, optimizer: Any, loss_fn: Any, mixed: str,
+                      reduce: Callable[[Any], Any], k: int) -> Callable[[Any, Any], Any]:
+    """One replica's step over its batch in ``k`` slices (see the module). ``reduce`` turns a
+    slice's per-example losses into its share of the loss (a sum over the global batch), so
+    the slices' losses add up to the step's. Returns the step's loss."""
+    variables = model.trainable_variables
+    scaled = mixed == "float16"
+    unused: list[bool] = []  # variables without a gradient, found while tracing the loop body
+
+    def split(t: Any) -> Any:
+        # [k * n, ...] -> [k, n, ...]: slice i is the i-th n rows (a batch that does not split
+        # evenly fails here, naming its shape)
+        return tf.reshape(t, tf.concat([[k, -1], tf.shape(t)[1:]], 0))
+
+    def step_fn(x: Any, y: Any) -> Any:
+        xs, ys = tf.nest.map_structure(split, x), tf.nest.map_structure(split, y)
+
+        def body(i: Any, total: Any, acc: list) -> tuple:
+            xi = tf.nest.map_structure(lambda t: t[i], xs)
+            yi = tf.nest.map_structure(lambda t: t[i], ys)
+            with tf.GradientTape() as tape:
+                out = model(xi, training=True)
+                loss = reduce(loss_fn(yi, tf.cast(out, tf.float32)))
+                loss_for_grad = optimizer.scale_loss(loss) if scaled else loss
+            grads = tape.gradient(loss_for_grad, variables)
+            unused[:] = [g is None for g in grads]
+            summed = [a if g is None else a + tf.cast(tf.convert_to_tensor(g), a.dtype)
+                      for a, g in zip(acc, grads)]
+            return i + 1, total + loss, summed
+
+        acc0 = [tf.zeros(v.shape, v.dtype) for v in variables]
+        # one slice at a time: a while loop runs independent iterations side by side (10 by
+        # default), which would hold that many slices' activations at once
+        _, total, acc = tf.while_loop(
+            lambda i, *_: i < k, body, (tf.constant(0), tf.constant(0.0, tf.float32), acc0),
+            parallel_iterations=1)
+        grads = [None if none else a for a, none in zip(acc, unused)]
+        optimizer.apply_gradients(zip(grads, variables))
+        return total
+
+    return step_fn
