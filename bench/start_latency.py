@@ -7,7 +7,9 @@ Three ways to start the same two task processes, in one run, the order rotating 
   an agent does, minus the service; `bench/service_overhead.run_by_hand`);
 - cold: a Strata cluster whose agents start each task as a new process (`--warm-pool 0`);
 - warm: a Strata cluster whose agents keep one process each with TensorFlow imported
-  (`--warm-pool 1`), measured once the pools are full again.
+  (`--warm-pool 1`).
+Every launch starts once the warm pools are full and ready again (each process marks itself
+ready when its imports are done), so no refill's imports share the cores with a measurement.
 
 Prints each round and the medians, and warm / hand and cold / hand.
 """
@@ -26,7 +28,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
-from conftest import warm_processes  # noqa: E402
+from conftest import task_processes, warm_processes  # noqa: E402
 from service_overhead import job_spec, run_by_hand, run_through_strata  # noqa: E402
 
 from strata.local import LocalCluster  # noqa: E402
@@ -52,11 +54,15 @@ def main() -> int:
             order = kinds[r % 3:] + kinds[:r % 3]
             row = {}
             for kind in order:
+                # before every launch, not only the warm one: a pool refilling (two
+                # TensorFlow imports) would slow whatever runs next
+                # and the last job's task processes gone (their exit costs CPU too)
+                deadline = time.monotonic() + 120
+                while (len(warm_processes(imported=True)) < 2 or len(warm_processes()) > 2
+                       or task_processes("")) and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                time.sleep(1.0)  # the refilled processes settle
                 if kind == "warm":
-                    deadline = time.monotonic() + 120
-                    while len(warm_processes(imported=True)) < 2 and time.monotonic() < deadline:
-                        time.sleep(0.2)
-                    time.sleep(1.0)  # the refilled processes settle
                     row[kind] = run_through_strata(warm, raw)[1]
                 elif kind == "cold":
                     row[kind] = run_through_strata(cold, raw)[1]

@@ -59,14 +59,17 @@ def task_processes(marker: str) -> list[int]:
 
 def warm_processes(imported: bool = False) -> list[int]:
     """PIDs of the agents' warm task processes (``strata.worker.warm``); ``imported``: only
-    those that have loaded TensorFlow (its shared library is mapped)."""
-    def loaded(pid: int) -> bool:
+    those that are ready, their imports done (each marks itself with ``PID.ready`` in its
+    working directory)."""
+    from strata.worker.warm import READY_SUFFIX
+
+    def ready(pid: int) -> bool:
         try:
-            with open(f"/proc/{pid}/maps") as f:
-                return "libtensorflow_framework" in f.read()
+            return os.path.exists(os.path.join(os.readlink(f"/proc/{pid}/cwd"),
+                                               f"{pid}{READY_SUFFIX}"))
         except OSError:
             return False
-    return [p for p in _processes("strata.worker.warm") if not imported or loaded(p)]
+    return [p for p in _processes("strata.worker.warm") if not imported or ready(p)]
 
 
 def wait_until(predicate, timeout: float, interval: float = 0.1, what: str = "condition"):

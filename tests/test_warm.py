@@ -29,6 +29,8 @@ def test_a_warm_task_keeps_its_budget_and_the_pool_refills(tmp_path):
     try:
         ready = wait_until(lambda: (lambda got: got if len(got) >= 2 else None)(
             warm_processes(imported=True)), 120, what="two warm processes with TensorFlow imported")
+        marks = [os.path.join(os.readlink(f"/proc/{pid}/cwd"), f"{pid}.ready") for pid in ready]
+        assert all(os.path.exists(m) and m.startswith(str(tmp_path)) for m in marks), marks
         with c.client() as client:
             # over its slice: the limit the agent handed over after the import is enforced
             tight = client.wait(client.submit(spec(name="warm-tight",
@@ -56,3 +58,8 @@ def test_a_warm_task_keeps_its_budget_and_the_pool_refills(tmp_path):
         c.stop()
     time.sleep(0.5)
     assert not warm_processes()  # the agents stopped every process they started
+    # and no process is left marked ready
+    import glob
+
+    marks = glob.glob(str(tmp_path / "**" / "warm" / "*.ready"), recursive=True)
+    assert not marks, marks

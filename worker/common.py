@@ -12,6 +12,7 @@ import json
 import math
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -333,3 +334,25 @@ def prepare_environment(cfg: TaskConfig) -> None:
             and "TF_CPU_ALLOCATOR_USE_BFC" not in os.environ:
         os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
         os.environ["TF_CPU_BFC_MEM_LIMIT_IN_MB"] = str(max(1, budget >> 20))
+
+
+def reachable(address: str, timeout: float = 0.5) -> bool:
+    """Whether ``HOST:PORT`` accepts a TCP connection (a task's server is listening)."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]") or "localhost"
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+def wait_reachable(address: str, timeout_s: float, interval_s: float = 0.02) -> bool:
+    """Polls ``address`` until it accepts a connection or ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if reachable(address, timeout=min(0.5, max(0.01, deadline - time.monotonic()))):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval_s)

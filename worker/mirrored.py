@@ -34,7 +34,7 @@ from typing import Any, Callable
 from strata.spec import STREAMED_SOURCES
 from strata.taskconfig import TaskConfig, TaskConfigError
 from strata.worker.common import (
-    Events, cluster_from_tf_config, eval_sums, log,
+    Events, cluster_from_tf_config, eval_sums, log, wait_reachable,
 )
 from strata.worker.checkpoints import Found, checkpoint_path
 from strata.worker.exchange import accumulating_step, install_all_reduce
@@ -45,14 +45,19 @@ from strata.worker.runner import Data, TrainingRunner, gradient_step
 #: collective are short: workers reach each step together, and a checkpoint is saved by every
 #: worker at the same step.
 DEFAULT_COLLECTIVE_TIMEOUT_S = 60.0
+#: seconds a worker other than 0 waits for worker 0's server to listen before joining
+LEAD_WAIT_S = 30.0
 
 
 class MirroredRunner(TrainingRunner):
     def check(self) -> None:
         # without TF_CONFIG the strategy runs this process as the only worker
         self.index, self.n_workers = self.cfg.index, 1
+        self.lead_address = ""
         if os.environ.get("TF_CONFIG"):
             cluster, role, index = cluster_from_tf_config()
+            if index > 0 and cluster.get("worker"):
+                self.lead_address = str(cluster["worker"][0])
             if (role, index) != (self.cfg.role, self.cfg.index):
                 log(f"warning: TF_CONFIG names task {role}:{index}, the task config "
                     f"{self.cfg.task_name}; using TF_CONFIG's")
@@ -66,6 +71,12 @@ class MirroredRunner(TrainingRunner):
         timeout = float(os.environ.get("STRATA_COLLECTIVE_TIMEOUT_S")
                         or DEFAULT_COLLECTIVE_TIMEOUT_S)
         options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=timeout)
+        if self.lead_address:
+            # worker 0 holds the cluster's coordination service: asked before it listens,
+            # TensorFlow retries about a second later (a warm job's rendezvous took 0.9-1.0 s
+            # instead of 0.1 s whenever worker 1 came first). Past the wait TensorFlow's own
+            # retries and timeouts apply as before.
+            wait_reachable(self.lead_address, LEAD_WAIT_S)
         self.strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
         self.n_replicas = self.strategy.num_replicas_in_sync
         if self.gb % self.n_replicas:

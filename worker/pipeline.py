@@ -120,7 +120,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -130,7 +129,7 @@ from typing import Any, Callable
 from strata.modelspec import ModelSpecError
 from strata.taskconfig import PipelineSection, StageAssignment, TaskConfig, TaskConfigError
 from strata.worker.common import (
-    Events, cluster_from_tf_config, eval_sums, format_mib, log,
+    Events, cluster_from_tf_config, eval_sums, format_mib, log, reachable,
 )
 from strata.worker.exchange import wire_dtype
 from strata.worker.runner import TrainingRunner
@@ -358,15 +357,6 @@ def _is_float(v) -> bool:
 # connecting
 
 
-def _reachable(addr: str, timeout: float = 1.0) -> bool:
-    host, _, port = addr.rpartition(":")
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
-            return True
-    except (OSError, ValueError):
-        return False
-
-
 def connect(tf, cluster: dict, layout: Layout, timeout_s: float) -> float:
     """Connects the eager context to the cluster. ``experimental_connect_to_cluster`` returns
     at once; the context then blocks (GIL released) until every task answers, for ever, so the
@@ -379,7 +369,7 @@ def connect(tf, cluster: dict, layout: Layout, timeout_s: float) -> float:
     missing = dict(stage_addrs)
     last_log = 0.0
     while missing:
-        missing = {t: a for t, a in missing.items() if not _reachable(a)}
+        missing = {t: a for t, a in missing.items() if not reachable(a, timeout=1.0)}
         if not missing:
             break
         now = time.time()

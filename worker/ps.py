@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import socket
 import threading
 import time
 
@@ -67,7 +66,7 @@ from strata.exitcodes import EXIT_KIND, TASK_EXIT_COLLECTIVE, TASK_EXIT_ERROR
 from strata.spec import JobSpec
 from strata.taskconfig import ParameterServerSection, TaskConfig, TaskConfigError
 from strata.worker.common import (
-    Events, cluster_from_tf_config, eval_sums, exit_task, format_mib, log,
+    Events, cluster_from_tf_config, eval_sums, exit_task, format_mib, log, reachable,
 )
 from strata.worker.runner import Progress, TrainingRunner, gradient_step
 
@@ -91,16 +90,6 @@ def _ps_cluster() -> dict[str, list[str]]:
     if not cluster.get("ps"):
         raise TaskConfigError("TF_CONFIG", "a parameter_server job needs at least one ps task")
     return cluster
-
-
-def _reachable(address: str, timeout: float = 0.5) -> bool:
-    host, _, port = address.rpartition(":")
-    host = host.strip("[]") or "localhost"
-    try:
-        with socket.create_connection((host, int(port)), timeout=timeout):
-            return True
-    except (OSError, ValueError):
-        return False
 
 
 class Watchdog(threading.Thread):
@@ -146,8 +135,8 @@ class Watchdog(threading.Thread):
         self.set_phase(self.phase)
         while not self._stopping.wait(PROBE_INTERVAL_S):
             now = time.time()
-            wup = [_reachable(a) for a in self.workers]
-            pup = [_reachable(a) for a in self.ps]
+            wup = [reachable(a) for a in self.workers]
+            pup = [reachable(a) for a in self.ps]
             for i, (was, up) in enumerate(zip(self.worker_up, wup)):
                 if was and not up and self.phase == "train":
                     log(f"worker:{i} at {self.workers[i]} is unreachable; its steps go to the "
