@@ -166,8 +166,9 @@ def main() -> None:
     }))
 
 
-def compare(rev: str, argv: list[str]) -> None:
-    """Runs this benchmark on revision ``rev`` and on this checkout, one after the other."""
+def compare(rev: str, argv: list[str], script: str = __file__) -> None:
+    """Runs ``script`` (this benchmark by default) on revision ``rev`` and on this checkout,
+    one after the other; each run's last line of output is its JSON figures."""
     import shutil
     import subprocess
 
@@ -185,7 +186,7 @@ def compare(rev: str, argv: list[str]) -> None:
         runs = {}
         for label, env in (("before", {"PYTHONPATH": os.path.dirname(shim),
                                        "STRATA_BENCH_SHIM": "1"}), ("after", {})):
-            out = subprocess.run([sys.executable, os.path.abspath(__file__), *argv],
+            out = subprocess.run([sys.executable, os.path.abspath(script), *argv],
                                  env={**os.environ, **env}, capture_output=True, text=True,
                                  check=True, cwd=base).stdout
             runs[label] = json.loads(out.strip().splitlines()[-1])

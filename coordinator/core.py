@@ -27,6 +27,7 @@ from strata.coordinator.agents import (
     AgentCommand, Agents, LiveWorker, Needs, NO_NEEDS, StartTaskCommand, StopTaskCommand, reconcile,
 )
 from strata.coordinator.blobs import DEFAULT_MAX_UPLOAD_BYTES, BlobStore
+from strata.coordinator.jobtable import JobTable
 from strata.coordinator.logs import JobLogs
 from strata.coordinator.placement import Capacity, TaskDemand, place
 from strata.coordinator.series import Series
@@ -232,12 +233,14 @@ class Coordinator:
         self.start_timeout_s = start_timeout_s
         self._scheduled_at: dict[str, float] = {}  # job id -> when it was placed (this process)
         self.clock = clock
-        self.jobs: dict[str, Job] = {j.id: j for j in store.load_jobs()}
+        #: every job held: the live ones loaded, finished ones when first looked up
+        self.jobs = JobTable(store)
         #: the jobs that are not over: the job or one of its tasks has not ended. The hot paths
         #: (the control loop, heartbeats, reservations, the workers view) read these alone, so
         #: their cost follows what runs and waits, not the history kept for --retention. A job
         #: leaves once it and every task have ended, which no state ever undoes.
-        self._live: dict[str, Job] = {j.id: j for j in self.jobs.values() if not _over(j)}
+        self._live: dict[str, Job] = {j.id: j for j in self.jobs.loaded_jobs()
+                                      if not _over(j)}
         #: worker -> the task ports its unfinished tasks hold (a heartbeat's free ports never
         #: include them): kept as tasks are placed and end
         self._ports_held: dict[str, set[str]] = {}
@@ -257,8 +260,7 @@ class Coordinator:
         self._tick_version = 0
         self._last_tick_mono = 0.0
         #: client request id -> the job its SubmitJob created (a retried submit returns it)
-        self._by_request: dict[str, str] = {j.recovery.request_id: j.id
-                                            for j in self.jobs.values() if j.recovery.request_id}
+        self._by_request: dict[str, str] = store.request_ids()
         #: task kind -> bytes it was measured to need (``strata.measured``)
         self.measured: dict[str, int] = store.load_measured()
         # agents known from before a restart get their retry backoff on top of the heartbeat
@@ -500,6 +502,8 @@ class Coordinator:
         return job
 
     def list_jobs(self) -> list[Job]:
+        """Every job, oldest first (each finished one loaded: views page ``jobs.summaries()``
+        and load what they show)."""
         return sorted(self.jobs.values(), key=lambda j: (j.created_at, j.id))
 
     def cancel(self, job_id: str) -> Job:
@@ -619,9 +623,10 @@ class Coordinator:
         if not self.retention_s or now < self._next_expiry:
             return
         self._next_expiry = now + EXPIRY_INTERVAL_S
-        old = [j.id for j in self.jobs.values()
-               if j.state.final and j.finished_at and now - j.finished_at > self.retention_s
-               and all(t.state.final for t in j.tasks)]
+        # a job is over once it and its tasks have ended: every job not in _live
+        old = [s.id for s in self.jobs.summaries()
+               if s.state.final and s.finished_at and now - s.finished_at > self.retention_s
+               and s.id not in self._live]
         for job_id in old:
             self.delete(job_id)
         if old:
@@ -1037,10 +1042,10 @@ class Coordinator:
         else:
             for w in self.agents.expired(now, self.heartbeat_timeout_s):
                 self._mark_lost(w)
-        self._expire(now)
         for job_id in [j.id for j in self._live.values() if _over(j)]:
             del self._live[job_id]
             self._tried.pop(job_id, None)
+        self._expire(now)  # (after: it takes the jobs out of _live as over)
         self._tick_cache, self._tick_failed = {}, {}
         self._tick_version = self._room_version
         try:

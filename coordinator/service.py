@@ -388,9 +388,13 @@ class JobServicer(pb_grpc.JobServiceServicer):
     @rpc
     async def ListJobs(self, request: pb.ListJobsRequest, context: Any) -> pb.ListJobsResponse:
         states = {JobState(pb.JobState.Name(s)) for s in request.states}
-        jobs = [j for j in self.coord.list_jobs() if not states or j.state in states]
-        chosen, token = page(jobs, lambda j: (j.created_at, j.id), request.page_size,
-                             request.page_token)
+        # paged over the summaries: only the jobs on the page are loaded (a finished job is
+        # read from the store when first shown, ``coordinator.jobtable``)
+        found = sorted((s for s in self.coord.jobs.summaries() if not states or s.state in states),
+                       key=lambda s: (s.created_at, s.id))
+        page_of, token = page(found, lambda s: (s.created_at, s.id), request.page_size,
+                              request.page_token)
+        chosen = [self.coord.get(s.id) for s in page_of]
         # Without specs: a list of jobs with large keras_json models would outgrow any message.
         return pb.ListJobsResponse(jobs=[convert.job_to_proto(j, with_spec=False)
                                          for j in chosen], next_page_token=token)

@@ -15,6 +15,7 @@ import sqlite3
 import threading
 from typing import Any, Iterable
 
+from strata.coordinator.jobtable import JobSummary
 from strata.spec import JobSpec
 from strata.types import FailureKind, Job, JobMetrics, JobRecovery, JobState, Task, TaskState
 
@@ -55,6 +56,25 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def load_jobs(self) -> list[Job]:
         """Every job with its tasks, oldest first."""
+
+    # What a coordinator loads at start (``strata.coordinator.jobtable``). These defaults read
+    # every job; a store that can select them (SqliteStore) reads only what is asked for.
+
+    def load_live_jobs(self) -> list[Job]:
+        """The jobs that are not over (the job or one of its tasks has not ended)."""
+        return [j for j in self.load_jobs()
+                if not (j.state.final and all(t.state.final for t in j.tasks))]
+
+    def load_job_summaries(self) -> list[JobSummary]:
+        """Every job's id, state, times and restarts."""
+        return [JobSummary.of(j) for j in self.load_jobs()]
+
+    def load_job(self, job_id: str) -> Job | None:
+        return next((j for j in self.load_jobs() if j.id == job_id), None)
+
+    def request_ids(self) -> dict[str, str]:
+        """Client request id -> the job its SubmitJob created."""
+        return {j.recovery.request_id: j.id for j in self.load_jobs() if j.recovery.request_id}
 
     @abc.abstractmethod
     def replace_tasks(self, job_id: str, tasks: Iterable[Task]) -> None:
@@ -120,6 +140,11 @@ CREATE TABLE IF NOT EXISTS job_recovery (
 CREATE INDEX IF NOT EXISTS job_recovery_request ON job_recovery (request_id);
 """
 SCHEMA_VERSION = "1"
+
+_FINAL = "('SUCCEEDED', 'FAILED', 'CANCELLED')"  # JobState and TaskState alike
+#: the ids of the jobs that are not over: the job, or one of its tasks, has not ended
+_LIVE_IDS = (f"SELECT id FROM jobs WHERE state NOT IN {_FINAL} UNION "
+             f"SELECT job_id FROM tasks WHERE json_extract(body, '$.state') NOT IN {_FINAL}")
 
 
 class SqliteStore(Store):
@@ -189,10 +214,39 @@ class SqliteStore(Store):
                 raise
 
     def load_jobs(self) -> list[Job]:
+        return self._load()
+
+    def load_live_jobs(self) -> list[Job]:
+        return self._load(_LIVE_IDS)
+
+    def load_job(self, job_id: str) -> Job | None:
+        got = self._load("?", (job_id,))
+        return got[0] if got else None
+
+    def load_job_summaries(self) -> list[JobSummary]:
         with self._lock:
-            jobs = self._db.execute("SELECT * FROM jobs ORDER BY created_at, id").fetchall()
-            tasks = self._db.execute("SELECT job_id, body FROM tasks ORDER BY job_id, role, idx").fetchall()
-            recovery = dict(self._db.execute("SELECT job_id, body FROM job_recovery").fetchall())
+            rows = self._db.execute(
+                "SELECT id, state, created_at, finished_at, started_at, restarts FROM jobs"
+            ).fetchall()
+        return [JobSummary(i, JobState(s), c, f, st, r) for i, s, c, f, st, r in rows]
+
+    def request_ids(self) -> dict[str, str]:
+        with self._lock:
+            return dict(self._db.execute(
+                "SELECT request_id, job_id FROM job_recovery WHERE request_id != ''").fetchall())
+
+    def _load(self, ids: str = "", params: tuple[str, ...] = ()) -> list[Job]:
+        """The jobs whose ids the SQL ``ids`` yields (all without it), with their tasks."""
+        def where(column: str) -> str:
+            return f"WHERE {column} IN ({ids})" if ids else ""
+
+        with self._lock:
+            jobs = self._db.execute(f"SELECT * FROM jobs {where('id')} ORDER BY created_at, id",
+                                    params).fetchall()
+            tasks = self._db.execute(f"SELECT job_id, body FROM tasks {where('job_id')} "
+                                     "ORDER BY job_id, role, idx", params).fetchall()
+            recovery = dict(self._db.execute(
+                f"SELECT job_id, body FROM job_recovery {where('job_id')}", params).fetchall())
         by_job: dict[str, list[Task]] = {}
         for job_id, body in tasks:
             d: dict[str, Any] = json.loads(body)

@@ -60,7 +60,7 @@ class StrataCollector(Collector):
 
     def collect(self) -> Iterator[Any]:
         coord = self.coord
-        jobs = list(coord.jobs.values())
+        jobs = coord.jobs.summaries()
         by_state = GaugeMetricFamily("strata_jobs", "Jobs held, by state", labels=["state"])
         for s in JobState:
             by_state.add_metric([s.value], sum(1 for j in jobs if j.state == s))
@@ -76,7 +76,7 @@ class StrataCollector(Collector):
         yield HistogramMetricFamily("strata_job_queue_seconds", "From submit to the first "
                                     "training step, of the jobs held that started",
                                     buckets=buckets, sum_value=sum(waited))
-        live = [j for j in jobs if not j.state.final]
+        live = [coord.get(j.id) for j in jobs if not j.state.final]
         step = GaugeMetricFamily("strata_job_step", "Training step of each unfinished job",
                                  labels=["job", "name"])
         total = GaugeMetricFamily("strata_job_steps", "Steps each unfinished job will train",
@@ -117,9 +117,9 @@ class StrataCollector(Collector):
 def state_json(coord: Any) -> dict[str, Any]:
     """What the status page shows: every worker, every unfinished job and the latest finished
     ones, each job with its recent progress and per-task memory."""
-    jobs = sorted(coord.jobs.values(), key=lambda j: (j.created_at, j.id), reverse=True)
-    live = [j for j in jobs if not j.state.final]
-    done = [j for j in jobs if j.state.final][:RECENT_JOBS]
+    jobs = sorted(coord.jobs.summaries(), key=lambda s: (s.created_at, s.id), reverse=True)
+    live = [coord.get(s.id) for s in jobs if not s.state.final]
+    done = [coord.get(s.id) for s in jobs if s.state.final][:RECENT_JOBS]
     out = []
     for j in live + done:
         d = job_to_json(j)

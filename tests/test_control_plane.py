@@ -132,3 +132,68 @@ def test_agents_coming_do_not_write_an_event_per_waiting_job_each(env):
         coord.tick()
     assert all(len(store.events(j.id)) == before[j.id] for j in waiting)
     assert "of 31 connected workers" in waiting[0].message  # the figures stay current
+
+
+def test_a_restart_loads_the_live_jobs_and_the_history_when_asked(env, tmp_path):
+    """History stays on disk until looked at: the restarted coordinator holds the live jobs
+    as objects and the finished ones as summaries, and a finished job read back is the same
+    job, tasks included."""
+    import asyncio
+
+    from strata.coordinator.core import Coordinator
+    from strata.coordinator.service import JobServicer
+    from strata.coordinator.store import SqliteStore
+    from strata.protos import strata_pb2 as pb
+
+    coord, clock, store, _ = env
+    s = coord.register("a", "127.0.0.1", "CPU", 4 * GiB, [5000, 5001, 5002], [], shared_dir="/s")
+    done = coord.submit(SPEC)
+    coord.tick()
+    t = done.tasks[0]
+    for state in (TaskState.RUNNING, TaskState.SUCCEEDED):
+        coord.report("a", s, TaskReport(done.id, t.role, t.index, state, attempt=t.attempt,
+                                        test_accuracy=0.75 if state.final else None))
+    assert done.state == JobState.SUCCEEDED
+    cancelled = [coord.submit({**SPEC, "name": f"old-{i}"}) for i in range(30)]
+    for j in cancelled:
+        coord.cancel(j.id)
+    running = coord.submit(SPEC)
+    clock.now += 1  # older first: the running one is placed, then no room for the other
+    waiting = coord.submit({**SPEC, "memory": {"per_task_budget": "3500MiB"}})
+    coord.tick()
+    assert running.state == JobState.SCHEDULED
+    clock.now += 1
+    coord.tick()
+    store.close()
+
+    again = Coordinator(SqliteStore(str(tmp_path / "s.db")), str(tmp_path), clock=clock)
+    assert {j.id for j in again.jobs.loaded_jobs()} == {running.id, waiting.id}
+    assert len(again.jobs) == 33 and done.id in again.jobs
+    summaries = {x.id: x for x in again.jobs.summaries()}
+    assert summaries[done.id].state == JobState.SUCCEEDED and len(summaries) == 33
+    back = again.get(done.id)  # read from the store now
+    assert back == done and back.tasks[0].state == TaskState.SUCCEEDED
+    assert back.metrics.test_accuracy == 0.75
+    assert done.id in {j.id for j in again.jobs.loaded_jobs()}
+    agree_with_a_full_scan(again)
+
+    # ListJobs pages over summaries and loads what it shows
+    servicer = JobServicer(again)
+    got, token = [], ""
+    while True:
+        resp = asyncio.run(servicer.ListJobs.__wrapped__(  # type: ignore[attr-defined]
+            servicer, pb.ListJobsRequest(page_size=7, page_token=token), None))
+        got += [j.id for j in resp.jobs]
+        token = resp.next_page_token
+        if not token:
+            break
+    assert got == [j.id for j in sorted([done, *cancelled, running, waiting],
+                                        key=lambda j: (j.created_at, j.id))]
+    assert len({j.id for j in again.jobs.loaded_jobs()}) == 33
+
+    # retention deletes a finished job it never loaded
+    again2 = Coordinator(SqliteStore(str(tmp_path / "s.db")), str(tmp_path), clock=clock)
+    again2.retention_s = 1
+    clock.now += 3600
+    again2.tick()
+    assert set(again2.jobs) == {running.id, waiting.id}
