@@ -5,7 +5,8 @@
 
 A real `strata coordinator` process (plain text, loopback, heartbeat timeout 10 s) and, in this
 process, `--agents` simulated agents on grpc.aio: each registers, opens its command stream
-and heartbeats once a second (start times spread over the first seconds). Before the agents
+and heartbeats once a second (start times spread over the first seconds). Agents are separate
+hosts, each with its own connection; here `--agents-per-channel` (50) share one. Before they
 come, `--finished` jobs are submitted and cancelled, and `--pending` jobs of 1.5 GiB wait:
 one agent of 2 GiB registers first and holds one such job, so they are admissible but find
 no room on the 1 GiB agents. While the agents heartbeat, one client submits a job every
@@ -13,8 +14,10 @@ no room on the 1 GiB agents. While the agents heartbeat, one client submits a jo
 
 Prints JSON: heartbeat latency p50/p99/max (ms), heartbeats sent and failed, submit latency
 p50/p99 (ms), the agents the coordinator counts LOST at the end (must be 0), and the
-coordinator's CPU seconds per wall second. Both sides share this machine's cores: the load
-generator's own cost is in the latencies.
+coordinator's CPU over the measured window: seconds per wall second and microseconds per
+heartbeat (everything it did in the window, divided by the heartbeats). Both sides share
+this machine's cores: the load generator's own cost is in the latencies, and one generator
+process sends at most a few thousand heartbeats a second.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -98,7 +102,7 @@ async def submitter(stub, stop: asyncio.Event, lat: list[float]) -> None:
         await asyncio.sleep(0.2)
 
 
-async def run(address: str, args: argparse.Namespace) -> dict:
+async def run(address: str, args: argparse.Namespace, cpu: Callable[[], float]) -> dict:
     ch = grpc.aio.insecure_channel(address, options=[("grpc.max_concurrent_streams", 100000)])
     cluster, jobs = pb_grpc.ClusterServiceStub(ch), pb_grpc.JobServiceStub(ch)
     # the one agent that makes the large jobs admissible, holding a large job so they wait
@@ -121,7 +125,12 @@ async def run(address: str, args: argparse.Namespace) -> dict:
         await jobs.CancelJob(pb.CancelJobRequest(id=j.id), timeout=60)
     for _ in range(args.pending + 1):
         await jobs.SubmitJob(pb.SubmitJobRequest(spec=BIG), timeout=60)
-    tasks += [asyncio.create_task(agent(cluster, f"sim-{i:05d}", GiB, stop, lat, failed,
+    # agents are separate hosts, each with its own connection: here one channel (one HTTP/2
+    # connection) per --agents-per-channel agents rather than one for all
+    per = max(1, args.agents_per_channel)
+    channels = [grpc.aio.insecure_channel(address) for _ in range(-(-args.agents // per))]
+    tasks += [asyncio.create_task(agent(pb_grpc.ClusterServiceStub(channels[i // per]),
+                                       f"sim-{i:05d}", GiB, stop, lat, failed,
                                        random.random() * min(5.0, args.agents / 500)))
              for i in range(args.agents)]
     warm = min(10.0, 2 + args.agents / 500)
@@ -129,13 +138,23 @@ async def run(address: str, args: argparse.Namespace) -> dict:
     lat.clear()
     failed.clear()
     tasks.append(asyncio.create_task(submitter(jobs, stop, sub_lat)))
+    # the coordinator's CPU (and this process's) over the measured window only
+    cpu0, own0, t0 = cpu(), time.process_time(), time.monotonic()
     await asyncio.sleep(args.seconds)
+    window_cpu, window_s, beats = cpu() - cpu0, time.monotonic() - t0, len(lat)
+    own_cpu = time.process_time() - own0
     workers = await jobs.ListWorkers(pb.ListWorkersRequest(states=[pb.LOST], page_size=1000),
                                      timeout=60)
     stop.set()
     await asyncio.gather(*tasks, return_exceptions=True)
     await ch.close()
-    return {"heartbeats": len(lat), "heartbeats_failed": len(failed),
+    for c in channels:
+        await c.close()
+    return {"heartbeats": len(lat), "heartbeats_per_s": round(beats / window_s),
+            "heartbeats_failed": len(failed),
+            "coordinator_cpu_per_s": round(window_cpu / window_s, 2),
+            "coordinator_cpu_us_per_heartbeat": round(1e6 * window_cpu / max(1, beats)),
+            "generator_cpu_per_s": round(own_cpu / window_s, 2),
             "heartbeat_ms_p50": round(1e3 * pct(lat, 0.5), 1),
             "heartbeat_ms_p99": round(1e3 * pct(lat, 0.99), 1),
             "heartbeat_ms_max": round(1e3 * max(lat, default=0.0), 1),
@@ -150,6 +169,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=30)
     ap.add_argument("--pending", type=int, default=200)
     ap.add_argument("--finished", type=int, default=800)
+    ap.add_argument("--agents-per-channel", type=int, default=50)
     args = ap.parse_args()
     state = tempfile.mkdtemp(prefix="strata-load-")
     port_file = os.path.join(state, "address")
@@ -164,11 +184,7 @@ def main() -> None:
             assert proc.poll() is None and time.monotonic() < deadline
             time.sleep(0.1)
         address = open(port_file).read().strip()
-        cpu0 = _cpu(proc.pid)
-        t0 = time.monotonic()
-        out = asyncio.run(run(address, args))
-        out["coordinator_cpu_per_s"] = round((_cpu(proc.pid) - cpu0) / (time.monotonic() - t0),
-                                             2)
+        out = asyncio.run(run(address, args, lambda: _cpu(proc.pid)))
         out = {"agents": args.agents, "jobs_held": args.finished + args.pending + 1, **out}
         print(json.dumps(out))
     finally:
