@@ -32,7 +32,7 @@ from typing import Any, Callable
 from strata.taskconfig import TaskConfigError
 
 #: the all-reduce pack size when ``gradients.pack_size`` is unset: every gradient in one pack
-#: (TensorFlow's own default). Measured in docs/benchmarks.md (bench/allreduce.py): on CPU
+#: (TensorFlow's own default). Measured in docs/benchmarks.md (bench/allreduce_packs.py): on CPU
 #: loopback smaller packs cost more collectives than their overlap saves.
 DEFAULT_PACK_BYTES = 0
 
