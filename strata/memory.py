@@ -60,13 +60,13 @@ Terms (bytes, per task):
 - ``workspace``: the largest transient beyond the activations: the im2col buffer of a
   Conv2D layer's CPU kernels during the backward pass (``conv_workspace_bytes``; up to about
   30 MiB whatever the batch), the optimizer update's temporaries after it, when the
-  activations are gone (``UPDATE_TEMPORARIES`` x the largest variable), or one more of the
-  largest activation tensor (a layer's float32 output over the per-replica batch), whichever
-  is larger. That last one is also the task's largest single allocation when the batch is
-  large (``largest_alloc``). Measured: the digits MLP at 4,096 examples per replica peaked
-  at 63-74 MiB alone, but at up to 89 MiB with three such jobs sharing 2 cores (the ops
-  interleave differently), and at its former budget of 93 MiB 3 of 9 jobs ran out of memory;
-  with this term its budget is 113 MiB and 0 of 9 did.
+  activations are gone (``UPDATE_TEMPORARIES`` x the largest variable), whichever is larger.
+  Not a term, but added by ``default_budget``: one more of the largest activation tensor (a
+  layer's float32 output over the per-replica batch), also the task's largest single
+  allocation when the batch is large (``largest_alloc``). Measured: the digits MLP at 4,096
+  examples per replica peaked at 63-74 MiB alone, but at up to 89 MiB with three such jobs
+  sharing 2 cores (the ops interleave differently); at its former budget of 93 MiB 3 of 9
+  jobs ran out of memory, at 111 MiB none did.
 - ``overhead``: 1 MiB fixed (tf.data and collective runtime buffers, the first-step tracing
   temporaries) plus 5% of everything else for BFC chunk rounding (allocation sizes are
   rounded up to bins and big tensors can get whole regions).
@@ -142,6 +142,9 @@ class MemoryEstimate:
     workspace: int = 0
     #: the largest single allocation (not a term: ``default_budget`` leaves room for it)
     largest_alloc: int = 0
+    #: the largest activation tensor (not a term: ``default_budget`` adds one, for CPU
+    #: contention)
+    activation_tensor: int = 0
 
     @property
     def total(self) -> int:
@@ -151,6 +154,7 @@ class MemoryEstimate:
     def as_dict(self) -> dict[str, int]:
         d = asdict(self)
         d.pop("largest_alloc")
+        d.pop("activation_tensor")
         d["total"] = self.total
         return d
 
@@ -221,10 +225,11 @@ def estimate_task_memory(spec: dict[str, Any], per_replica_batch: int, profile: 
     # transients: a convolution's workspace during the backward pass (on top of the
     # activations), or the optimizer update's temporaries after it (activations freed)
     update = max((update_transient_bytes(l, optimizer) for l in profile.layers), default=0)
-    # ... or one more of the largest activation tensor (a layer's output over the batch or
-    # slice, float32): ops that interleave differently under CPU contention keep one more alive
+    workspace = max(largest_workspace(profile), update - activations, 0)
+    # the largest activation tensor (a layer's float32 output over the batch or slice): ops
+    # that interleave differently under CPU contention can keep one more alive; the budget
+    # adds it (``default_budget``), the estimate aims at the uncontended peak
     act_tensor = 4 * micro * max((l.output_elems for l in profile.layers), default=0)
-    workspace = max(largest_workspace(profile), update - activations, act_tensor, 0)
     train_peak = weights + gradients + slots + collective_bytes + activations + data + workspace
     startup_peak = 4 * params + 2 * shard
     if startup_peak > train_peak:
@@ -237,7 +242,7 @@ def estimate_task_memory(spec: dict[str, Any], per_replica_batch: int, profile: 
     return MemoryEstimate(weights=weights, gradients=gradients, optimizer_slots=slots,
                           activations=activations, data=data, overhead=overhead,
                           collective=collective_bytes, workspace=workspace,
-                          largest_alloc=largest)
+                          largest_alloc=largest, activation_tensor=act_tensor)
 
 
 #: bytes per output element and example of the layers that are not Dense (``ACTIVATION_FACTOR``
@@ -437,7 +442,9 @@ def default_budget(estimate: MemoryEstimate | int, largest_alloc: int = 0) -> in
     use: a model whose all-reduce pack was 32.3 MiB (a 1024-8192 layer) failed at a 157 MiB
     limit with 96 MiB in use and ran at 165 MiB, 1.15 packs above its estimate in use; a
     convolution's im2col buffer is such a tensor too (a 64x64x16 conv's 25.8 MiB
-    ``Conv2DBackpropFilter`` buffer failed at a 103 MiB limit with 73 MiB in use).
+    ``Conv2DBackpropFilter`` buffer failed at a 103 MiB limit with 73 MiB in use); (5) under
+    CPU contention the ops interleave differently and one more of the largest activation
+    tensor can be alive: it is added on top (``MemoryEstimate.activation_tensor``).
 
     The memory zoo (``bench/memory_zoo.py``, ``docs/benchmarks.md``) is the check: over its 216
     jobs (14 models, 4 strategies, small and large batches, float32 and bfloat16, Adam and SGD)
@@ -447,10 +454,12 @@ def default_budget(estimate: MemoryEstimate | int, largest_alloc: int = 0) -> in
     why the fraction is not smaller. An over-tight budget costs a failed task (exit 75); a
     loose one only idles memory."""
     total = estimate.total if isinstance(estimate, MemoryEstimate) else int(estimate)
+    contention = 0
     if isinstance(estimate, MemoryEstimate):
         largest_alloc = max(largest_alloc, estimate.largest_alloc)
+        contention = estimate.activation_tensor
     room = max(int(math.ceil(total * HEADROOM_FRACTION)), HEADROOM_MIN,
-               int(math.ceil(LARGEST_ALLOC_ROOM * largest_alloc)))
+               int(math.ceil(LARGEST_ALLOC_ROOM * largest_alloc))) + contention
     return -(-(total + room) // MiB) * MiB
 
 

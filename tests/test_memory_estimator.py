@@ -254,4 +254,8 @@ def test_budget_leaves_room_for_the_largest_allocation():
     spec["training"]["optimizer"]["name"] = "sgd"
     e = estimate_task_memory(spec, 256)
     assert e.largest_alloc == e.collective
-    assert default_budget(e) == default_budget(e.total, e.largest_alloc) > default_budget(e.total)
+    assert default_budget(e.total, e.largest_alloc) > default_budget(e.total)
+    # ... and its largest activation tensor, added whole (one more alive under contention)
+    assert e.activation_tensor == 4 * 256 * 8192
+    extra = default_budget(e) - default_budget(e.total, e.largest_alloc)
+    assert e.activation_tensor <= extra <= e.activation_tensor + MiB
