@@ -61,12 +61,11 @@ def warm_processes(imported: bool = False) -> list[int]:
     """PIDs of the agents' warm task processes (``strata.worker.warm``); ``imported``: only
     those that are ready, their imports done (each marks itself with ``PID.ready`` in its
     working directory)."""
-    from strata.worker.warm import READY_SUFFIX
+    from strata.worker.warm import ready_mark
 
     def ready(pid: int) -> bool:
         try:
-            return os.path.exists(os.path.join(os.readlink(f"/proc/{pid}/cwd"),
-                                               f"{pid}{READY_SUFFIX}"))
+            return os.path.exists(ready_mark(os.readlink(f"/proc/{pid}/cwd"), pid))
         except OSError:
             return False
     return [p for p in _processes("strata.worker.warm") if not imported or ready(p)]

@@ -11,6 +11,7 @@ import pytest
 
 from strata.local import LocalCluster
 from strata.types import FailureKind, JobState
+from strata.worker.warm import ready_mark
 
 from conftest import spec, wait_until, warm_processes
 
@@ -29,7 +30,7 @@ def test_a_warm_task_keeps_its_budget_and_the_pool_refills(tmp_path):
     try:
         ready = wait_until(lambda: (lambda got: got if len(got) >= 2 else None)(
             warm_processes(imported=True)), 120, what="two warm processes with TensorFlow imported")
-        marks = [os.path.join(os.readlink(f"/proc/{pid}/cwd"), f"{pid}.ready") for pid in ready]
+        marks = [ready_mark(os.readlink(f"/proc/{pid}/cwd"), pid) for pid in ready]
         assert all(os.path.exists(m) and m.startswith(str(tmp_path)) for m in marks), marks
         with c.client() as client:
             # over its slice: the limit the agent handed over after the import is enforced

@@ -13,7 +13,7 @@ import time
 from strata.worker import agent
 from strata.worker.agent import Warm, WarmPool
 from strata.worker.common import reachable, wait_reachable
-from strata.worker.warm import READY_SUFFIX
+from strata.worker.warm import ready_mark
 
 
 class CountingPool(WarmPool):
@@ -43,7 +43,7 @@ def test_a_task_takes_a_ready_process_first_and_the_refill_waits_for_its_first_s
         assert pool.spawned == 2
         older, newer = pool.ready
         # only the newer one has finished importing
-        open(os.path.join(pool.dir, f"{newer.proc.pid}{READY_SUFFIX}"), "w").close()
+        open(ready_mark(pool.dir, newer.proc.pid), "w").close()
         settled = threading.Event()
         got = pool.take(settled)
         assert got is newer
@@ -55,7 +55,7 @@ def test_a_task_takes_a_ready_process_first_and_the_refill_waits_for_its_first_s
             time.sleep(0.02)
         assert pool.spawned == 3 and len(pool.ready) == 2
         got.close()
-        assert not os.path.exists(os.path.join(pool.dir, f"{got.proc.pid}{READY_SUFFIX}"))
+        assert not os.path.exists(ready_mark(pool.dir, got.proc.pid))
     finally:
         pool.close()
     assert all(w.proc.poll() is not None for w in [older, newer])

@@ -35,7 +35,7 @@ from strata.auth import with_token
 from strata.tls import ClientTls, channel
 from strata.oom import OutOfMemory
 from strata.types import FailureKind, MemoryStatus, TaskReport, TaskState
-from strata.worker.warm import READY_SUFFIX
+from strata.worker.warm import ready_mark
 
 log = logging.getLogger("strata.worker")
 
@@ -421,7 +421,7 @@ class Warm:
 
     @property
     def is_ready(self) -> bool:
-        return os.path.exists(os.path.join(self.dir, f"{self.proc.pid}{READY_SUFFIX}"))
+        return os.path.exists(ready_mark(self.dir, self.proc.pid))
 
     def close(self) -> None:
         """Ends a warm process that was never given a task (its whole process group)."""
@@ -432,7 +432,7 @@ class Warm:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=STOP_GRACE_S)
         with contextlib.suppress(OSError):
-            os.unlink(os.path.join(self.dir, f"{self.proc.pid}{READY_SUFFIX}"))
+            os.unlink(ready_mark(self.dir, self.proc.pid))
 
 
 #: the longest a warm pool waits for the task that took a process to start training before

@@ -29,6 +29,11 @@ import sys
 READY_SUFFIX = ".ready"
 
 
+def ready_mark(directory: str, pid: int) -> str:
+    """The path of the mark process ``pid`` makes in ``directory`` once it is ready."""
+    return os.path.join(directory, f"{pid}{READY_SUFFIX}")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m strata.worker.warm")
     p.add_argument("--events-fd", type=int, required=True)
@@ -49,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
 
     # ready: PID.ready in the pool's directory (the working directory) says so to the agent,
     # which hands a task to a ready process first, and to anyone measuring a warm start
-    mark = f"{os.getpid()}{READY_SUFFIX}"
+    mark = ready_mark(os.getcwd(), os.getpid())
     with open(mark, "w"):
         pass
     line = sys.stdin.readline()
