@@ -28,19 +28,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import threading
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
 
-from strata.memory import default_budget, estimate_task_memory  # noqa: E402
-from strata.spec import parse_job_spec  # noqa: E402
-from strata.taskconfig import TASK_CONFIG_VERSION  # noqa: E402
-from strata.tfconfig import build_tf_config  # noqa: E402
+from service_overhead import finish, launch  # noqa: E402
 
 #: (label, gradients section, slices per step)
 OPTIONS: list[tuple[str, dict, int]] = [
@@ -78,59 +73,6 @@ def digits_spec(epochs: int, gradients: dict) -> dict:
         "memory": {"profile": "false"},
         "gradients": gradients,
     }
-
-
-def launch(raw: dict, threads: int, workdir: str) -> list[tuple[subprocess.Popen, list]]:
-    """The job's tasks, launched as an agent launches them; each with its events list."""
-    import portpicker
-
-    spec = parse_job_spec(raw)
-    budget = default_budget(estimate_task_memory(spec.to_dict(), spec.per_replica_batch))
-    n = spec.workers
-    ports = [portpicker.pick_unused_port() for _ in range(n)]
-    cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
-    out = []
-    for i in range(n):
-        d = tempfile.mkdtemp(dir=workdir)
-        cfg = {"version": TASK_CONFIG_VERSION, "job_id": "bench", "role": "worker", "index": i,
-               "spec": spec.to_dict(), "memory_budget_bytes": budget, "report_interval_s": 0.5,
-               "agent": {"output_dir": os.path.join(d, "out"), "threads": threads,
-                         "device": "CPU"}}
-        path = os.path.join(d, "config.json")
-        with open(path, "w") as f:
-            json.dump(cfg, f)
-        r, w = os.pipe()
-        env = dict(os.environ, TF_CONFIG=build_tf_config(cluster, "worker", i),
-                   TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPU_BFC_MEM_LIMIT_IN_MB=str(budget >> 20),
-                   CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT)
-        with open(os.path.join(d, "task.log"), "w") as log:
-            p = subprocess.Popen([sys.executable, "-m", "strata.worker.task", "--config", path,
-                                  "--events-fd", str(w)], pass_fds=(w,), env=env, cwd=d,
-                                 stdout=log, stderr=subprocess.STDOUT)
-        os.close(w)
-        events: list = []
-
-        def read(fd: int = r, into: list = events) -> None:
-            with os.fdopen(fd) as f:
-                for line in f:
-                    into.append(json.loads(line))
-
-        threading.Thread(target=read, daemon=True).start()
-        out.append((p, events))
-    return out
-
-
-def finish(tasks: list[tuple[subprocess.Popen, list]]) -> list[list]:
-    for p, _ in tasks:
-        try:
-            rc = p.wait(timeout=600)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            raise
-        if rc != 0:
-            raise RuntimeError(f"a bench task exited {rc}")
-    time.sleep(0.2)  # the readers drain the pipes
-    return [ev for _, ev in tasks]
 
 
 def steady_rate(events: list, global_batch: int) -> float:

@@ -15,7 +15,8 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 sys.path.insert(0, ROOT)
-from allreduce import finish, launch, steady_rate, steps_for, throughput_spec  # noqa: E402
+from allreduce import steady_rate, steps_for, throughput_spec  # noqa: E402
+from service_overhead import finish, launch  # noqa: E402
 
 PACKS = (("one pack", "0"), ("1MiB", "1MiB"), ("2MiB", "2MiB"))
 

@@ -44,22 +44,21 @@ def steady(samples: list[float]) -> float:
     return statistics.median(tail) if tail else 0.0
 
 
-def run_by_hand(raw: dict, threads: int, workdir: str) -> tuple[float, float]:
-    """Launches the two task processes exactly as an agent would, minus the service."""
+def launch(raw: dict, threads: int, workdir: str) -> list[tuple[subprocess.Popen, list]]:
+    """The job's tasks, launched as an agent launches them; each with its events list."""
     import portpicker
 
     spec = parse_job_spec(raw)
     budget = default_budget(estimate_task_memory(spec.to_dict(), spec.per_replica_batch))
-    ports = [portpicker.pick_unused_port() for _ in range(2)]
+    n = spec.workers
+    ports = [portpicker.pick_unused_port() for _ in range(n)]
     cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
-    procs, readers, events = [], [], [[], []]
-    t0 = time.time()
-    for i in range(2):
-        d = os.path.join(workdir, f"hand-{i}")
-        os.makedirs(d, exist_ok=True)
-        cfg = {"version": TASK_CONFIG_VERSION, "job_id": "hand", "role": "worker", "index": i,
+    out = []
+    for i in range(n):
+        d = tempfile.mkdtemp(dir=workdir)
+        cfg = {"version": TASK_CONFIG_VERSION, "job_id": "bench", "role": "worker", "index": i,
                "spec": spec.to_dict(), "memory_budget_bytes": budget, "report_interval_s": 0.5,
-               "agent": {"output_dir": os.path.join(workdir, "hand-out"), "threads": threads,
+               "agent": {"output_dir": os.path.join(d, "out"), "threads": threads,
                          "device": "CPU"}}
         path = os.path.join(d, "config.json")
         with open(path, "w") as f:
@@ -67,24 +66,42 @@ def run_by_hand(raw: dict, threads: int, workdir: str) -> tuple[float, float]:
         r, w = os.pipe()
         env = dict(os.environ, TF_CONFIG=build_tf_config(cluster, "worker", i),
                    TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPU_BFC_MEM_LIMIT_IN_MB=str(budget >> 20),
-                   CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="1", PYTHONPATH=ROOT)
-        procs.append(subprocess.Popen([sys.executable, "-m", "strata.worker.task", "--config", path,
-                                       "--events-fd", str(w)], pass_fds=(w,), env=env, cwd=d,
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                   CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT)
+        with open(os.path.join(d, "task.log"), "w") as log:
+            p = subprocess.Popen([sys.executable, "-m", "strata.worker.task", "--config", path,
+                                  "--events-fd", str(w)], pass_fds=(w,), env=env, cwd=d,
+                                 stdout=log, stderr=subprocess.STDOUT)
         os.close(w)
+        events: list = []
 
-        def read(fd=r, out=events[i]):
+        def read(fd: int = r, into: list = events) -> None:
             with os.fdopen(fd) as f:
                 for line in f:
-                    out.append(json.loads(line))
+                    into.append(json.loads(line))
 
-        th = threading.Thread(target=read, daemon=True)
-        th.start()
-        readers.append(th)
-    for p in procs:
-        p.wait(timeout=600)
-    for th in readers:
-        th.join(timeout=10)
+        threading.Thread(target=read, daemon=True).start()
+        out.append((p, events))
+    return out
+
+
+def finish(tasks: list[tuple[subprocess.Popen, list]]) -> list[list]:
+    for p, _ in tasks:
+        try:
+            rc = p.wait(timeout=600)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            raise
+        if rc != 0:
+            raise RuntimeError(f"a bench task exited {rc}")
+    time.sleep(0.2)  # the readers drain the pipes
+    return [ev for _, ev in tasks]
+
+
+def run_by_hand(raw: dict, threads: int, workdir: str) -> tuple[float, float]:
+    """Launches the two task processes exactly as an agent would, minus the service:
+    (steady examples/s of worker 0, seconds from launch to its first step)."""
+    t0 = time.time()
+    events = finish(launch(raw, threads, workdir))
     first = next(e["time"] for e in events[0] if e["event"] == "first_step")
     eps = [e["examples_per_sec"] for e in events[0] if e["event"] == "progress"]
     return steady(eps), first - t0
