@@ -119,7 +119,8 @@ def state_json(coord: Any) -> dict[str, Any]:
     ones, each job with its recent progress and per-task memory."""
     jobs = sorted(coord.jobs.summaries(), key=lambda s: (s.created_at, s.id), reverse=True)
     live = [coord.get(s.id) for s in jobs if not s.state.final]
-    done = [coord.get(s.id) for s in jobs if s.state.final][:RECENT_JOBS]
+    # sliced before loading: every finished job beyond these stays on disk
+    done = [coord.get(s.id) for s in [s for s in jobs if s.state.final][:RECENT_JOBS]]
     out = []
     for j in live + done:
         d = job_to_json(j)

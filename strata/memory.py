@@ -183,8 +183,8 @@ def estimate_task_memory(spec: dict[str, Any], per_replica_batch: int, profile: 
     if profile is None:
         profile = profile_model(spec["model"])
     b = max(1, int(per_replica_batch))
-    # gradients.accumulate: the batch runs in slices (activations of one slice) into one
-    # float32 accumulator per trainable variable
+    # gradients.accumulate: the batch runs in slices (activations of one slice), their
+    # gradients summed in float32 (``gradients`` below)
     slices = max(1, int(_get(spec, "gradients", "accumulate", default=1) or 1))
     micro = max(1, -(-b // slices))
     compressed = _get(spec, "gradients", "compression", default="none") not in ("none", "", None)

@@ -197,3 +197,20 @@ def test_a_restart_loads_the_live_jobs_and_the_history_when_asked(env, tmp_path)
     clock.now += 3600
     again2.tick()
     assert set(again2.jobs) == {running.id, waiting.id}
+
+
+def test_the_status_page_loads_only_the_finished_jobs_it_shows(env, tmp_path):
+    from strata.coordinator.core import Coordinator
+    from strata.coordinator.store import SqliteStore
+    from strata.coordinator.web import RECENT_JOBS, state_json
+
+    coord, clock, store, _ = env
+    for i in range(RECENT_JOBS + 15):
+        coord.cancel(coord.submit({**SPEC, "name": f"done-{i}"}).id)
+        clock.now += 1
+    live = coord.submit(SPEC)
+    store.close()
+    again = Coordinator(SqliteStore(str(tmp_path / "s.db")), str(tmp_path), clock=clock)
+    shown = [j["id"] for j in state_json(again)["jobs"]]
+    assert shown[0] == live.id and len(shown) == 1 + RECENT_JOBS
+    assert len(again.jobs.loaded_jobs()) == 1 + RECENT_JOBS
