@@ -202,8 +202,11 @@ class Reconciliation:
     lost: list[tuple[Job, Task]] = dataclasses.field(default_factory=list)   # it no longer runs
 
 
-def reconcile(worker: str, reports: Iterable[TaskReport],
-              jobs: Mapping[str, Job]) -> Reconciliation:
+def reconcile(worker: str, reports: Iterable[TaskReport], jobs: Mapping[str, Job],
+              live: Iterable[Job]) -> Reconciliation:
+    """``jobs`` finds a reported task's job; ``live`` are the jobs not over (a job that is
+    over has no task left to stop, start or fail: only they are walked, so a registration
+    costs the live jobs, not the history)."""
     out = Reconciliation()
     reported = {r.key: r for r in reports}
 
@@ -231,7 +234,7 @@ def reconcile(worker: str, reports: Iterable[TaskReport],
                                             attempt=r.attempt))
         else:
             out.apply.append(r)
-    for job in jobs.values():
+    for job in live:
         for t in job.tasks:
             if t.worker != worker or t.state.final or t.key in reported:
                 continue

@@ -655,7 +655,7 @@ class Coordinator:
 
     def _reconcile(self, live: LiveWorker, reports: list[TaskReport]) -> None:
         """Aligns what the agent runs with what the coordinator assigned to it."""
-        todo = reconcile(live.name, reports, self.jobs)
+        todo = reconcile(live.name, reports, self.jobs, list(self._live.values()))
         for r in todo.apply:
             self.report(live.name, live.session, r)
         for r in todo.stop_again:

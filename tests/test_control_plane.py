@@ -169,6 +169,13 @@ def test_a_restart_loads_the_live_jobs_and_the_history_when_asked(env, tmp_path)
     again = Coordinator(SqliteStore(str(tmp_path / "s.db")), str(tmp_path), clock=clock)
     assert {j.id for j in again.jobs.loaded_jobs()} == {running.id, waiting.id}
     assert len(again.jobs) == 33 and done.id in again.jobs
+    # agents coming back (after a coordinator restart, all at once) reconcile against the live
+    # jobs: a registration loads no finished job
+    again.register("a", "127.0.0.1", "CPU", 4 * GiB, [5003], [
+        TaskReport(running.id, t.role, t.index, TaskState.RUNNING, attempt=t.attempt)
+        for t in running.tasks], shared_dir="/s")
+    again.register("b", "127.0.0.1", "CPU", 4 * GiB, [5004], [], shared_dir="/s")
+    assert {j.id for j in again.jobs.loaded_jobs()} == {running.id, waiting.id}
     summaries = {x.id: x for x in again.jobs.summaries()}
     assert summaries[done.id].state == JobState.SUCCEEDED and len(summaries) == 33
     back = again.get(done.id)  # read from the store now
