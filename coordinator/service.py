@@ -29,6 +29,7 @@ from grpc_reflection.v1alpha import reflection
 from strata.auth import CLUSTER, Auth, AuthFileError, Caller, Denied
 from strata.coordinator.bounds import Undecodable, check_request
 from strata.coordinator.core import Coordinator, prepare
+from strata.coordinator.gcpolicy import GcPolicy
 from strata.coordinator.web import RPC_SECONDS
 from strata.dataroots import check_roots
 from strata.limits import (
@@ -652,6 +653,9 @@ async def serve(listen: str, state_dir: str, *, heartbeat_timeout_s: float = 10.
             f.write(address)
         os.replace(tmp, port_file)
     loop_task = asyncio.create_task(coord.run())
+    gc_policy = GcPolicy()  # after the state is loaded: the live jobs are frozen with the modules
+    gc_policy.start()
+    gc_task = asyncio.create_task(gc_policy.run())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -675,9 +679,11 @@ async def serve(listen: str, state_dir: str, *, heartbeat_timeout_s: float = 10.
         http.close()
     coord.stop()
     await server.stop(grace=2.0)
-    loop_task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await loop_task
+    for task in (loop_task, gc_task):
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    gc_policy.close()
     store.close()
     lock.close()
 

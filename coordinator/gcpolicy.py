@@ -1,0 +1,108 @@
+"""Keeps CPython's cycle collector from stalling the coordinator's event loop.
+
+A full collection walks every tracked object. In the coordinator that is the imported modules
+(about 35,000 objects, ~25 ms to walk on these machines: grpc and protobuf types are slow to
+traverse) plus the agents' sessions, queues and streams. With 1,500 heartbeating agents full
+collections ran every few seconds and took 70-100 ms each, and they were the heartbeat p99
+(bench/agents_load.py; docs/benchmarks.md, "Control plane at scale").
+
+The cure is ``gc.freeze()``: frozen objects are never walked again. What is frozen is only what
+survived a collection moments before, so almost nothing frozen is garbage:
+
+- once at start, after the state is loaded: the modules and the live jobs;
+- after an automatic full collection that took longer than ``SLOW_COLLECTION_S``: what it kept
+  is long-lived (agents that registered, jobs that are running), so the next one is short;
+- every ``REFREEZE_S`` a full collection over everything, frozen included, then a freeze: it
+  reclaims cycles that died after they were frozen (a finished job, an agent that left). That
+  one pause is as long as an unfrozen full collection, once in ``REFREEZE_S``.
+
+Reference counting frees frozen objects as usual; only cyclic garbage waits for the refreeze.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import time
+from typing import Any, Callable
+
+log = logging.getLogger("strata.coordinator")
+
+#: an automatic full collection that took longer than this freezes what it kept
+SLOW_COLLECTION_S = 0.01
+#: how often everything, frozen objects included, is collected once
+REFREEZE_S = 600.0
+#: how often the loop looks whether a freeze is due
+CHECK_S = 1.0
+
+
+class GcPolicy:
+    """Freezes long-lived objects out of the collector's reach (module docstring).
+    ``collector`` is the ``gc`` module; tests pass their own."""
+
+    def __init__(self, *, refreeze_s: float = REFREEZE_S,
+                 slow_collection_s: float = SLOW_COLLECTION_S, collector: Any = gc,
+                 clock: Callable[[], float] = time.monotonic):
+        self.refreeze_s = refreeze_s
+        self.slow_collection_s = slow_collection_s
+        self.gc = collector
+        self.clock = clock
+        self.freeze_due = False
+        self.freezes = 0
+        self.refreezes = 0
+        self._last_refreeze = clock()
+        self._started: float | None = None
+        self._own = False  # a collection this policy runs is not a slow automatic one
+
+    def start(self) -> None:
+        """Collects once and freezes what is left; watches full collections from now on."""
+        self._collect_and_freeze()
+        self.gc.callbacks.append(self._on_collection)
+
+    def close(self) -> None:
+        if self._on_collection in self.gc.callbacks:
+            self.gc.callbacks.remove(self._on_collection)
+
+    def _on_collection(self, phase: str, info: dict[str, int]) -> None:
+        if info.get("generation") != 2 or self._own:
+            return
+        if phase == "start":
+            self._started = time.perf_counter()
+        elif self._started is not None:
+            if time.perf_counter() - self._started > self.slow_collection_s:
+                self.freeze_due = True
+            self._started = None
+
+    def step(self) -> None:
+        """One check: a refreeze when one is due, else a freeze after a slow collection."""
+        if self.clock() - self._last_refreeze >= self.refreeze_s:
+            start = time.perf_counter()
+            self.gc.unfreeze()
+            self._collect_and_freeze()
+            self.refreezes += 1
+            log.debug("gc: refroze in %.0f ms", 1e3 * (time.perf_counter() - start))
+        elif self.freeze_due:
+            # young objects first: the short-lived ones die here instead of being frozen
+            self._own = True
+            try:
+                self.gc.collect(1)
+            finally:
+                self._own = False
+            self.gc.freeze()
+            self.freezes += 1
+        self.freeze_due = False
+
+    def _collect_and_freeze(self) -> None:
+        self._own = True
+        try:
+            self.gc.collect()
+        finally:
+            self._own = False
+        self.gc.freeze()
+        self._last_refreeze = self.clock()
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(CHECK_S)
+            self.step()
