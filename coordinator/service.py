@@ -172,22 +172,28 @@ def _checked(self: Any, name: str, request: Any, context: Any) -> Any:
         return request
 
     async def messages() -> AsyncIterator[Any]:
-        auth: Auth | None = getattr(self, "auth", None)
         async for msg in request:
-            if isinstance(msg, Undecodable):
-                raise MalformedRequest(f"{name}: a message of the stream ({msg.size} bytes) "
-                                       "does not decode")
-            check_request(msg)
-            agent = getattr(msg, "name", None)
-            if auth is not None and auth.enabled and name in CLUSTER and isinstance(agent, str):
-                try:
-                    auth.check(CALLER.get(), name, agent)
-                except Denied as e:
-                    raise PermissionDenied(e.message) from None
-            else:
-                check_certificate(self, name, agent, context)
-            yield msg
+            yield _checked_message(self, name, msg, context)
     return messages()
+
+
+def _checked_message(self: Any, name: str, msg: Any, context: Any) -> Any:
+    """One message of a client stream, checked as a unary request is, and its agent name
+    against the caller's token (or client certificate)."""
+    if isinstance(msg, Undecodable):
+        raise MalformedRequest(f"{name}: a message of the stream ({msg.size} bytes) "
+                               "does not decode")
+    check_request(msg)
+    auth: Auth | None = getattr(self, "auth", None)
+    agent = getattr(msg, "name", None)
+    if auth is not None and auth.enabled and name in CLUSTER and isinstance(agent, str):
+        try:
+            auth.check(CALLER.get(), name, agent)
+        except Denied as e:
+            raise PermissionDenied(e.message) from None
+    else:
+        check_certificate(self, name, agent, context)
+    return msg
 
 
 def rpc(method: F) -> F:
@@ -488,8 +494,7 @@ class ClusterServicer(pb_grpc.ClusterServiceServicer):
         return pb.RegisterAgentResponse(session=session,
                                         heartbeat_interval_s=self.coord.heartbeat_interval_s)
 
-    @rpc
-    async def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatResponse:
+    def _heartbeat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
         check_ports(request.free_ports)
         try:
             self.coord.heartbeat(request.name, request.session,
@@ -498,6 +503,22 @@ class ClusterServicer(pb_grpc.ClusterServiceServicer):
         except UnknownAgentSession:
             return pb.HeartbeatResponse(reregister=True)
         return pb.HeartbeatResponse()
+
+    @rpc
+    async def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatResponse:
+        return self._heartbeat(request)
+
+    @rpc
+    async def Heartbeats(self, request_iterator: AsyncIterator[pb.HeartbeatRequest],
+                         context: Any) -> None:
+        # grpc.aio's reader/writer API rather than an async generator over the iterator: each
+        # message then makes two coroutines, not six (async generators and their asend
+        # objects), and those wait a second for the agent's next heartbeat, so the cycle
+        # collector walks them again and again: it was most of the loop's pauses with 5,000
+        # agents. Each message is checked as a unary request is, and its name against the token.
+        while (request := await context.read()) is not grpc.aio.EOF:
+            await context.write(self._heartbeat(
+                _checked_message(self, "Heartbeats", request, context)))
 
     @rpc
     async def Connect(self, request: pb.ConnectRequest, context: Any) -> AsyncIterator[pb.AgentCommand]:

@@ -42,8 +42,8 @@ READ = frozenset({"GetJob", "ListJobs", "WatchJob", "ListWorkers"})
 SUBMIT = frozenset({"SubmitJob", "PlanJob", "UploadBlob"})
 OWN_JOB = frozenset({"CancelJob", "GetLogs", "DownloadOutput", "DeleteJob"})
 ADMIN_ONLY = frozenset({"DrainWorker"})
-CLUSTER = frozenset({"RegisterAgent", "Heartbeat", "Connect", "ReportTask", "AppendLogs",
-                     "FetchBlob", "UploadOutput", "DrainAgent"})
+CLUSTER = frozenset({"RegisterAgent", "Heartbeat", "Heartbeats", "Connect", "ReportTask",
+                     "AppendLogs", "FetchBlob", "UploadOutput", "DrainAgent"})
 ALLOWED: dict[str, frozenset[str]] = {
     "admin": READ | SUBMIT | OWN_JOB | ADMIN_ONLY | CLUSTER,
     "submitter": READ | SUBMIT | OWN_JOB,

@@ -107,6 +107,7 @@ def test_roles_and_owners_through_a_real_coordinator(tmp_path):
         from strata.auth import with_token
         from strata.protos import strata_pb2_grpc as pb_grpc
         from strata.tls import channel
+        from strata.worker.heartbeats import HeartbeatStream
 
         ch = channel(c.address, tls)
         try:
@@ -118,6 +119,13 @@ def test_roles_and_owners_through_a_real_coordinator(tmp_path):
             ok = stub.RegisterAgent(pb.RegisterAgentRequest(name="node-a", host="127.0.0.1",
                                                             budget_bytes=1 << 30), timeout=10)
             assert ok.session
+            # on the heartbeat stream each message is checked: node-a's token, node-b's name
+            beats = HeartbeatStream(stub, timeout_s=10)
+            assert not beats.send(pb.HeartbeatRequest(name="node-a", session=ok.session)).reregister
+            with pytest.raises(grpc.RpcError) as e:
+                beats.send(pb.HeartbeatRequest(name="node-b", session=ok.session))
+            assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            beats.close()
         finally:
             ch.close()
         with client("alice") as alice:

@@ -242,9 +242,15 @@ def test_undecodable_bytes_get_invalid_argument_on_every_method(coordinator, ser
     garbage = b"\x0a\xff\xff\xff\xff\x01"   # a length-delimited field longer than the message
     if method.client_streaming:
         ident = lambda b: b  # noqa: E731
-        call = ch.stream_unary(path, request_serializer=ident, response_deserializer=ident)
         with pytest.raises(grpc.RpcError) as e:
-            call(iter([garbage]), timeout=RPC_TIMEOUT_S)
+            if method.server_streaming:
+                call = ch.stream_stream(path, request_serializer=ident,
+                                        response_deserializer=ident)
+                list(call(iter([garbage]), timeout=RPC_TIMEOUT_S))
+            else:
+                call = ch.stream_unary(path, request_serializer=ident,
+                                       response_deserializer=ident)
+                call(iter([garbage]), timeout=RPC_TIMEOUT_S)
         code, details = e.value.code(), e.value.details()
     else:
         code, _ = _call(ch, path, garbage, method.server_streaming)

@@ -35,6 +35,7 @@ from strata.auth import with_token
 from strata.tls import ClientTls, channel
 from strata.oom import OutOfMemory
 from strata.types import FailureKind, MemoryStatus, TaskReport, TaskState
+from strata.worker.heartbeats import HeartbeatStream
 from strata.worker.warm import ready_mark
 
 log = logging.getLogger("strata.worker")
@@ -528,6 +529,7 @@ class Agent:
             os.makedirs(os.path.join(cfg.shared_dir, "jobs"), exist_ok=True)
         self.channel = channel(cfg.coordinator, cfg.tls)
         self.stub = pb_grpc.ClusterServiceStub(with_token(self.channel, cfg.token))
+        self.heartbeats = HeartbeatStream(self.stub, RPC_TIMEOUT_S)
         self.session = ""
         self.heartbeat_interval = 1.0
         self.tasks: dict[tuple[str, str, int], TaskProcess] = {}
@@ -789,10 +791,10 @@ class Agent:
                 threading.Thread(target=self._command_loop, args=(self.session,), daemon=True,
                                  name="commands").start()
             try:
-                resp = self.stub.Heartbeat(pb.HeartbeatRequest(
+                resp = self.heartbeats.send(pb.HeartbeatRequest(
                     name=self.cfg.name, session=self.session,
                     memory=convert.memory_to_proto(self.memory()), tasks=self._reports(),
-                    free_ports=self.free_ports), timeout=RPC_TIMEOUT_S)
+                    free_ports=self.free_ports))
                 if resp.reregister:
                     self._reregister.set()
                     continue
@@ -837,6 +839,7 @@ class Agent:
         self.warm.close()
         self.stop_all()
         self.flush_logs()
+        self.heartbeats.close()
         self.channel.close()
 
 
