@@ -174,12 +174,15 @@ class Agents:
             yield cmd
 
     def capacities(self, reserved: Mapping[str, int], needs: Needs = NO_NEEDS) -> list[Capacity]:
-        """The agents that can take tasks now, of those that meet a job's ``needs``."""
-        return [Capacity(name=w.name, budget_bytes=w.record.budget_bytes,
-                         free_bytes=w.record.budget_bytes - reserved.get(w.name, 0),
-                         free_ports=len(w.free_ports))
-                for w in self.workers.values() if w.connected and not w.record.draining
-                and needs.met_by(w.record)]
+        """The agents that can take tasks now, of those that meet a job's ``needs``. Runs over
+        every agent each time room changed, so it is written out flat (a connected agent has
+        a session and is not lost; no needs are met by every agent)."""
+        anything = needs == NO_NEEDS
+        return [Capacity(rec.name, rec.budget_bytes, rec.budget_bytes - reserved.get(rec.name, 0),
+                         len(w.free_ports))
+                for w in self.workers.values()
+                if w.session and not w.lost and not (rec := w.record).draining
+                and (anything or needs.met_by(rec))]
 
     def close(self) -> None:
         for w in self.workers.values():

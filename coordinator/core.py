@@ -253,6 +253,8 @@ class Coordinator:
         #: until it moves (``_try_schedule``)
         self._room_version = 0
         self._tried: dict[str, tuple[Any, ...]] = {}
+        #: each waiting job's needs (``Needs.of`` its spec, which does not change)
+        self._needs: dict[str, Needs] = {}
         #: during a tick: the capacities by job needs, and the placements that failed by
         #: (needs, demands), both dropped as soon as a job is placed (``tick``)
         self._tick_cache: dict[Any, Any] | None = None
@@ -607,6 +609,7 @@ class Coordinator:
         self.jobs.pop(job.id, None)
         self._live.pop(job.id, None)
         self._tried.pop(job.id, None)
+        self._needs.pop(job.id, None)
         if job.recovery.request_id:
             self._by_request.pop(job.recovery.request_id, None)
         for d in (self._metrics_saved, self._scheduled_at):
@@ -1045,6 +1048,7 @@ class Coordinator:
         for job_id in [j.id for j in self._live.values() if _over(j)]:
             del self._live[job_id]
             self._tried.pop(job_id, None)
+            self._needs.pop(job_id, None)
         self._expire(now)  # (after: it takes the jobs out of _live as over)
         self._tick_cache, self._tick_failed = {}, {}
         self._tick_version = self._room_version
@@ -1149,18 +1153,20 @@ class Coordinator:
                                     f"{self.heartbeat_timeout_s:g} s)")
 
     def _try_schedule(self, job: Job) -> None:
-        demands = [TaskDemand(t.role, t.index, t.memory_budget_bytes) for t in job.tasks]
         assert job.spec is not None
         # Nothing that could make room has happened since this job last failed to fit, and
         # its demands are the same: it would fail again (placement is deterministic, and other
         # placements only take room). Waiting jobs cost a tick nothing until something moves.
-        key = (self._room_version, tuple(d.budget_bytes for d in demands))
+        key = (self._room_version, tuple(t.memory_budget_bytes for t in job.tasks))
         if self._tried.get(job.id) == key:
             return
-        needs = Needs.of(job.spec)
+        needs = self._needs.get(job.id)
+        if needs is None:
+            needs = self._needs[job.id] = Needs.of(job.spec)
         # a job with the same needs and demands already failed this tick, on the same room
         placement = self._tick_failed.get((needs, key[1])) if self._tick_fresh() else None
         if placement is None:
+            demands = [TaskDemand(t.role, t.index, t.memory_budget_bytes) for t in job.tasks]
             placement = place(demands, self._capacities(needs))
         if not placement.assignments:
             self._tried[job.id] = key
