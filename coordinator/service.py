@@ -198,7 +198,9 @@ def _checked_message(self: Any, name: str, msg: Any, context: Any) -> Any:
 
 def rpc(method: F) -> F:
     """Applies the token check, the request's bounds and the error table to a handler: unary
-    (a coroutine) or server streaming (an async generator). ``context.abort``'s own exception
+    (a coroutine) or server streaming (an async generator). A bidirectional handler written
+    with ``context.read()``/``write()`` is a coroutine too, and checks each message it reads
+    with ``_checked_message``. ``context.abort``'s own exception
     (and cancellation, a BaseException) passes through untouched."""
     name = method.__name__
     if inspect.isasyncgenfunction(method):
@@ -511,11 +513,11 @@ class ClusterServicer(pb_grpc.ClusterServiceServicer):
     @rpc
     async def Heartbeats(self, request_iterator: AsyncIterator[pb.HeartbeatRequest],
                          context: Any) -> None:
-        # grpc.aio's reader/writer API rather than an async generator over the iterator: each
-        # message then makes two coroutines, not six (async generators and their asend
-        # objects), and those wait a second for the agent's next heartbeat, so the cycle
-        # collector walks them again and again: it was most of the loop's pauses with 5,000
-        # agents. Each message is checked as a unary request is, and its name against the token.
+        # grpc.aio's reader/writer API rather than an async generator over the iterator: what
+        # waits for an agent's next heartbeat (a second) is then one read, not a stack of async
+        # generators and their asend objects, which the cycle collector walked again and again
+        # (6.6 s against 1.0 s of its CPU in one 5,000-agent run, docs/benchmarks.md). Each
+        # message is checked as a unary request is, and its name against the token.
         while (request := await context.read()) is not grpc.aio.EOF:
             await context.write(self._heartbeat(
                 _checked_message(self, "Heartbeats", request, context)))
