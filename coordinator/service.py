@@ -650,6 +650,9 @@ async def serve(listen: str, state_dir: str, *, heartbeat_timeout_s: float = 10.
         raise SystemExit(f"--listen {listen}: cannot bind that address")
     host = listen.rsplit(":", 1)[0]
     address = f"{host}:{port}"
+    # after the state is loaded (the live jobs are frozen with the modules), before serving
+    gc_policy = GcPolicy()
+    gc_policy.start()
     await server.start()
     for name in services[:2] + ("",):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -670,15 +673,8 @@ async def serve(listen: str, state_dir: str, *, heartbeat_timeout_s: float = 10.
             with open(http_port_file + ".tmp", "w") as f:
                 f.write(url)
             os.replace(http_port_file + ".tmp", http_port_file)
-    if port_file:
-        tmp = port_file + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(address)
-        os.replace(tmp, port_file)
-    loop_task = asyncio.create_task(coord.run())
-    gc_policy = GcPolicy()  # after the state is loaded: the live jobs are frozen with the modules
-    gc_policy.start()
-    gc_task = asyncio.create_task(gc_policy.run())
+    # The signals are handled before the address is announced: whoever reads the port file
+    # may send SIGHUP at once (new tokens), and SIGHUP's default ends the process.
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -693,6 +689,13 @@ async def serve(listen: str, state_dir: str, *, heartbeat_timeout_s: float = 10.
     if auth.enabled:
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(signal.SIGHUP, reload_tokens)
+    if port_file:
+        tmp = port_file + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(address)
+        os.replace(tmp, port_file)
+    loop_task = asyncio.create_task(coord.run())
+    gc_task = asyncio.create_task(gc_policy.run())
     if ready is not None:
         ready.set_result(address)
     await stop.wait()

@@ -11,6 +11,14 @@ from __future__ import annotations
 
 import os as _os
 
+# gRPC's fork handlers restart its poller in a forked child; with a channel busy in another
+# thread, a child that closes its descriptors before exec then aborts ("epoll_wait error: Bad
+# file descriptor", grpc/grpc#43055; here 2 of 1,000 Popen children with a preexec_fn, 0 of
+# 1,000 with this off). Every process Strata starts execs at once and needs no fork support,
+# so it is off unless the environment says otherwise. gRPC reads it when it initialises:
+# hence here, before anything of Strata imports grpc.
+_os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
 try:
     from importlib.metadata import PackageNotFoundError as _NotFound, version as _version
 
