@@ -25,7 +25,7 @@ import asyncio
 import gc
 import logging
 import time
-from typing import Any, Callable
+from typing import Callable
 
 log = logging.getLogger("strata.coordinator")
 
@@ -38,15 +38,13 @@ CHECK_S = 1.0
 
 
 class GcPolicy:
-    """Freezes long-lived objects out of the collector's reach (module docstring).
-    ``collector`` is the ``gc`` module; tests pass their own."""
+    """Freezes long-lived objects out of the collector's reach (module docstring)."""
 
     def __init__(self, *, refreeze_s: float = REFREEZE_S,
-                 slow_collection_s: float = SLOW_COLLECTION_S, collector: Any = gc,
+                 slow_collection_s: float = SLOW_COLLECTION_S,
                  clock: Callable[[], float] = time.monotonic):
         self.refreeze_s = refreeze_s
         self.slow_collection_s = slow_collection_s
-        self.gc = collector
         self.clock = clock
         self.freeze_due = False
         self.freezes = 0
@@ -58,11 +56,11 @@ class GcPolicy:
     def start(self) -> None:
         """Collects once and freezes what is left; watches full collections from now on."""
         self._collect_and_freeze()
-        self.gc.callbacks.append(self._on_collection)
+        gc.callbacks.append(self._on_collection)
 
     def close(self) -> None:
-        if self._on_collection in self.gc.callbacks:
-            self.gc.callbacks.remove(self._on_collection)
+        if self._on_collection in gc.callbacks:
+            gc.callbacks.remove(self._on_collection)
 
     def _on_collection(self, phase: str, info: dict[str, int]) -> None:
         if info.get("generation") != 2 or self._own:
@@ -78,7 +76,7 @@ class GcPolicy:
         """One check: a refreeze when one is due, else a freeze after a slow collection."""
         if self.clock() - self._last_refreeze >= self.refreeze_s:
             start = time.perf_counter()
-            self.gc.unfreeze()
+            gc.unfreeze()
             self._collect_and_freeze()
             self.refreezes += 1
             log.debug("gc: refroze in %.0f ms", 1e3 * (time.perf_counter() - start))
@@ -86,20 +84,20 @@ class GcPolicy:
             # young objects first: the short-lived ones die here instead of being frozen
             self._own = True
             try:
-                self.gc.collect(1)
+                gc.collect(1)
             finally:
                 self._own = False
-            self.gc.freeze()
+            gc.freeze()
             self.freezes += 1
         self.freeze_due = False
 
     def _collect_and_freeze(self) -> None:
         self._own = True
         try:
-            self.gc.collect()
+            gc.collect()
         finally:
             self._own = False
-        self.gc.freeze()
+        gc.freeze()
         self._last_refreeze = self.clock()
 
     async def run(self) -> None:
