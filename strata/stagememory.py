@@ -41,9 +41,13 @@ micro-batches, ``R`` the replicas and the stage's layers [first, last):
 - boundary input: the stage's input (the previous stage's output, or the model input for the
   first stage), float32, kept for all M micro-batches (it feeds the first layer's backward,
   and with recompute it is the checkpoint the forward is re-run from): 4 x elements x m x M;
-- boundary gradients: one micro-batch at a time, the gradient of the stage's output received
-  from the next stage (not on the last stage, which starts from the loss) and the gradient of
-  its input sent back (not on the first stage): 4 x elements x m each;
+- boundary gradients: the gradient of the stage's input sent back (not on the first stage),
+  one micro-batch at a time, and the gradients of its output received from the next stage (not
+  on the last stage, which starts from the loss), TWO micro-batches' when M > 1: the one being
+  back-propagated and the next, which TF receives as soon as the next stage makes it. The
+  runner holds the next stage back so that no more arrive early (``worker.pipeline``, the
+  backward loop); before it did, a lagging recomputing first stage was measured holding all M
+  (6.5 MiB, 1.22 x its estimate). 4 x elements x m each;
 - input data (first stage): ``PIPELINE_INPUT_BATCHES`` GLOBAL batches (R x m x M examples: the
   chief draws the whole global batch and splits it) of float32 model inputs, plus
   ``data_bytes`` (0 for ``worker.pipeline``, which keeps the training set in host memory
@@ -259,7 +263,9 @@ class StageCostModel:
         return 4 * self._in_elems(a) * self.microbatch if 0 < a < self.L else 0
 
     def _grad_out(self, b: int) -> float:
-        return 4 * self.layers[b - 1].output_elems * self.microbatch if 0 < b < self.L else 0
+        held = min(self.microbatches, 2)  # received early: see the module docstring
+        return 4 * self.layers[b - 1].output_elems * self.microbatch * held if 0 < b < self.L \
+            else 0
 
     def _input_data(self) -> float:
         return self.in_flight_examples * 4 * self.profile.input_elems + self.data_bytes

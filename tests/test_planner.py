@@ -245,7 +245,8 @@ def test_memory_terms_match_the_documented_formula():
                 + PIPELINE_ACTIVATION_BYTES * acts * m * M        # all micro-batches in flight
                 + 4 * layers[0].output_elems * m * M              # stage inputs, all in flight
                 + 4 * layers[0].output_elems * m                  # input gradient sent back
-                + 4 * layers[2].output_elems * m)                 # output gradient received
+                + 2 * 4 * layers[2].output_elems * m)             # output gradients received:
+    #                                                   this micro-batch's and the next's
     # the optimizer step: no activations, the update's temporaries of the largest kernel
     static = 4 * params + 4 * params * (1 + 1 + OPTIMIZER_SLOTS["adam"])
     kernel = max(l.params - l.output_shape[-1] for l in layers[1:3])
@@ -260,6 +261,11 @@ def test_memory_terms_match_the_documented_formula():
     assert terms["total"] == model.memory(1, 3)
     assert sum(v for k, v in terms.items() if k != "total") == terms["total"]
     assert terms["input_data"] == 0 and terms["labels"] == 0
+    assert terms["boundary_gradients"] == 4 * m * (layers[0].output_elems
+                                                   + 2 * layers[2].output_elems)
+    # one micro-batch: one gradient each way
+    one = StageCostModel(profile, microbatch=m, microbatches=1, optimizer="adam").breakdown(1, 3)
+    assert one["boundary_gradients"] == 4 * m * (layers[0].output_elems + layers[2].output_elems)
     # the first stage holds the input batches in flight, the last the labels
     first = model.breakdown(0, 1)
     assert first["input_data"] == math.ceil(PIPELINE_INPUT_BATCHES * m * M * 4 * 64)
