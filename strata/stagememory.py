@@ -26,7 +26,11 @@ micro-batches, ``R`` the replicas and the stage's layers [first, last):
   sizes. (Earlier calibrations counted ``R - 2``, taking the first received gradient to reuse
   the micro-batches' place; the memory zoo (``bench/memory_zoo.py``) measured replica 1's
   tasks of a 2 x 2 hybrid job at 1.1-1.25 x that estimate and one ran out of memory, so the
-  buffers do coexist.) With ``gradients.compression`` (hybrid) the accumulated gradients
+  buffers do coexist.) They coexist with the task's accumulator and the sum, not with its
+  backward pass: the runner sends a replica's gradients only once the receiving task has
+  summed its own micro-batches (``worker.pipeline``, the averaging); before it did, they
+  arrived as soon as they were made and a task held one more gradient at 1.06-1.23 x its
+  estimate. With ``gradients.compression`` (hybrid) the accumulated gradients
   travel as 16 bits: the task's own 16-bit copy and the ``R - 1`` it receives, 2 bytes each,
   on top (their float32 casts take the received buffers' place): ``2 R`` more bytes.
 - transient: the largest convolution workspace of the stage's layers
@@ -42,12 +46,15 @@ micro-batches, ``R`` the replicas and the stage's layers [first, last):
   first stage), float32, kept for all M micro-batches (it feeds the first layer's backward,
   and with recompute it is the checkpoint the forward is re-run from): 4 x elements x m x M;
 - boundary gradients: the gradient of the stage's input sent back (not on the first stage),
-  one micro-batch at a time, and the gradients of its output received from the next stage (not
-  on the last stage, which starts from the loss), TWO micro-batches' when M > 1: the one being
-  back-propagated and the next, which TF receives as soon as the next stage makes it. The
-  runner holds the next stage back so that no more arrive early (``worker.pipeline``, the
-  backward loop); before it did, a lagging recomputing first stage was measured holding all M
-  (6.5 MiB, 1.22 x its estimate). 4 x elements x m each;
+  one micro-batch at a time (the runner starts a micro-batch's backward pass once the previous
+  one's is made: before, a stage that summed its weights' gradients early ran the next
+  backward beside it, and a max-pooling last stage peaked 1.24 x its estimate), and the
+  gradients of its output received from the next stage (not on the last stage, which starts
+  from the loss), TWO micro-batches' when M > 1: the one being back-propagated and the next,
+  which TF receives as soon as the next stage makes it. The runner holds the next stage back
+  so that no more arrive early (``worker.pipeline``, the backward loop); before it did, a
+  lagging recomputing first stage was measured holding all M (6.5 MiB, 1.22 x its estimate).
+  4 x elements x m each;
 - input data (first stage): ``PIPELINE_INPUT_BATCHES`` GLOBAL batches (R x m x M examples: the
   chief draws the whole global batch and splits it) of float32 model inputs, plus
   ``data_bytes`` (0 for ``worker.pipeline``, which keeps the training set in host memory
@@ -64,9 +71,11 @@ and without recompute, float32 and bfloat16, and hybrid 2 x 2 and 2 x 4. The pea
 start of the backward pass (weights, slots, the first micro-batch's gradients, every kept
 activation) or, when activations are small, in the optimizer step (weights, slots, the
 gradient and the optimizer's temporaries, about one more gradient size): the sum of the terms
-above with 3.2 bytes per kept output element covers both. Measured / estimate 0.83-1.06 over
-the configurations of ``bench/pipeline_throughput.py --calibrate`` and 0.81-1.04 over its
-throughput runs (``docs/benchmarks.md``, "Pipeline throughput and stage memory"). The
+above with 3.2 bytes per kept output element covers both. Measured / estimate over the
+configurations of ``bench/pipeline_throughput.py --calibrate`` (2026-12-04): 0.82-0.91 for the
+pipelines, 0.73-0.76 for hybrid 2 x 2 (the collective term above now overstates by about one
+gradient; kept until more hybrid shapes are measured), and 0.80-0.95 over its throughput runs
+(``docs/benchmarks.md``, "Pipeline throughput and stage memory"). The
 data-parallel ``strata.memory`` constants (1.8 x 4 and 14 bytes per element) overestimate a
 pipeline stage by up to 45%: there the whole batch's backward temporaries are alive at once,
 here one micro-batch's. With mixed precision the kept activations are 16-bit but the CPU
