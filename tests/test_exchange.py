@@ -165,6 +165,53 @@ def test_the_keras_hook_is_still_there():
         assert callable(getattr(opt, KERAS_ALL_REDUCE))
 
 
+@pytest.mark.integration
+@pytest.mark.parametrize("rows,k", [(10, 3), (2, 4), (8, 4)])
+def test_uneven_and_weighted_batches_slice_to_the_unsliced_step(rows, k):
+    """A batch that does not split into k equal slices (an epoch's last, a job's own dataset
+    without drop_remainder), or has fewer rows than k, with sample weights: the sliced step
+    applies the unsliced step's update."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    from strata.worker.exchange import accumulating_step
+    from strata.worker.runner import gradient_step
+
+    rng = np.random.default_rng(rows * 10 + k)
+    x = tf.constant(rng.normal(size=(rows, 5)), tf.float32)
+    y = tf.constant(rng.integers(0, 3, size=rows))
+    w = tf.constant(rng.uniform(0.0, 2.0, size=(rows, 1)), tf.float32)  # Keras's (n, 1) too
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+
+    def after(make) -> list:
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="relu"),
+                                  keras.layers.Dense(3)])
+        opt = keras.optimizers.SGD(0.5)
+        opt.build(model.trainable_variables)
+        step = tf.function(make(model, opt))
+        loss = float(step(x, y, w))
+        return [loss] + [v.numpy() for v in model.trainable_variables]
+
+    def reduce(per_example):
+        return tf.reduce_sum(per_example) / rows
+
+    whole = after(lambda m, o: gradient_step(tf, m, o, loss_fn, "none", reduce))
+    sliced = after(lambda m, o: accumulating_step(tf, m, o, loss_fn, "none", reduce, k))
+    assert whole[0] == pytest.approx(sliced[0], rel=1e-5)
+    for a, b in zip(whole[1:], sliced[1:]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    # and the weights count: the same step unweighted moves the model elsewhere
+    keras.utils.set_random_seed(0)
+    m = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="relu"),
+                          keras.layers.Dense(3)])
+    o = keras.optimizers.SGD(0.5)
+    o.build(m.trainable_variables)
+    tf.function(gradient_step(tf, m, o, loss_fn, "none", reduce))(x, y)
+    assert not np.allclose(m.trainable_variables[-1].numpy(), whole[-1])
+
+
 def test_hybrid_stage_estimate_counts_the_16_bit_copies():
     from strata.modelspec import profile_model
     from strata.stagememory import StageCostModel

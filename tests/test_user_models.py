@@ -208,6 +208,17 @@ def make_dataset(input_context, split):
     return ds.batch(batch)
 
 
+def weighted(input_context, split):
+    # class 0 does not count in training; in the test split only class 0 counts
+    ds = make_dataset(input_context, split)
+    zero = tf.constant(1.0 if split == "test" else 0.0)
+    return ds.map(lambda x, y: (x, y, tf.where(tf.equal(y, 0), zero, 1.0 - zero)))
+
+
+def pixels_only(input_context, split):
+    return make_dataset(input_context, split).map(lambda x, y: x)
+
+
 def broken_model():
     return _helper()
 
@@ -261,6 +272,39 @@ def test_code_job_with_its_own_model_and_tfrecord_dataset(client, project, tmp_p
     events = " ".join(e.message for e in client.watch(job.id, timeout=10))
     assert "memory probe" in events and "measured" in events, events[:3000]
     assert "model.keras" in client.get(job.id).outputs
+
+
+def test_code_dataset_with_sample_weights_and_uneven_batches_in_slices(client, project):
+    # make_dataset batches without drop_remainder, so each epoch ends on a batch that does not
+    # split into 4 equal slices; the weights leave class 0 out of training and count only it
+    # in the test split
+    job_yaml = _job_file(project.parent, {
+        "name": "code-weighted", "strategy": "multi_worker_mirrored", "workers": 2,
+        "code": {"dir": "my_project", "model": "train:build_model", "dataset": "train:weighted"},
+        "data": {"batch_size": 64}, "gradients": {"accumulate": 4},
+        "training": {"steps": 100, "optimizer": {"name": "adam", "learning_rate": 0.003}},
+        "memory": {"per_task_budget": "256MiB"}})
+    final = client.wait(client.submit(job_yaml).id, timeout=TIMEOUT_S)
+    assert final.state == JobState.SUCCEEDED, final.message
+    # a model that never learned class 0, judged on class 0 alone (unweighted: about 0.9)
+    assert final.metrics.test_accuracy < 0.2, final.metrics
+
+
+def test_code_dataset_of_the_wrong_elements_names_the_field(client, project):
+    from strata.types import FailureKind
+
+    job_yaml = _job_file(project.parent, {
+        "name": "code-pixels", "strategy": "multi_worker_mirrored", "workers": 1,
+        "code": {"dir": "my_project", "model": "train:build_model",
+                 "dataset": "train:pixels_only"},
+        "data": {"batch_size": 64}, "training": {"steps": 5},
+        "memory": {"per_task_budget": "256MiB"}})
+    final = client.wait(client.submit(job_yaml).id, timeout=TIMEOUT_S)
+    assert final.state == JobState.FAILED
+    assert final.tasks[0].failure == FailureKind.BAD_CONFIG, (final.tasks[0].failure,
+                                                              final.message)
+    assert "code.dataset" in final.message and "train:pixels_only" in final.message \
+        and "(features, labels)" in final.message, final.message
 
 
 def test_user_exception_is_its_own_failure_with_its_traceback(client, project):

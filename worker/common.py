@@ -276,14 +276,32 @@ def cluster_from_tf_config() -> tuple[dict[str, list[str]], str, int]:
     return cluster, role, index
 
 
-def eval_sums(tf, loss_fn, y, out, classify: bool):
+def weighted(tf: Any, per_example: Any, w: Any) -> Any:
+    """Per-example losses times sample weights ``w`` (None: as they are), as Keras's ``fit``
+    weighs them: the weights' shape is brought to the losses' rank (a trailing axis of 1
+    dropped, or one added) and the product reduced as the unweighted losses would be, over the
+    batch's size, not over the weights' sum."""
+    if w is None:
+        return per_example
+    w = tf.cast(w, per_example.dtype)
+    while w.shape.rank is not None and w.shape.rank > per_example.shape.rank \
+            and w.shape[-1] == 1:
+        w = tf.squeeze(w, -1)
+    while w.shape.rank is not None and w.shape.rank < per_example.shape.rank:
+        w = tf.expand_dims(w, -1)
+    return per_example * w
+
+
+def eval_sums(tf, loss_fn, y, out, classify: bool, w=None):
     """(summed loss, number of correct predictions) of one evaluation batch, for float32
-    outputs ``out``; the count is 0 for a model that does not classify."""
-    per_example = loss_fn(y, out)
+    outputs ``out``, each example counted ``w`` times when sample weights are given; the count
+    is 0 for a model that does not classify."""
+    per_example = weighted(tf, loss_fn(y, out), w)
     if classify:
         pred = tf.argmax(out, axis=-1)
         truth = tf.cast(y, tf.int64) if y.shape.rank == 1 else tf.argmax(y, axis=-1)
-        correct = tf.reduce_sum(tf.cast(tf.equal(pred, truth), tf.float32))
+        hit = weighted(tf, tf.cast(tf.equal(pred, truth), tf.float32), w)
+        correct = tf.reduce_sum(hit)
     else:
         correct = tf.constant(0.0)
     return tf.reduce_sum(per_example), correct

@@ -30,6 +30,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from strata.taskconfig import TaskConfigError
+from strata.worker.common import weighted
 
 #: the all-reduce pack size when ``gradients.pack_size`` is unset: every gradient in one pack
 #: (TensorFlow's own default). Measured in docs/benchmarks.md (bench/allreduce_packs.py): on CPU
@@ -98,25 +99,27 @@ def accumulating_step(tf: Any, model: Any, optimizer: Any, loss_fn: Any, mixed: 
                       reduce: Callable[[Any], Any], k: int) -> Callable[[Any, Any], Any]:
     """One replica's step over its batch in ``k`` slices (see the module). ``reduce`` turns a
     slice's per-example losses into its share of the loss (a sum over the global batch), so
-    the slices' losses add up to the step's. Returns the step's loss."""
+    the slices' losses add up to the step's. Returns the step's loss.
+
+    A batch of ``n`` rows is cut at ``i * n // k``: slices differ by a row at most, so a batch
+    that does not split evenly (the last of an epoch, a job's own dataset batched without
+    ``drop_remainder``) runs too, and none is larger than the planned slice when the batch is
+    no larger than planned. A batch of fewer than ``k`` rows runs in ``n`` slices of one."""
     variables = model.trainable_variables
     scaled = mixed == "float16"
     unused: list[bool] = []  # variables without a gradient, found while tracing the loop body
 
-    def split(t: Any) -> Any:
-        # [k * n, ...] -> [k, n, ...]: slice i is the i-th n rows (a batch that does not split
-        # evenly fails here, naming its shape)
-        return tf.reshape(t, tf.concat([[k, -1], tf.shape(t)[1:]], 0))
-
-    def step_fn(x: Any, y: Any) -> Any:
-        xs, ys = tf.nest.map_structure(split, x), tf.nest.map_structure(split, y)
+    def step_fn(x: Any, y: Any, w: Any = None) -> Any:
+        n = tf.shape(tf.nest.flatten(y)[0])[0]
+        parts = tf.minimum(n, k)
 
         def body(i: Any, total: Any, acc: list) -> tuple:
-            xi = tf.nest.map_structure(lambda t: t[i], xs)
-            yi = tf.nest.map_structure(lambda t: t[i], ys)
+            lo, hi = i * n // parts, (i + 1) * n // parts
+            xi, yi, wi = tf.nest.map_structure(
+                lambda t: None if t is None else t[lo:hi], (x, y, w))
             with tf.GradientTape() as tape:
                 out = model(xi, training=True)
-                loss = reduce(loss_fn(yi, tf.cast(out, tf.float32)))
+                loss = reduce(weighted(tf, loss_fn(yi, tf.cast(out, tf.float32)), wi))
                 loss_for_grad = optimizer.scale_loss(loss) if scaled else loss
             grads = tape.gradient(loss_for_grad, variables)
             unused[:] = [g is None for g in grads]
@@ -128,7 +131,7 @@ def accumulating_step(tf: Any, model: Any, optimizer: Any, loss_fn: Any, mixed: 
         # one slice at a time: a while loop runs independent iterations side by side (10 by
         # default), which would hold that many slices' activations at once
         _, total, acc = tf.while_loop(
-            lambda i, *_: i < k, body, (tf.constant(0), tf.constant(0.0, tf.float32), acc0),
+            lambda i, *_: i < parts, body, (tf.constant(0), tf.constant(0.0, tf.float32), acc0),
             parallel_iterations=1)
         grads = [None if none else a for a, none in zip(acc, unused)]
         optimizer.apply_gradients(zip(grads, variables))

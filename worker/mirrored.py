@@ -133,17 +133,13 @@ class MirroredRunner(TrainingRunner):
         skip = self.start_step  # batches each worker's input skips (a resumed task)
 
         if self.spec.code_dataset:
-            from strata.worker.usercode import call, load_callable
+            from strata.worker.usercode import load_callable, user_dataset
 
             user_fn = load_callable(self.cfg, self.spec.code_dataset, "code.dataset")
             what = self.spec.code_dataset
 
             def dataset_fn(ctx: Any) -> Any:
-                ds = call(what, user_fn, ctx, "train")
-                if not isinstance(ds, tf.data.Dataset):
-                    raise TaskConfigError("code.dataset", f"{what} returned "
-                                                          f"{type(ds).__name__}, not a "
-                                                          "tf.data.Dataset")
+                ds = user_dataset(tf, what, user_fn, ctx, "train")
                 # the job runs training.steps steps, whatever its size
                 return ds.repeat().skip(skip) if skip else ds.repeat()
             self._user_dataset = (user_fn, what)
@@ -202,9 +198,9 @@ class MirroredRunner(TrainingRunner):
             return strategy.experimental_local_results(per_replica_loss)
 
         @tf.function(reduce_retracing=True)
-        def eval_batch(x: Any, y: Any) -> Any:
+        def eval_batch(x: Any, y: Any, w: Any = None) -> Any:
             out = tf.cast(model(x, training=False), tf.float32)
-            return eval_sums(tf, loss_fn, y, out, d.classify)
+            return eval_sums(tf, loss_fn, y, out, d.classify, w)
 
         self._train_step, self._eval_batch = train_step, eval_batch
         self.local_replicas = len(strategy.extended.worker_devices)

@@ -395,18 +395,22 @@ class PsChiefRunner(TrainingRunner):
             return ds.prefetch(1)
 
         if self.spec.code_dataset:
-            from strata.worker.usercode import call, load_callable
+            from strata.worker.usercode import load_callable, user_dataset
 
             user_fn = load_callable(self.cfg, self.spec.code_dataset, "code.dataset")
             what = self.spec.code_dataset
             self._user_dataset = (user_fn, what)
 
+            # a step is one whole batch on one worker, so the context is one pipeline of one
+            # replica: get_per_replica_batch_size(gb) = gb
+            ctx = tf.distribute.InputContext(num_input_pipelines=1, input_pipeline_id=0,
+                                             num_replicas_in_sync=1)
+            # checked here first: inside dataset_fn, traced for the workers, TensorFlow would
+            # wrap the error in its own StagingError and the field would be lost
+            user_dataset(tf, what, user_fn, ctx, "train")
+
             def dataset_fn() -> Any:  # noqa: F811 - the job's own input pipeline instead
-                # run on every worker; a step is one whole batch on one worker, so the
-                # context is one pipeline of one replica: get_per_replica_batch_size(gb) = gb
-                ctx = tf.distribute.InputContext(num_input_pipelines=1, input_pipeline_id=0,
-                                                 num_replicas_in_sync=1)
-                ds = call(what, user_fn, ctx, "train")
+                ds = user_dataset(tf, what, user_fn, ctx, "train")
                 return ds.repeat().prefetch(1)
         self.per_worker_iter = iter(self.coordinator.create_per_worker_dataset(dataset_fn))
 
@@ -423,15 +427,16 @@ class PsChiefRunner(TrainingRunner):
 
         @tf.function
         def train_step(it: Any) -> None:
-            x, y = next(it)
-            losses = strategy.experimental_local_results(strategy.run(step_fn, args=(x, y)))
+            # (features, labels) or, from the job's code.dataset, with sample weights too
+            losses = strategy.experimental_local_results(strategy.run(step_fn,
+                                                                      args=tuple(next(it))))
             loss_sum.assign_add(tf.add_n([tf.cast(l, tf.float64) for l in losses]) / len(losses))
             applied.assign_add(1)
 
         @tf.function(reduce_retracing=True)
-        def eval_batch(x: Any, y: Any) -> Any:
+        def eval_batch(x: Any, y: Any, w: Any = None) -> Any:
             out = tf.cast(model(x, training=False), tf.float32)
-            return eval_sums(tf, loss_fn, y, out, d.classify)
+            return eval_sums(tf, loss_fn, y, out, d.classify, w)
 
         self._train_step, self._eval_batch = train_step, eval_batch
 

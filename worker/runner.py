@@ -31,7 +31,7 @@ from strata.spec import STREAMED_SOURCES
 from strata.taskconfig import TaskConfig, TaskConfigError
 from strata.worker.checkpoints import Checkpointer, Found
 from strata.worker.common import (
-    Events, configure_device, exit_task, format_mib, install_sigterm_handler, log,
+    Events, configure_device, exit_task, format_mib, install_sigterm_handler, log, weighted,
 )
 
 
@@ -105,16 +105,17 @@ def check_data_available(cfg: TaskConfig) -> None:
 
 def gradient_step(tf: Any, model: Any, optimizer: Any, loss_fn: Any, mixed: str,
                   reduce: Callable[[Any], Any]) -> Callable[[Any, Any], Any]:
-    """One replica's training step: forward, ``reduce`` the float32 per-example losses to the
-    loss to differentiate (a mean over the global or the local batch), backward (scaled with
-    float16's loss scaling), apply. Returns the loss."""
+    """One replica's training step: forward, ``reduce`` the float32 per-example losses (times
+    the batch's sample weights, when its dataset has them) to the loss to differentiate (a mean
+    over the global or the local batch), backward (scaled with float16's loss scaling), apply.
+    Returns the loss."""
     variables = model.trainable_variables
     scaled = mixed == "float16"
 
-    def step_fn(x: Any, y: Any) -> Any:
+    def step_fn(x: Any, y: Any, w: Any = None) -> Any:
         with tf.GradientTape() as tape:
             out = model(x, training=True)
-            loss = reduce(loss_fn(y, tf.cast(out, tf.float32)))
+            loss = reduce(weighted(tf, loss_fn(y, tf.cast(out, tf.float32)), w))
             loss_for_grad = optimizer.scale_loss(loss) if scaled else loss
         grads = tape.gradient(loss_for_grad, variables)
         optimizer.apply_gradients(zip(grads, variables))
@@ -390,24 +391,31 @@ class TrainingRunner:
         """The test split of a pipeline given as ``self._user_dataset`` (``(fn, what)``, fn
         ``(input_context, split) -> tf.data.Dataset`` of batches: the job's ``code.dataset``,
         or a streamed source), whole, through ``self._eval_batch``."""
-        from strata.worker.usercode import call
+        from strata.worker.usercode import user_dataset
 
         tf = self.tf
         user_fn, what = self._user_dataset  # type: ignore[attr-defined]
         ctx = tf.distribute.InputContext(num_input_pipelines=1, input_pipeline_id=0,
                                          num_replicas_in_sync=1)
         # only the job's own function's errors are the user's (``call`` marks them so)
-        ds = call(what, user_fn, ctx, "test") if self.spec.code_dataset \
+        ds = user_dataset(tf, what, user_fn, ctx, "test") if self.spec.code_dataset \
             else user_fn(ctx, "test")
-        total_loss = total_correct = 0.0
+        # With sample weights (a code.dataset's third element), as Keras's evaluate: the loss
+        # over the examples (the weighted sum over their number), accuracy over the weights.
+        total_loss = total_correct = counted = 0.0
         n = 0
-        for x, y in ds:
-            loss_sum, correct = self._eval_batch(x, y)  # type: ignore[attr-defined]
+        for batch in ds:
+            x, y, w = (*batch, None) if len(batch) == 2 else batch
+            eval_batch = self._eval_batch  # type: ignore[attr-defined]
+            loss_sum, correct = eval_batch(x, y) if w is None else eval_batch(x, y, w)
             total_loss += float(loss_sum)
             total_correct += float(correct)
-            n += int(tf.shape(y)[0])
+            b = int(tf.shape(tf.nest.flatten(y)[0])[0])
+            n += b
+            counted += b if w is None else float(tf.reduce_sum(tf.cast(w, tf.float32)))
         assert self.data is not None
-        return total_loss / max(1, n), (total_correct / max(1, n) if self.data.classify else 0.0)
+        acc = total_correct / counted if self.data.classify and counted > 0 else 0.0
+        return total_loss / max(1, n), acc
 
     def run(self) -> int:
         t0 = time.time()

@@ -101,3 +101,22 @@ def call(what: str, fn: Callable[..., Any], *args: Any) -> Any:
         return fn(*args)
     except Exception as e:  # noqa: BLE001 - whatever the user's code raises is its failure
         raise UserCodeError(what, e) from None
+
+
+def user_dataset(tf: Any, what: str, fn: Callable[..., Any], ctx: Any, split: str) -> Any:
+    """The job's ``code.dataset`` called for ``split``, checked to be what Keras's ``fit``
+    takes: a ``tf.data.Dataset`` of ``(features, labels)`` or ``(features, labels,
+    sample_weights)`` batches (features and labels may be dicts or tuples of tensors). Anything
+    else fails the task as BAD_CONFIG naming ``code.dataset`` and what the elements were, before
+    a step is traced."""
+    ds = call(what, fn, ctx, split)
+    if not isinstance(ds, tf.data.Dataset):
+        raise TaskConfigError("code.dataset", f"{what} returned {type(ds).__name__} for the "
+                                              f"{split!r} split, not a tf.data.Dataset")
+    spec = ds.element_spec
+    if not isinstance(spec, tuple) or len(spec) not in (2, 3):
+        got = f"tuples of {len(spec)}" if isinstance(spec, tuple) else type(spec).__name__
+        raise TaskConfigError("code.dataset", f"{what} for the {split!r} split yields {got}, "
+                                              "not (features, labels) or (features, labels, "
+                                              "sample_weights) batches")
+    return ds
