@@ -166,17 +166,25 @@ def test_the_keras_hook_is_still_there():
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("rows,k", [(10, 3), (2, 4), (8, 4)])
-def test_uneven_and_weighted_batches_slice_to_the_unsliced_step(rows, k):
+@pytest.mark.parametrize("rows,k,written_out", [(10, 3, False), (2, 4, False), (8, 4, False),
+                                                (10, 3, True), (2, 4, True)])
+def test_uneven_and_weighted_batches_slice_to_the_unsliced_step(rows, k, written_out):
     """A batch that does not split into k equal slices (an epoch's last, a job's own dataset
     without drop_remainder), or has fewer rows than k, with sample weights: the sliced step
-    applies the unsliced step's update."""
+    applies the unsliced step's update, looped or written out (a model that all-reduces in
+    its forward pass, here a layer that only says so)."""
     import keras
     import numpy as np
     import tensorflow as tf
 
-    from strata.worker.exchange import accumulating_step
+    from strata.worker.exchange import _synchronises, accumulating_step
     from strata.worker.runner import gradient_step
+
+    class Says(keras.layers.Layer):
+        synchronized = written_out
+
+        def call(self, x):
+            return x
 
     rng = np.random.default_rng(rows * 10 + k)
     x = tf.constant(rng.normal(size=(rows, 5)), tf.float32)
@@ -187,7 +195,8 @@ def test_uneven_and_weighted_batches_slice_to_the_unsliced_step(rows, k):
     def after(make) -> list:
         keras.utils.set_random_seed(0)
         model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="relu"),
-                                  keras.layers.Dense(3)])
+                                  Says(), keras.layers.Dense(3)])
+        assert _synchronises(model) == written_out
         opt = keras.optimizers.SGD(0.5)
         opt.build(model.trainable_variables)
         step = tf.function(make(model, opt))

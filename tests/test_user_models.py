@@ -97,6 +97,24 @@ def test_keras_file_residual_cnn_trains_and_downloads(cluster, client, resnet_fi
     assert float((pred == s.y_test).mean()) == pytest.approx(final.metrics.test_accuracy, abs=0.02)
 
 
+def test_accumulated_slices_of_a_synchronized_batchnorm_model(client, resnet_file, tmp_path):
+    # two replicas make its BatchNormalization layers synchronized, which TensorFlow cannot
+    # run inside the slices' loop: the slices are written out instead
+    os.symlink(resnet_file, tmp_path / "resnet.keras")
+    job_yaml = _job_file(tmp_path, {
+        "name": "resnet-slices", "strategy": "multi_worker_mirrored", "workers": 2,
+        "model": {"keras_file": "resnet.keras"}, "gradients": {"accumulate": 2},
+        "data": {"source": "digits", "batch_size": 64},
+        "training": {"epochs": 6, "optimizer": {"name": "adam", "learning_rate": 0.003}},
+        "memory": {"profile": "false"}})
+    final = client.wait(client.submit(job_yaml).id, timeout=TIMEOUT_S)
+    assert final.state == JobState.SUCCEEDED, final.message
+    assert final.metrics.test_accuracy >= 0.85, final.metrics
+    assert all(0 < t.peak_memory_bytes <= t.memory_budget_bytes for t in final.tasks), final.tasks
+    logs = b"".join(d for _, _, d in client.logs(final.id)).decode()
+    assert "2 slices are written out" in logs, logs[-3000:]
+
+
 def test_keras_file_residual_cnn_pipeline_cuts_only_between_blocks(cluster, client, resnet_file,
                                                                   tmp_path):
     spec = {"name": "resnet-pipe", "strategy": "pipeline", "stages": 2, "microbatches": 2,

@@ -19,6 +19,8 @@ uses both functions here.
   ``apply_gradients``: one exchange per step instead of one per slice. Each slice's loss is
   reduced over the global batch, so the sum is the unsliced step's gradient (up to float
   rounding): the same training, with a slice's activations alive instead of the batch's.
+  (A model that all-reduces in its forward pass, synchronized BatchNormalization, has its
+  slices written out in sequence instead of looped; its batch statistics are then a slice's.)
 
 The hook is a private Keras method; ``install_all_reduce`` fails the task (BAD_CONFIG, naming
 ``gradients``) rather than silently not compressing if a Keras release renames it, and
@@ -30,7 +32,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from strata.taskconfig import TaskConfigError
-from strata.worker.common import weighted
+from strata.worker.common import log, weighted
 
 #: the all-reduce pack size when ``gradients.pack_size`` is unset: every gradient in one pack
 #: (TensorFlow's own default). Measured in docs/benchmarks.md (bench/allreduce_packs.py): on CPU
@@ -104,37 +106,90 @@ def accumulating_step(tf: Any, model: Any, optimizer: Any, loss_fn: Any, mixed: 
     A batch of ``n`` rows is cut at ``i * n // k``: slices differ by a row at most, so a batch
     that does not split evenly (the last of an epoch, a job's own dataset batched without
     ``drop_remainder``) runs too, and none is larger than the planned slice when the batch is
-    no larger than planned. A batch of fewer than ``k`` rows runs in ``n`` slices of one."""
+    no larger than planned.
+
+    The slices run in a ``tf.while_loop`` unless the model synchronises replicas inside its
+    forward pass (``BatchNormalization(synchronized=True)``, which Strata sets for built models
+    of more than one replica, or a layer of the job's own that all-reduces): TensorFlow cannot
+    cross replicas inside a loop body. Those models' slices are written out one after the
+    other instead, each slice's rows waiting for the previous slice's gradients, so one slice's
+    activations are alive at a time as in the loop; the graph is ``k`` times the size."""
     variables = model.trainable_variables
     scaled = mixed == "float16"
-    unused: list[bool] = []  # variables without a gradient, found while tracing the loop body
+    unused: list[bool] = []  # variables without a gradient, found while tracing a slice
+    unrolled = [_synchronises(model)]
+    said: list[bool] = []
 
-    def step_fn(x: Any, y: Any, w: Any = None) -> Any:
-        n = tf.shape(tf.nest.flatten(y)[0])[0]
-        parts = tf.minimum(n, k)
+    def one_slice(lo: Any, hi: Any, scale: Any, x: Any, y: Any, w: Any, acc: list,
+                  after: list) -> tuple:
+        with tf.control_dependencies(after):
+            xi, yi, wi = tf.nest.map_structure(
+                lambda t: None if t is None else tf.identity(t[lo:hi]), (x, y, w))
+        with tf.GradientTape() as tape:
+            out = model(xi, training=True)
+            loss = reduce(weighted(tf, loss_fn(yi, tf.cast(out, tf.float32)), wi)) * scale
+            loss_for_grad = optimizer.scale_loss(loss) if scaled else loss
+        grads = tape.gradient(loss_for_grad, variables)
+        unused[:] = [g is None for g in grads]
+        summed = [a if g is None else a + tf.cast(tf.convert_to_tensor(g), a.dtype)
+                  for a, g in zip(acc, grads)]
+        return loss, summed
+
+    def looped(x: Any, y: Any, w: Any, n: Any, acc0: list) -> tuple:
+        parts = tf.minimum(n, k)  # a batch of fewer than k rows: n slices of one
 
         def body(i: Any, total: Any, acc: list) -> tuple:
-            lo, hi = i * n // parts, (i + 1) * n // parts
-            xi, yi, wi = tf.nest.map_structure(
-                lambda t: None if t is None else t[lo:hi], (x, y, w))
-            with tf.GradientTape() as tape:
-                out = model(xi, training=True)
-                loss = reduce(weighted(tf, loss_fn(yi, tf.cast(out, tf.float32)), wi))
-                loss_for_grad = optimizer.scale_loss(loss) if scaled else loss
-            grads = tape.gradient(loss_for_grad, variables)
-            unused[:] = [g is None for g in grads]
-            summed = [a if g is None else a + tf.cast(tf.convert_to_tensor(g), a.dtype)
-                      for a, g in zip(acc, grads)]
+            loss, summed = one_slice(i * n // parts, (i + 1) * n // parts, 1.0, x, y, w, acc,
+                                     [])
             return i + 1, total + loss, summed
 
-        acc0 = [tf.zeros(v.shape, v.dtype) for v in variables]
         # one slice at a time: a while loop runs independent iterations side by side (10 by
         # default), which would hold that many slices' activations at once
         _, total, acc = tf.while_loop(
             lambda i, *_: i < parts, body, (tf.constant(0), tf.constant(0.0, tf.float32), acc0),
             parallel_iterations=1)
+        return total, acc
+
+    def written_out(x: Any, y: Any, w: Any, n: Any, acc0: list) -> tuple:
+        total, acc, after = tf.constant(0.0, tf.float32), acc0, []
+        for i in range(k):
+            lo, hi = i * n // k, (i + 1) * n // k
+            # A batch of fewer than k rows leaves some slices empty, and batch statistics of
+            # no rows are NaN for good in the moving averages: such a slice runs the whole
+            # batch again with its loss times 0 (statistics updated, gradient unchanged).
+            empty = hi <= lo
+            lo, hi = tf.where(empty, 0, lo), tf.where(empty, n, hi)
+            loss, acc = one_slice(lo, hi, tf.where(empty, 0.0, 1.0), x, y, w, acc, after)
+            total = total + loss
+            after = [a for a in acc] + [total]
+        return total, acc
+
+    def step_fn(x: Any, y: Any, w: Any = None) -> Any:
+        n = tf.shape(tf.nest.flatten(y)[0])[0]
+        acc0 = [tf.zeros(v.shape, v.dtype) for v in variables]
+        if not unrolled[0]:
+            try:
+                total, acc = looped(x, y, w, n, acc0)
+            except RuntimeError as e:
+                # merge_call inside the loop body: a cross-replica step Strata did not see
+                if "merge_call" not in str(e):
+                    raise
+                unrolled[0] = True
+        if unrolled[0]:
+            if not said:
+                said.append(True)
+                log(f"gradients.accumulate: the model all-reduces in its forward pass (a "
+                    f"synchronized BatchNormalization); its {k} slices are written out one "
+                    "after the other rather than looped")
+            total, acc = written_out(x, y, w, n, acc0)
         grads = [None if none else a for a, none in zip(acc, unused)]
         optimizer.apply_gradients(zip(grads, variables))
         return total
 
     return step_fn
+
+
+def _synchronises(model: Any) -> bool:
+    """Whether ``model`` has a layer that all-reduces across replicas in its forward pass."""
+    layers = model._flatten_layers() if hasattr(model, "_flatten_layers") else model.layers
+    return any(getattr(layer, "synchronized", False) for layer in layers)
