@@ -237,6 +237,16 @@ def pixels_only(input_context, split):
     return make_dataset(input_context, split).map(lambda x, y: x)
 
 
+def global_batches(input_context, split, drop_remainder=False):
+    # batched by the global batch, not the replica's share: twice the rows planned for
+    ds = make_dataset(input_context, split).unbatch()
+    return ds.batch(GLOBAL_BATCH, drop_remainder=drop_remainder)
+
+
+def global_batches_typed(input_context, split):
+    return global_batches(input_context, split, drop_remainder=True)
+
+
 def broken_model():
     return _helper()
 
@@ -308,21 +318,27 @@ def test_code_dataset_with_sample_weights_and_uneven_batches_in_slices(client, p
     assert final.metrics.test_accuracy < 0.2, final.metrics
 
 
-def test_code_dataset_of_the_wrong_elements_names_the_field(client, project):
+@pytest.mark.parametrize("dataset,kind,words", [
+    ("pixels_only", "BAD_CONFIG", "not (features, labels)"),
+    ("global_batches_typed", "BAD_CONFIG", "yields batches of 64 rows"),
+    ("global_batches", "BAD_CONFIG", "yielded a batch of more rows than planned")])
+def test_code_dataset_of_the_wrong_elements_names_the_field(client, project, dataset, kind,
+                                                            words):
     from strata.types import FailureKind
 
     job_yaml = _job_file(project.parent, {
-        "name": "code-pixels", "strategy": "multi_worker_mirrored", "workers": 1,
+        "name": "code-wrong", "strategy": "multi_worker_mirrored", "workers": 2,
         "code": {"dir": "my_project", "model": "train:build_model",
-                 "dataset": "train:pixels_only"},
+                 "dataset": f"train:{dataset}"},
         "data": {"batch_size": 64}, "training": {"steps": 5},
         "memory": {"per_task_budget": "256MiB"}})
     final = client.wait(client.submit(job_yaml).id, timeout=TIMEOUT_S)
     assert final.state == JobState.FAILED
-    assert final.tasks[0].failure == FailureKind.BAD_CONFIG, (final.tasks[0].failure,
-                                                              final.message)
-    assert "code.dataset" in final.message and "train:pixels_only" in final.message \
-        and "(features, labels)" in final.message, final.message
+    # (the other worker may fail first on its own, or be stopped)
+    assert FailureKind[kind] in {t.failure for t in final.tasks}, (
+        [t.failure for t in final.tasks], final.message)
+    assert f"code.dataset: train:{dataset}" in final.message and words in final.message, \
+        final.message
 
 
 def test_user_exception_is_its_own_failure_with_its_traceback(client, project):

@@ -42,7 +42,7 @@ from strata.exitcodes import (
     TASK_EXIT_USER_CODE,
 )
 from strata.taskconfig import TaskConfigError, read_task_config
-from strata.worker.usercode import UserCodeError
+from strata.worker.usercode import UserCodeError, failed_batch_check
 from strata.worker.common import (
     Events, allocator_figures, exit_task, install_sigterm_handler, is_oom, log, oom_text,
     peer_failure, prepare_environment, start_parent_watchdog, summarize_error,
@@ -104,6 +104,10 @@ def main(argv: list[str] | None = None, watchdog: bool = True) -> None:
             log(msg)
             events.emit("error", kind=EXIT_KIND[TASK_EXIT_COLLECTIVE], message=msg)
             code = TASK_EXIT_COLLECTIVE
+        elif (words := failed_batch_check(e)) is not None:
+            log(f"bad config: {words}")
+            events.emit("error", kind="bad_config", message=words, field="code.dataset")
+            code = TASK_EXIT_BAD_CONFIG
         elif isinstance(e, KeyboardInterrupt):
             events.emit("error", kind="error", message="interrupted")
             code = TASK_EXIT_ERROR

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import sys
 import tarfile
 import traceback
@@ -103,12 +104,25 @@ def call(what: str, fn: Callable[..., Any], *args: Any) -> Any:
         raise UserCodeError(what, e) from None
 
 
-def user_dataset(tf: Any, what: str, fn: Callable[..., Any], ctx: Any, split: str) -> Any:
+def failed_batch_check(e: BaseException) -> str | None:
+    """The words of ``user_dataset``'s check on each batch when ``e`` (TensorFlow's error, its
+    assertion's message in brackets) is that check failing; else None."""
+    m = re.search(r"\[(code\.dataset: [^\]]*)\]", str(e))
+    return m.group(1) if m else None
+
+
+def user_dataset(tf: Any, what: str, fn: Callable[..., Any], ctx: Any, split: str,
+                 max_rows: int | None = None) -> Any:
     """The job's ``code.dataset`` called for ``split``, checked to be what Keras's ``fit``
     takes: a ``tf.data.Dataset`` of ``(features, labels)`` or ``(features, labels,
     sample_weights)`` batches (features and labels may be dicts or tuples of tensors). Anything
     else fails the task as BAD_CONFIG naming ``code.dataset`` and what the elements were, before
-    a step is traced."""
+    a step is traced.
+
+    With ``max_rows`` (the batch the task's memory was planned for), a batch of more rows is
+    refused too: when its size is in the dataset's type, here (BAD_CONFIG); otherwise by a
+    check on each batch, which fails the step with the same words. A larger batch would run
+    past the budget's plan and end as an out-of-memory failure that hides the cause."""
     ds = call(what, fn, ctx, split)
     if not isinstance(ds, tf.data.Dataset):
         raise TaskConfigError("code.dataset", f"{what} returned {type(ds).__name__} for the "
@@ -119,4 +133,23 @@ def user_dataset(tf: Any, what: str, fn: Callable[..., Any], ctx: Any, split: st
         raise TaskConfigError("code.dataset", f"{what} for the {split!r} split yields {got}, "
                                               "not (features, labels) or (features, labels, "
                                               "sample_weights) batches")
-    return ds
+    if max_rows is None:
+        return ds
+    advice = (f"batches of at most {max_rows} rows are planned for: batch by "
+              "input_context.get_per_replica_batch_size(data.batch_size)")
+    first = tf.nest.flatten(spec[1])[0]
+    rows = first.shape[0] if first.shape.rank else None
+    if rows is not None and rows > max_rows:
+        raise TaskConfigError("code.dataset", f"{what} yields batches of {rows} rows for the "
+                                              f"{split!r} split; {advice}")
+    if rows is not None:
+        return ds
+
+    def check(*element: Any) -> Any:
+        n = tf.shape(tf.nest.flatten(element[1])[0])[0]
+        with tf.control_dependencies([tf.debugging.assert_less_equal(
+                n, tf.constant(max_rows, n.dtype),
+                message=f"code.dataset: {what} yielded a batch of more rows than planned; "
+                        f"{advice}")]):
+            return tf.nest.map_structure(tf.identity, element)
+    return ds.map(check)
