@@ -24,7 +24,7 @@ import re
 
 from strata.memory import MiB, default_budget, format_size
 
-__all__ = ["OutOfMemory", "parse_oom", "describe", "needed_bytes"]
+__all__ = ["OutOfMemory", "parse_oom", "describe", "needed_bytes", "allocator_refusal"]
 
 _ALLOC = re.compile(r"OOM when allocating tensor with shape\s*\[([0-9, ]*)\]\s*and type (\w+)"
                     r"(?: on (\S+))?")
@@ -85,6 +85,21 @@ def parse_oom(text: str) -> OutOfMemory | None:
                        op=node.group(1) if node else "")
 
 
+#: what TensorFlow's BFC allocator logs when it refuses an allocation, before any error (or,
+#: where the caller does not check, the crash that follows), e.g. ``Allocator
+#: (bfc_cpu_allocator_for_gpu) ran out of memory trying to allocate 128.00MiB (rounded to
+#: 134217728)requested by op``
+_REFUSED = re.compile(r"ran out of memory trying to allocate ([0-9.]+\s*[KMGT]?i?B)"
+                      r"(?: \(rounded to (\d+)\))?")
+
+
+def allocator_refusal(log_text: str) -> str:
+    """The size of the last allocation TensorFlow's allocator logged it refused in a task's
+    log (``128.00MiB``), or empty."""
+    found = _REFUSED.findall(log_text or "")
+    return found[-1][0] if found else ""
+
+
 def needed_bytes(budget: int, peak: int, allocation_bytes: int) -> int:
     """A lower bound on what the task needs: it had reached ``peak`` (at most its budget) and
     asked for ``allocation_bytes`` more that did not fit. The BFC allocator must also find the
@@ -109,6 +124,10 @@ def describe(task_name: str, where: str, budget: int, estimate: int, peak: int,
         parts.append(f"reported by {reporter}, which ran the op on that task")
     need = needed_bytes(budget, peak, alloc)
     fit = default_budget(need)
+    if budget < estimate:
+        # a budget the user set below the estimate: the estimate's own budget is the first to
+        # try (what ran out only bounds the need from below)
+        fit = max(fit, default_budget(estimate))
     fit = max(fit, budget + MiB)
     options = [f"a budget of at least {format_size(fit)} (memory.per_task_budget: "
                f"{-(-fit // MiB)}MiB; a rerun of this job plans with the figure measured now)"]

@@ -121,6 +121,22 @@ def test_task_over_its_slice_fails_as_oom_and_agent_survives(cluster, client, tm
     assert ok.state == JobState.SUCCEEDED, ok.message
 
 
+def test_a_task_that_crashes_after_its_allocator_refused_is_out_of_memory(client):
+    # 64 MiB of synthetic examples copied into a tensor under a 2 MiB budget: the allocator
+    # refuses the copy and TensorFlow, with no error path there, crashes (SIGSEGV on TF 2.21);
+    # the agent reads the refusal in the task's log and reports an OOM with the allocation
+    job = client.submit(spec(
+        name="refused", workers=1, memory={"per_task_budget": "2MiB"}, training={"steps": 5},
+        model={"builtin": {"kind": "mlp", "input_shape": [256], "hidden": [32], "classes": 10}},
+        data={"source": "synthetic", "examples": 65536, "batch_size": 64}))
+    final = client.wait(job.id, timeout=180)
+    assert final.state == JobState.FAILED
+    assert final.tasks[0].failure == FailureKind.OOM, (final.tasks[0].failure, final.message)
+    assert "ran out of memory: budget 2 MiB" in final.message, final.message
+    assert "the allocation that failed: 64 MiB" in final.message or \
+        "OOM when allocating" in final.message, final.message
+
+
 def test_keras_json_model_with_batchnorm_keeps_replicas_identical(cluster, client):
     import json
     import pathlib

@@ -1,7 +1,7 @@
 """Out-of-memory reports: TensorFlow's text parsed, the failure blamed on the task whose device
 ran out, described with what would fit, and the need kept for the next plan."""
 
-from strata.oom import describe, needed_bytes, parse_oom
+from strata.oom import OutOfMemory, describe, needed_bytes, parse_oom
 
 MiB = 1 << 20
 
@@ -46,6 +46,14 @@ def test_describe_says_task_budget_peak_allocation_and_what_fits():
     assert fit * MiB > 154 * MiB
     none_seen = describe("worker:0", "", 22 * MiB, 5 * MiB, 0, None, [])
     assert "ran out before it reported its memory" in none_seen
+    # a budget set below the estimate: what fits is at least the estimate's own budget, even
+    # when the allocation that failed was smaller
+    from strata.memory import default_budget
+
+    low = describe("worker:0", "", 2 * MiB, 272 * MiB, 0, OutOfMemory(allocation_bytes=128 * MiB),
+                   [])
+    fit = int(low.split("memory.per_task_budget: ")[1].split("MiB")[0])
+    assert fit * MiB >= default_budget(272 * MiB), low
 
 
 def test_needed_bytes_is_above_the_failed_budget():
@@ -79,3 +87,29 @@ def test_a_crash_at_the_budget_is_classified_out_of_memory():
     assert classify_exit(-signal.SIGTERM, peak=63 * MiB, **dict(kw, stopped=True))[0] \
         == TaskState.CANCELLED
     assert classify_exit(1, peak=0, **kw)[3] == "log tail"
+    # far from its budget, but its allocator logged that it refused an allocation: a crash
+    # where TensorFlow had no error path for it
+    state, failure, _, msg = classify_exit(-signal.SIGSEGV, peak=3 * MiB,
+                                           refused=lambda: "128.00MiB", **kw)
+    assert (state, failure) == (TaskState.FAILED, FailureKind.OOM)
+    assert msg.startswith("killed by SIGSEGV after its allocator refused 128.00MiB over its 64 "
+                          "MiB budget"), msg
+    # a refusal does not make a SIGKILL or an exit status an OOM
+    assert classify_exit(-signal.SIGKILL, peak=0, refused=lambda: "1MiB", **kw)[1] \
+        == FailureKind.SIGNAL
+    assert classify_exit(1, peak=0, refused=lambda: "1MiB", **kw)[1] == FailureKind.EXIT_CODE
+
+
+def test_the_allocator_refusal_is_read_from_the_log():
+    from strata.oom import allocator_refusal
+
+    log = ("[task] started\n"
+           "W0000 00:00:1796395545.812247    9320 bfc_allocator.cc:502] Allocator "
+           "(bfc_cpu_allocator_for_gpu) ran out of memory trying to allocate 2.0KiB (rounded to "
+           "2048)requested by op \n"
+           "W0000 00:00:1796395545.812247    9320 bfc_allocator.cc:502] Allocator "
+           "(bfc_cpu_allocator_for_gpu) ran out of memory trying to allocate 128.00MiB (rounded to "
+           "134217728)requested by op \nIf the cause is memory fragmentation maybe ...\n"
+           "Current allocation summary follows.\n")
+    assert allocator_refusal(log) == "128.00MiB"  # the last one
+    assert allocator_refusal("[task] step 3/20 loss 2.1") == ""

@@ -33,7 +33,8 @@ from strata import convert, exitcodes
 from strata.taskconfig import AgentSettings
 from strata.auth import with_token
 from strata.tls import ClientTls, channel
-from strata.oom import OutOfMemory
+from strata.memory import parse_size
+from strata.oom import OutOfMemory, allocator_refusal
 from strata.types import FailureKind, MemoryStatus, TaskReport, TaskState
 from strata.worker.heartbeats import HeartbeatStream
 from strata.worker.warm import ready_mark
@@ -100,10 +101,12 @@ class AgentConfig:
 
 
 def classify_exit(code: int, *, stopped: bool, has_result: bool, error_kind: str, message: str,
-                  peak: int, budget: int, log_tail: Callable[[], str]
+                  peak: int, budget: int, log_tail: Callable[[], str],
+                  refused: Callable[[], str] = lambda: ""
                   ) -> tuple[TaskState, FailureKind, int, str]:
     """How a task process ended: ``(state, failure, exit code, message)`` from its exit status,
-    the error event it sent (``error_kind``, ``message``) and its allocator figures."""
+    the error event it sent (``error_kind``, ``message``), its allocator figures, and
+    ``refused()``: the size of an allocation its allocator logged it refused (empty: none)."""
     if stopped:
         return TaskState.CANCELLED, FailureKind.NONE, code, "stopped"
     if code == 0 and has_result:
@@ -126,6 +129,13 @@ def classify_exit(code: int, *, stopped: bool, has_result: bool, error_kind: str
             return (TaskState.FAILED, FailureKind.OOM, code,
                     f"killed by {name} with its allocator peak at {peak / budget:.0%} of its "
                     f"{budget >> 20} MiB budget: out of memory where TensorFlow raised no error")
+        if sig in (signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS) and (size := refused()):
+            # seen: copying a 128 MiB array into a tensor under a 68 MiB budget; the allocator
+            # refused it (and logged so) but the copy had no error path, so the peak stayed low
+            return (TaskState.FAILED, FailureKind.OOM, code,
+                    f"killed by {name} after its allocator refused {size}"
+                    + (f" over its {budget >> 20} MiB budget" if budget else "")
+                    + ": out of memory where TensorFlow raised no error")
         hint = " (SIGKILL from outside: possibly the kernel's OOM killer)" if sig == 9 else ""
         return TaskState.FAILED, FailureKind.SIGNAL, code, f"killed by {name}{hint}"
     if code == 0:
@@ -335,10 +345,23 @@ class TaskProcess:
             if t is not threading.current_thread():
                 t.join(timeout=5.0)
         self.agent.flush_logs(self)
+        refusal: list[str] = []
+
+        def refused() -> str:
+            if not refusal:
+                refusal.append(self._refused())
+            return refusal[0]
         outcome = classify_exit(
             code, stopped=self.stop_requested, has_result=self.status.test_accuracy is not None,
             error_kind=self.error_kind, message=self.status.message,
-            peak=self.status.peak_bytes, budget=self.budget, log_tail=self._log_tail)
+            peak=self.status.peak_bytes, budget=self.budget, log_tail=self._log_tail,
+            refused=refused)
+        if outcome[1] == FailureKind.OOM and self.status.oom is None and refusal and refusal[0]:
+            # what the coordinator's account and its next budget start from
+            try:
+                self.status.oom = OutOfMemory(allocation_bytes=parse_size(refusal[0]))
+            except ValueError:
+                pass
         if outcome[0] == TaskState.SUCCEEDED and self.status.model_path:
             # the job's outputs reach the coordinator before the task is reported done, so a
             # job that has SUCCEEDED can be downloaded at once
@@ -352,6 +375,17 @@ class TaskProcess:
                 f.seek(max(0, f.tell() - 600))
                 lines = f.read().decode("utf-8", "replace").strip().splitlines()
             return " | ".join(lines[-3:])
+        except OSError:
+            return ""
+
+    def _refused(self) -> str:
+        """An allocation the task's allocator logged it refused, in its log's last 1 MiB (the
+        refusal is followed by the allocator's summary: thousands of lines)."""
+        try:
+            with open(os.path.join(self.dir, "task.log"), "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - (1 << 20)))
+                return allocator_refusal(f.read().decode("utf-8", "replace"))
         except OSError:
             return ""
 
