@@ -174,11 +174,15 @@ class LocalCluster:
                 self.http_url = f.read().strip().replace("://0.0.0.0:", "://127.0.0.1:")
         return self.address
 
-    def add_worker(self, name: str, memory_budget: str | None = None, wait: bool = True) -> None:
+    def add_worker(self, name: str, memory_budget: str | None = None, wait: bool = True,
+                   device: str = "CPU") -> None:
+        """An agent named ``name`` owning ``device`` (``CPU`` or ``GPU:N``; agents may share a
+        GPU, each with its own slice of it as ``memory_budget``)."""
         work_dir = os.path.join(self.state_dir, "workers", name)
         self.agents[name] = self._spawn(
             ["worker", "--coordinator", self.address, "--memory-budget",
              memory_budget or self.memory_budget, "--name", name, "--work-dir", work_dir,
+             "--device", device,
              "--threads", str(self.threads), "--shared-dir", self.shared_dir]
             + [a for r in self.data_roots for a in ("--data-root", r)]
             + ["--warm-pool", str(self.warm_pool)]
