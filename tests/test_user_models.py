@@ -226,6 +226,22 @@ def make_dataset(input_context, split):
     return ds.batch(batch)
 
 
+class TwoLayers(keras.Model):
+    """A subclassed model: no declared inputs, no variables until its first call."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden = keras.layers.Dense(128, activation="relu")
+        self.out = keras.layers.Dense(10)
+
+    def call(self, x, training=False):
+        return self.out(self.hidden(x))
+
+
+def subclassed_model():
+    return TwoLayers()
+
+
 def weighted(input_context, split):
     # class 0 does not count in training; in the test split only class 0 counts
     ds = make_dataset(input_context, split)
@@ -300,6 +316,28 @@ def test_code_job_with_its_own_model_and_tfrecord_dataset(client, project, tmp_p
     events = " ".join(e.message for e in client.watch(job.id, timeout=10))
     assert "memory probe" in events and "measured" in events, events[:3000]
     assert "model.keras" in client.get(job.id).outputs
+
+
+def test_subclassed_code_model_is_built_on_the_dataset_and_trains(client, project):
+    job_yaml = _job_file(project.parent, {
+        "name": "code-subclassed", "strategy": "multi_worker_mirrored", "workers": 2,
+        "code": {"dir": "my_project", "model": "train:subclassed_model",
+                 "dataset": "train:make_dataset"},
+        "data": {"batch_size": 64}, "memory": {"per_task_budget": "256MiB"},
+        "training": {"steps": 150, "optimizer": {"name": "adam", "learning_rate": 0.003}}})
+    final = client.wait(client.submit(job_yaml).id, timeout=TIMEOUT_S)
+    assert final.state == JobState.SUCCEEDED, final.message
+    assert final.metrics.test_accuracy >= 0.85, final.metrics
+    # without code.dataset nothing says its input's shape: refused, naming the field
+    job_yaml = _job_file(project.parent, {
+        "name": "code-subclassed-source", "strategy": "multi_worker_mirrored", "workers": 1,
+        "code": {"dir": "my_project", "model": "train:subclassed_model"},
+        "data": {"source": "digits", "batch_size": 64}, "training": {"steps": 5},
+        "memory": {"per_task_budget": "256MiB"}})
+    final = client.wait(client.submit(job_yaml).id, timeout=TIMEOUT_S)
+    assert final.state == JobState.FAILED
+    assert "code.model: train:subclassed_model returned a subclassed TwoLayers" in \
+        final.message and "give code.dataset" in final.message, final.message
 
 
 def test_code_dataset_with_sample_weights_and_uneven_batches_in_slices(client, project):

@@ -283,11 +283,53 @@ class TrainingRunner:
             if not isinstance(model, keras.Model):
                 raise TaskConfigError("code.model", f"{self.spec.code_model} returned "
                                                     f"{type(model).__name__}, not a keras.Model")
-            if len(model.inputs) != 1 and not self.spec.code_dataset:
-                raise TaskConfigError("code.model", f"the model has {len(model.inputs)} inputs; "
-                                                    "data.source gives one (use code.dataset)")
+            inputs = getattr(model, "inputs", None)  # none: a subclassed model
+            if not self.spec.code_dataset:
+                if inputs is None:
+                    raise TaskConfigError("code.model", f"{self.spec.code_model} returned a "
+                                                        f"subclassed {type(model).__name__} "
+                                                        "with no declared inputs; data.source "
+                                                        "needs the input's shape: give "
+                                                        "code.dataset, or build the model on "
+                                                        "keras.Input")
+                if len(inputs) != 1:
+                    raise TaskConfigError("code.model", f"the model has {len(inputs)} inputs; "
+                                                        "data.source gives one (use "
+                                                        "code.dataset)")
+            if not model.built:
+                with self.strategy.scope():  # type: ignore[attr-defined]
+                    self._build_on_dataset(model)
             self._code_model = model
         return self._code_model
+
+    def _build_on_dataset(self, model: Any) -> None:
+        """Creates the variables of a model that has none yet (a subclassed model never
+        called): one call on a row of zeros shaped like the job's ``code.dataset`` features.
+        Until then its ``trainable_variables`` are empty, and a step built on them would train
+        nothing."""
+        from strata.worker.usercode import call, load_callable, user_dataset
+
+        tf = self.tf
+        what = self.spec.code_dataset
+        fn = load_callable(self.cfg, what, "code.dataset")
+        ctx = tf.distribute.InputContext(num_input_pipelines=1, input_pipeline_id=0,
+                                         num_replicas_in_sync=1)
+        features = user_dataset(tf, what, fn, ctx, "train").element_spec[0]
+
+        def zeros(spec: Any) -> Any:
+            if not isinstance(spec, tf.TensorSpec):
+                raise TaskConfigError("code.model", f"{self.spec.code_model} has no variables "
+                                                    "until it is called, and code.dataset's "
+                                                    f"features include {type(spec).__name__}, "
+                                                    "which Strata cannot make a sample of: "
+                                                    "build the model in code.model "
+                                                    "(model.build or a first call)")
+            shape = [1 if d is None else d for d in spec.shape]
+            return tf.fill(shape, "") if spec.dtype == tf.string else tf.zeros(shape, spec.dtype)
+
+        sample = tf.nest.map_structure(zeros, features)
+        call(f"{self.spec.code_model} (its first call, which creates its variables)",
+             lambda: model(sample, training=False))
 
     def check(self) -> None:
         """What can be checked before TensorFlow is imported (the contract against the model
