@@ -242,6 +242,12 @@ def subclassed_model():
     return TwoLayers()
 
 
+def two_outputs():
+    i = keras.Input((64,), name="pixels")
+    h = keras.layers.Dense(32, activation="relu")(i)
+    return keras.Model(i, [keras.layers.Dense(10)(h), keras.layers.Dense(1)(h)])
+
+
 def weighted(input_context, split):
     # class 0 does not count in training; in the test split only class 0 counts
     ds = make_dataset(input_context, split)
@@ -338,6 +344,17 @@ def test_subclassed_code_model_is_built_on_the_dataset_and_trains(client, projec
     assert final.state == JobState.FAILED
     assert "code.model: train:subclassed_model returned a subclassed TwoLayers" in \
         final.message and "give code.dataset" in final.message, final.message
+    # nor does a model of two outputs, which one loss cannot train
+    job_yaml = _job_file(project.parent, {
+        "name": "code-two-outputs", "strategy": "multi_worker_mirrored", "workers": 1,
+        "code": {"dir": "my_project", "model": "train:two_outputs",
+                 "dataset": "train:make_dataset"},
+        "data": {"batch_size": 64}, "training": {"steps": 5},
+        "memory": {"per_task_budget": "256MiB"}})
+    final = client.wait(client.submit(job_yaml).id, timeout=TIMEOUT_S)
+    assert final.state == JobState.FAILED
+    assert "code.model: train:two_outputs returned a model with 2 outputs" in final.message, \
+        final.message
 
 
 def test_code_dataset_with_sample_weights_and_uneven_batches_in_slices(client, project):

@@ -296,17 +296,22 @@ class TrainingRunner:
                     raise TaskConfigError("code.model", f"the model has {len(inputs)} inputs; "
                                                         "data.source gives one (use "
                                                         "code.dataset)")
+            n_out = len(model.outputs) if getattr(model, "outputs", None) is not None else 1
             if not model.built:
                 with self.strategy.scope():  # type: ignore[attr-defined]
-                    self._build_on_dataset(model)
+                    n_out = len(self.tf.nest.flatten(self._build_on_dataset(model)))
+            if n_out != 1:
+                raise TaskConfigError("code.model", f"{self.spec.code_model} returned a model "
+                                                    f"with {n_out} outputs; a job trains one "
+                                                    "output with one loss (training.loss)")
             self._code_model = model
         return self._code_model
 
-    def _build_on_dataset(self, model: Any) -> None:
+    def _build_on_dataset(self, model: Any) -> Any:
         """Creates the variables of a model that has none yet (a subclassed model never
         called): one call on a row of zeros shaped like the job's ``code.dataset`` features.
         Until then its ``trainable_variables`` are empty, and a step built on them would train
-        nothing."""
+        nothing. Returns what the call returned."""
         from strata.worker.usercode import call, load_callable, user_dataset
 
         tf = self.tf
@@ -328,8 +333,8 @@ class TrainingRunner:
             return tf.fill(shape, "") if spec.dtype == tf.string else tf.zeros(shape, spec.dtype)
 
         sample = tf.nest.map_structure(zeros, features)
-        call(f"{self.spec.code_model} (its first call, which creates its variables)",
-             lambda: model(sample, training=False))
+        return call(f"{self.spec.code_model} (its first call, which creates its variables)",
+                    lambda: model(sample, training=False))
 
     def check(self) -> None:
         """What can be checked before TensorFlow is imported (the contract against the model
