@@ -170,8 +170,9 @@ def test_the_keras_hook_is_still_there():
                                                 (10, 3, True), (2, 4, True)])
 def test_uneven_and_weighted_batches_slice_to_the_unsliced_step(rows, k, written_out):
     """A batch that does not split into k equal slices (an epoch's last, a job's own dataset
-    without drop_remainder), or has fewer rows than k, with sample weights: the sliced step
-    applies the unsliced step's update, looped or written out (a model that all-reduces in
+    without drop_remainder), or has fewer rows than k, with sample weights and a model with
+    weight and activity regularizers: the unsliced step is Keras's own ``fit`` step, and the
+    sliced step applies the same update, looped or written out (a model that all-reduces in
     its forward pass, here a layer that only says so)."""
     import keras
     import numpy as np
@@ -192,15 +193,22 @@ def test_uneven_and_weighted_batches_slice_to_the_unsliced_step(rows, k, written
     w = tf.constant(rng.uniform(0.0, 2.0, size=(rows, 1)), tf.float32)  # Keras's (n, 1) too
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
 
-    def after(make) -> list:
+    def model_and_optimizer(regularized: bool = True):
         keras.utils.set_random_seed(0)
-        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="relu"),
+        reg = dict(kernel_regularizer=keras.regularizers.L2(0.05),
+                   activity_regularizer=keras.regularizers.L1(0.01)) if regularized else {}
+        model = keras.Sequential([keras.Input((5,)),
+                                  keras.layers.Dense(4, activation="relu", **reg),
                                   Says(), keras.layers.Dense(3)])
-        assert _synchronises(model) == written_out
         opt = keras.optimizers.SGD(0.5)
         opt.build(model.trainable_variables)
+        return model, opt
+
+    def after(make, regularized: bool = True, weights=w) -> list:
+        model, opt = model_and_optimizer(regularized)
+        assert _synchronises(model) == written_out
         step = tf.function(make(model, opt))
-        loss = float(step(x, y, w))
+        loss = float(step(x, y, weights))
         return [loss] + [v.numpy() for v in model.trainable_variables]
 
     def reduce(per_example):
@@ -211,14 +219,19 @@ def test_uneven_and_weighted_batches_slice_to_the_unsliced_step(rows, k, written
     assert whole[0] == pytest.approx(sliced[0], rel=1e-5)
     for a, b in zip(whole[1:], sliced[1:]):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-    # and the weights count: the same step unweighted moves the model elsewhere
-    keras.utils.set_random_seed(0)
-    m = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="relu"),
-                          keras.layers.Dense(3)])
-    o = keras.optimizers.SGD(0.5)
-    o.build(m.trainable_variables)
-    tf.function(gradient_step(tf, m, o, loss_fn, "none", reduce))(x, y)
-    assert not np.allclose(m.trainable_variables[-1].numpy(), whole[-1])
+    # Keras's fit, one step on the same batch, weights and regularizers: the same update
+    model, opt = model_and_optimizer()
+    model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True))
+    model.fit(x, y, sample_weight=w, batch_size=rows, epochs=1, shuffle=False, verbose=0)
+    for a, b in zip(whole[1:], model.trainable_variables):
+        np.testing.assert_allclose(a, b.numpy(), rtol=1e-5, atol=1e-6)
+    # and both count: without either the model moves elsewhere
+    for other in (after(lambda m, o: gradient_step(tf, m, o, loss_fn, "none", reduce),
+                        regularized=False),
+                  after(lambda m, o: gradient_step(tf, m, o, loss_fn, "none", reduce),
+                        weights=None)):
+        assert not np.allclose(other[1], whole[1])
 
 
 def test_hybrid_stage_estimate_counts_the_16_bit_copies():

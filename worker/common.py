@@ -292,6 +292,28 @@ def weighted(tf: Any, per_example: Any, w: Any) -> Any:
     return per_example * w
 
 
+def extra_losses(tf: Any, model: Any) -> tuple[Any, Any]:
+    """The losses Keras's ``fit`` adds to the loss function's, from ``model``'s last call, as
+    two float32 scalars (None when there are none): ``(own, weights)``.
+
+    - ``own``: ``add_loss`` terms and activity regularizers, computed on that call's examples
+      (Keras 3 divides an activity regularizer by the batch's size; ``add_loss`` terms are
+      taken alike, as means over the examples, so a batch's is its slices' weighted by rows);
+    - ``weights``: the weight regularizers (``kernel_regularizer`` and the like), which depend
+      on the weights alone: once per step, whatever its slices.
+
+    Keras 3 lists the weight regularizers last in ``model.losses``, one per trainable weight
+    that has one; that is how the two are told apart."""
+    losses = list(model.losses)
+    n_weights = sum(1 for v in model.trainable_weights
+                    if getattr(v, "regularizer", None) is not None)
+    cut = max(0, len(losses) - n_weights)
+
+    def total(terms: list) -> Any:
+        return tf.add_n([tf.cast(t, tf.float32) for t in terms]) if terms else None
+    return total(losses[:cut]), total(losses[cut:])
+
+
 def eval_sums(tf, loss_fn, y, out, classify: bool, w=None):
     """(summed loss, number of correct predictions) of one evaluation batch, for float32
     outputs ``out``, each example counted ``w`` times when sample weights are given; the count

@@ -32,7 +32,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from strata.taskconfig import TaskConfigError
-from strata.worker.common import log, weighted
+from strata.worker.common import extra_losses, log, weighted
 
 #: the all-reduce pack size when ``gradients.pack_size`` is unset: every gradient in one pack
 #: (TensorFlow's own default). Measured in docs/benchmarks.md (bench/allreduce_packs.py): on CPU
@@ -120,14 +120,24 @@ def accumulating_step(tf: Any, model: Any, optimizer: Any, loss_fn: Any, mixed: 
     unrolled = [_synchronises(model)]
     said: list[bool] = []
 
-    def one_slice(lo: Any, hi: Any, scale: Any, x: Any, y: Any, w: Any, acc: list,
-                  after: list) -> tuple:
+    def one_slice(lo: Any, hi: Any, n: Any, scale: Any, share: Any, x: Any, y: Any, w: Any,
+                  acc: list, after: list) -> tuple:
+        """Slice ``[lo, hi)``: its loss times ``scale`` (0 for a slice that only reruns the
+        batch), plus ``share`` of the step's weight regularizers (the slices' shares add to
+        one)."""
         with tf.control_dependencies(after):
             xi, yi, wi = tf.nest.map_structure(
                 lambda t: None if t is None else tf.identity(t[lo:hi]), (x, y, w))
         with tf.GradientTape() as tape:
             out = model(xi, training=True)
-            loss = reduce(weighted(tf, loss_fn(yi, tf.cast(out, tf.float32)), wi)) * scale
+            loss = reduce(weighted(tf, loss_fn(yi, tf.cast(out, tf.float32)), wi))
+            own, weights = extra_losses(tf, model)
+            if own is not None:  # a mean over this slice's rows: weighted by their share
+                rows = tf.cast(hi - lo, tf.float32) / tf.cast(tf.maximum(n, 1), tf.float32)
+                loss = loss + tf.nn.scale_regularization_loss(own) * rows
+            loss = loss * scale
+            if weights is not None:
+                loss = loss + tf.nn.scale_regularization_loss(weights) * share
             loss_for_grad = optimizer.scale_loss(loss) if scaled else loss
         grads = tape.gradient(loss_for_grad, variables)
         unused[:] = [g is None for g in grads]
@@ -139,8 +149,8 @@ def accumulating_step(tf: Any, model: Any, optimizer: Any, loss_fn: Any, mixed: 
         parts = tf.minimum(n, k)  # a batch of fewer than k rows: n slices of one
 
         def body(i: Any, total: Any, acc: list) -> tuple:
-            loss, summed = one_slice(i * n // parts, (i + 1) * n // parts, 1.0, x, y, w, acc,
-                                     [])
+            loss, summed = one_slice(i * n // parts, (i + 1) * n // parts, n, 1.0,
+                                     1.0 / tf.cast(parts, tf.float32), x, y, w, acc, [])
             return i + 1, total + loss, summed
 
         # one slice at a time: a while loop runs independent iterations side by side (10 by
@@ -159,7 +169,8 @@ def accumulating_step(tf: Any, model: Any, optimizer: Any, loss_fn: Any, mixed: 
             # batch again with its loss times 0 (statistics updated, gradient unchanged).
             empty = hi <= lo
             lo, hi = tf.where(empty, 0, lo), tf.where(empty, n, hi)
-            loss, acc = one_slice(lo, hi, tf.where(empty, 0.0, 1.0), x, y, w, acc, after)
+            loss, acc = one_slice(lo, hi, n, tf.where(empty, 0.0, 1.0), 1.0 / k, x, y, w,
+                                  acc, after)
             total = total + loss
             after = [a for a in acc] + [total]
         return total, acc

@@ -466,6 +466,15 @@ class PipelineDriver(TrainingRunner):
                     layer_names[pl.first_layer - 1]
                 with tf.device(dev):
                     layers = [factories[i]() for i in range(pl.first_layer, pl.last_layer)]
+                    for layer in layers:
+                        if getattr(layer, "activity_regularizer", None) is not None:
+                            # its loss would be made inside the stage and dropped: refused
+                            # rather than trained without it (weight regularizers are applied)
+                            raise TaskConfigError("model", f"layer {layer.name!r} has an "
+                                                           "activity_regularizer, which "
+                                                           f"{spec.strategy} stages do not "
+                                                           "apply; use multi_worker_mirrored "
+                                                           "or remove it")
                     env = {in_ref: h}
                     for layer, want in zip(layers, pl.layers):
                         if layer.name != want:
@@ -542,6 +551,24 @@ class PipelineDriver(TrainingRunner):
                     h = call_layer(layer, call, env, training)
                     new.append([])
             return h, new
+
+        def with_weight_regularizers(st: Stage, g: list) -> list:
+            """``g`` (the step's mean gradients of ``st.tvars``) plus the gradients of the
+            stage's weight regularizers (``kernel_regularizer`` and the like), once a step, as
+            Keras's fit adds them to the mean loss."""
+            regs = [(k, v) for k, v in enumerate(st.tvars)
+                    if getattr(v, "regularizer", None) is not None]
+            if not regs:
+                return g
+            with tf.GradientTape() as rt:
+                vals = [tf.convert_to_tensor(v.value) for _, v in regs]
+                rt.watch(vals)
+                terms = [v.regularizer(val) for (_, v), val in zip(regs, vals)]
+            out = list(g)
+            for (k, _), d in zip(regs, rt.gradient(terms, vals)):
+                if d is not None:
+                    out[k] = out[k] + tf.cast(d, out[k].dtype)
+            return out
 
         def mb_loss(out, y):
             per_example = loss_fn(y, tf.cast(out, tf.float32))
@@ -734,6 +761,7 @@ class PipelineDriver(TrainingRunner):
                             g = [t * inv for t in g]
                             finite.append(tf.reduce_all(
                                 [tf.reduce_all(tf.math.is_finite(t)) for t in g]))
+                        g = with_weight_regularizers(st, g)
                     means[q][s] = g
 
             if scaled:
