@@ -259,6 +259,10 @@ def pixels_only(input_context, split):
     return make_dataset(input_context, split).map(lambda x, y: x)
 
 
+def onehot(input_context, split):
+    return make_dataset(input_context, split).map(lambda x, y: (x, tf.one_hot(y, 10)))
+
+
 def global_batches(input_context, split, drop_remainder=False):
     # batched by the global batch, not the replica's share: twice the rows planned for
     ds = make_dataset(input_context, split).unbatch()
@@ -376,7 +380,8 @@ def test_code_dataset_with_sample_weights_and_uneven_batches_in_slices(client, p
 @pytest.mark.parametrize("dataset,kind,words", [
     ("pixels_only", "BAD_CONFIG", "not (features, labels)"),
     ("global_batches_typed", "BAD_CONFIG", "yields batches of 64 rows"),
-    ("global_batches", "BAD_CONFIG", "yielded a batch of more rows than planned")])
+    ("global_batches", "BAD_CONFIG", "yielded a batch of more rows than planned"),
+    ("onehot", "BAD_CONFIG", "one-hot rows, but sparse_categorical_crossentropy")])
 def test_code_dataset_of_the_wrong_elements_names_the_field(client, project, dataset, kind,
                                                             words):
     from strata.types import FailureKind
@@ -392,7 +397,8 @@ def test_code_dataset_of_the_wrong_elements_names_the_field(client, project, dat
     # (the other worker may fail first on its own, or be stopped)
     assert FailureKind[kind] in {t.failure for t in final.tasks}, (
         [t.failure for t in final.tasks], final.message)
-    assert f"code.dataset: train:{dataset}" in final.message and words in final.message, \
+    field = "training.loss" if dataset == "onehot" else "code.dataset"
+    assert f"{field}: train:{dataset}" in final.message and words in final.message, \
         final.message
 
 

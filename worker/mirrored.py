@@ -140,7 +140,8 @@ class MirroredRunner(TrainingRunner):
 
             def dataset_fn(ctx: Any) -> Any:
                 ds = user_dataset(tf, what, user_fn, ctx, "train",
-                                  max_rows=ctx.get_per_replica_batch_size(gb))
+                                  max_rows=ctx.get_per_replica_batch_size(gb),
+                                  loss=self.spec.training.loss)
                 # the job runs training.steps steps, whatever its size
                 return ds.repeat().skip(skip) if skip else ds.repeat()
             self._user_dataset = (user_fn, what)

@@ -407,10 +407,11 @@ class PsChiefRunner(TrainingRunner):
                                              num_replicas_in_sync=1)
             # checked here first: inside dataset_fn, traced for the workers, TensorFlow would
             # wrap the error in its own StagingError and the field would be lost
-            user_dataset(tf, what, user_fn, ctx, "train", max_rows=gb)
+            loss = self.spec.training.loss
+            user_dataset(tf, what, user_fn, ctx, "train", max_rows=gb, loss=loss)
 
             def dataset_fn() -> Any:  # noqa: F811 - the job's own input pipeline instead
-                ds = user_dataset(tf, what, user_fn, ctx, "train", max_rows=gb)
+                ds = user_dataset(tf, what, user_fn, ctx, "train", max_rows=gb, loss=loss)
                 return ds.repeat().prefetch(1)
         self.per_worker_iter = iter(self.coordinator.create_per_worker_dataset(dataset_fn))
 

@@ -450,7 +450,8 @@ class TrainingRunner:
         ctx = tf.distribute.InputContext(num_input_pipelines=1, input_pipeline_id=0,
                                          num_replicas_in_sync=1)
         # only the job's own function's errors are the user's (``call`` marks them so)
-        ds = user_dataset(tf, what, user_fn, ctx, "test") if self.spec.code_dataset \
+        ds = user_dataset(tf, what, user_fn, ctx, "test", loss=self.spec.training.loss) \
+            if self.spec.code_dataset \
             else user_fn(ctx, "test")
         # With sample weights (a code.dataset's third element), as Keras's evaluate: the loss
         # over the examples (the weighted sum over their number), accuracy over the weights.

@@ -112,7 +112,7 @@ def failed_batch_check(e: BaseException) -> str | None:
 
 
 def user_dataset(tf: Any, what: str, fn: Callable[..., Any], ctx: Any, split: str,
-                 max_rows: int | None = None) -> Any:
+                 max_rows: int | None = None, loss: str = "") -> Any:
     """The job's ``code.dataset`` called for ``split``, checked to be what Keras's ``fit``
     takes: a ``tf.data.Dataset`` of ``(features, labels)`` or ``(features, labels,
     sample_weights)`` batches (features and labels may be dicts or tuples of tensors). Anything
@@ -122,7 +122,11 @@ def user_dataset(tf: Any, what: str, fn: Callable[..., Any], ctx: Any, split: st
     With ``max_rows`` (the batch the task's memory was planned for), a batch of more rows is
     refused too: when its size is in the dataset's type, here (BAD_CONFIG); otherwise by a
     check on each batch, which fails the step with the same words. A larger batch would run
-    past the budget's plan and end as an out-of-memory failure that hides the cause."""
+    past the budget's plan and end as an out-of-memory failure that hides the cause.
+
+    With ``loss`` (``training.loss``), labels of the other cross-entropy's kind (one-hot rows
+    for the sparse one, class indices for the other) are refused naming ``training.loss``,
+    rather than failing inside the traced step in TensorFlow's words."""
     ds = call(what, fn, ctx, split)
     if not isinstance(ds, tf.data.Dataset):
         raise TaskConfigError("code.dataset", f"{what} returned {type(ds).__name__} for the "
@@ -133,6 +137,7 @@ def user_dataset(tf: Any, what: str, fn: Callable[..., Any], ctx: Any, split: st
         raise TaskConfigError("code.dataset", f"{what} for the {split!r} split yields {got}, "
                                               "not (features, labels) or (features, labels, "
                                               "sample_weights) batches")
+    _check_labels(what, split, spec[1], loss)
     if max_rows is None:
         return ds
     advice = (f"batches of at most {max_rows} rows are planned for: batch by "
@@ -153,3 +158,20 @@ def user_dataset(tf: Any, what: str, fn: Callable[..., Any], ctx: Any, split: st
                         f"{advice}")]):
             return tf.nest.map_structure(tf.identity, element)
     return ds.map(check)
+
+
+def _check_labels(what: str, split: str, labels: Any, loss: str) -> None:
+    shape = getattr(labels, "shape", None)
+    if shape is None or shape.rank is None or not shape.rank:
+        return
+    last = shape[-1] if shape.rank >= 2 else None
+    where = f"{what} yields labels of shape {[d for d in shape]} for the {split!r} split"
+    if loss == "sparse_categorical_crossentropy" and last is not None and last > 1:
+        raise TaskConfigError("training.loss", f"{where}: one-hot rows, but "
+                                               "sparse_categorical_crossentropy takes class "
+                                               "indices; set training.loss: "
+                                               "categorical_crossentropy")
+    if loss == "categorical_crossentropy" and (shape.rank == 1 or last == 1):
+        raise TaskConfigError("training.loss", f"{where}: class indices, but "
+                                               "categorical_crossentropy takes one-hot rows; set "
+                                               "training.loss: sparse_categorical_crossentropy")
