@@ -161,12 +161,16 @@ def user_dataset(tf: Any, what: str, fn: Callable[..., Any], ctx: Any, split: st
 
 
 def _check_labels(what: str, split: str, labels: Any, loss: str) -> None:
+    """One-hot rows are float (``tf.one_hot``, ``to_categorical``); integer labels of rank 2
+    may be a sequence's class indices, which the sparse loss takes, so only float ones are
+    judged one-hot."""
     shape = getattr(labels, "shape", None)
     if shape is None or shape.rank is None or not shape.rank:
         return
     last = shape[-1] if shape.rank >= 2 else None
     where = f"{what} yields labels of shape {[d for d in shape]} for the {split!r} split"
-    if loss == "sparse_categorical_crossentropy" and last is not None and last > 1:
+    if loss == "sparse_categorical_crossentropy" and last is not None and last > 1 \
+            and labels.dtype.is_floating:
         raise TaskConfigError("training.loss", f"{where}: one-hot rows, but "
                                                "sparse_categorical_crossentropy takes class "
                                                "indices; set training.loss: "
