@@ -230,14 +230,20 @@ def main() -> None:
     ap.add_argument("--agents-per-channel", type=int, default=50)
     ap.add_argument("--unary", action="store_true",
                     help="one Heartbeat call per heartbeat instead of the Heartbeats stream")
+    ap.add_argument("--pin", action="store_true",
+                    help="the coordinator on CPU 0 and this generator on CPU 1, as if on two "
+                         "hosts that each have a core, instead of both free on every CPU")
     args = ap.parse_args()
+    if args.pin:
+        os.sched_setaffinity(0, {1})  # before any gRPC thread starts: they inherit it
     state = tempfile.mkdtemp(prefix="strata-load-")
     port_file = os.path.join(state, "address")
     proc = subprocess.Popen([sys.executable, "-m", "strata.cli", "coordinator", "--listen",
                              "127.0.0.1:0", "--state-dir", state, "--port-file", port_file,
                              "--max-pending-per-user", "100000"],
                             stdout=subprocess.DEVNULL, stderr=open(os.path.join(state, "log"), "w"),
-                            env={**os.environ, "PYTHONPATH": ROOT})
+                            env={**os.environ, "PYTHONPATH": ROOT},
+                            preexec_fn=(lambda: os.sched_setaffinity(0, {0})) if args.pin else None)
     try:
         deadline = time.monotonic() + 60
         while not os.path.exists(port_file):
