@@ -70,10 +70,19 @@ def advertise_host(coordinator: str) -> str:
         return "127.0.0.1"
 
 
-def _pick_port() -> int:
-    import portpicker
+def _hold_port() -> socket.socket:
+    """A free TCP port, held by a bound socket until a task is given it.
 
-    return portpicker.pick_unused_port()
+    An unheld port offered to the coordinator can be taken before its task binds it: as the
+    local port of any outgoing connection on the host (free ports are in the ephemeral range),
+    or by another agent on the same host picking it too. Both were seen: a task failed with
+    "Could not start gRPC server". A socket bound without SO_REUSEADDR and not listening keeps
+    the port from every other bind and from the kernel's choice of ports for connections, and
+    accepts nothing (a peer checking whether the task listens yet is not fooled). It is closed
+    just before the task is started."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.bind(("", 0))
+    return s
 
 
 @dataclasses.dataclass
@@ -569,7 +578,10 @@ class Agent:
         self.tasks: dict[tuple[str, str, int], TaskProcess] = {}
         self.lock = threading.RLock()
         self.peak_bytes = 0
-        self.free_ports: list[int] = [_pick_port() for _ in range(PORT_POOL)]
+        #: the ports offered to the coordinator, each held here until a task is given it
+        self._held: dict[int, socket.socket] = {}
+        self.free_ports: list[int] = []
+        self._refill_ports()
         self.stopping = threading.Event()
         #: SIGTERM: the coordinator moves this agent's jobs elsewhere before it stops
         self.draining = threading.Event()
@@ -742,10 +754,12 @@ class Agent:
                 port = int(json.loads(start.tf_config)["cluster"][start.role][start.index].rsplit(":", 1)[1])
                 if port in self.free_ports:
                     self.free_ports.remove(port)
+                held = self._held.pop(port, None)
+                if held is not None:
+                    held.close()  # the task binds it next
             except (KeyError, IndexError, ValueError):
                 pass
-            while len(self.free_ports) < PORT_POOL:
-                self.free_ports.append(_pick_port())
+            self._refill_ports()
         if old is not None:
             # an earlier attempt of the task still runs (its agent was cut off while the job
             # restarted): it goes first, never beside the new one. Stopping takes up to
@@ -868,9 +882,20 @@ class Agent:
                     return
             self.stopping.wait(0.5)
 
+    def _refill_ports(self) -> None:
+        while len(self.free_ports) < PORT_POOL:
+            s = _hold_port()
+            port = s.getsockname()[1]
+            self._held[port] = s
+            self.free_ports.append(port)
+
     def shutdown(self) -> None:
         self.stopping.set()
         self.warm.close()
+        with self.lock:
+            for s in self._held.values():
+                s.close()
+            self._held.clear()
         self.stop_all()
         self.flush_logs()
         self.heartbeats.close()
