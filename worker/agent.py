@@ -75,11 +75,11 @@ def _hold_port() -> socket.socket:
 
     An unheld port offered to the coordinator can be taken before its task binds it: as the
     local port of any outgoing connection on the host (free ports are in the ephemeral range),
-    or by another agent on the same host picking it too. Both were seen: a task failed with
-    "Could not start gRPC server". A socket bound without SO_REUSEADDR and not listening keeps
-    the port from every other bind and from the kernel's choice of ports for connections, and
-    accepts nothing (a peer checking whether the task listens yet is not fooled). It is closed
-    just before the task is started."""
+    or by another agent on the same host picking it too; a task then fails with "Could not
+    start gRPC server" (seen in a test run). A socket bound without SO_REUSEADDR and not
+    listening keeps the port from every other bind and from the kernel's choice of ports for
+    connections, and accepts nothing (a peer checking whether the task listens yet is not
+    fooled). It is closed just before the task is started."""
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     s.bind(("", 0))
     return s
