@@ -377,26 +377,23 @@ class TaskProcess:
             self.agent.upload_outputs(self.job_id, self.output_dir)
         self._finish(*outcome)
 
-    def _log_tail(self) -> str:
+    def _log_end(self, nbytes: int) -> str:
+        """The last ``nbytes`` of the task's log (empty if it cannot be read)."""
         try:
             with open(os.path.join(self.dir, "task.log"), "rb") as f:
                 f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - 600))
-                lines = f.read().decode("utf-8", "replace").strip().splitlines()
-            return " | ".join(lines[-3:])
+                f.seek(max(0, f.tell() - nbytes))
+                return f.read().decode("utf-8", "replace")
         except OSError:
             return ""
+
+    def _log_tail(self) -> str:
+        return " | ".join(self._log_end(600).strip().splitlines()[-3:])
 
     def _refused(self) -> str:
         """An allocation the task's allocator logged it refused, in its log's last 1 MiB (the
         refusal is followed by the allocator's summary: thousands of lines)."""
-        try:
-            with open(os.path.join(self.dir, "task.log"), "rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - (1 << 20)))
-                return allocator_refusal(f.read().decode("utf-8", "replace"))
-        except OSError:
-            return ""
+        return allocator_refusal(self._log_end(1 << 20))
 
     def _finish(self, state: TaskState, failure: FailureKind, code: int, message: str) -> None:
         s = self.status

@@ -314,6 +314,26 @@ def extra_losses(tf: Any, model: Any) -> tuple[Any, Any]:
     return total(losses[:cut]), total(losses[cut:])
 
 
+def training_loss(tf: Any, model: Any, loss_fn: Any, reduce: Any, x: Any, y: Any, w: Any = None,
+                  *, rows: Any = 1.0, scale: Any = 1.0, share: Any = 1.0) -> Any:
+    """``model`` on a batch in training mode, and the loss to differentiate as Keras's ``fit``
+    counts it: ``reduce`` of the float32 per-example losses times the sample weights ``w``,
+    plus the model's own losses (``extra_losses``) divided by the replicas.
+
+    For one slice of a step's batch: its own losses weigh ``rows`` (its share of the batch's
+    rows), both times ``scale`` (0 for a slice that only reruns the batch), plus ``share`` of
+    the step's weight regularizers (the slices' shares add to one)."""
+    out = model(x, training=True)
+    loss = reduce(weighted(tf, loss_fn(y, tf.cast(out, tf.float32)), w))
+    own, weights = extra_losses(tf, model)
+    if own is not None:
+        loss = loss + tf.nn.scale_regularization_loss(own) * rows
+    loss = loss * scale
+    if weights is not None:
+        loss = loss + tf.nn.scale_regularization_loss(weights) * share
+    return loss
+
+
 def eval_sums(tf, loss_fn, y, out, classify: bool, w=None):
     """(summed loss, number of correct predictions) of one evaluation batch, for float32
     outputs ``out``, each example counted ``w`` times when sample weights are given; the count

@@ -32,7 +32,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from strata.taskconfig import TaskConfigError
-from strata.worker.common import extra_losses, log, weighted
+from strata.worker.common import log, training_loss
 
 #: the all-reduce pack size when ``gradients.pack_size`` is unset: every gradient in one pack
 #: (TensorFlow's own default). Measured in docs/benchmarks.md (bench/allreduce_packs.py): on CPU
@@ -117,27 +117,26 @@ def accumulating_step(tf: Any, model: Any, optimizer: Any, loss_fn: Any, mixed: 
     variables = model.trainable_variables
     scaled = mixed == "float16"
     unused: list[bool] = []  # variables without a gradient, found while tracing a slice
-    unrolled = [_synchronises(model)]
-    said: list[bool] = []
+    unrolled = _synchronises(model)
+
+    def written_out_note() -> None:
+        log(f"gradients.accumulate: the model all-reduces in its forward pass (a synchronized "
+            f"BatchNormalization); its {k} slices are written out one after the other rather "
+            "than looped")
+    if unrolled:
+        written_out_note()
 
     def one_slice(lo: Any, hi: Any, n: Any, scale: Any, share: Any, x: Any, y: Any, w: Any,
                   acc: list, after: list) -> tuple:
-        """Slice ``[lo, hi)``: its loss times ``scale`` (0 for a slice that only reruns the
-        batch), plus ``share`` of the step's weight regularizers (the slices' shares add to
-        one)."""
+        """Slice ``[lo, hi)`` of a batch of ``n`` rows, once ``after`` has run; ``scale`` and
+        ``share`` as ``training_loss`` takes them."""
         with tf.control_dependencies(after):
             xi, yi, wi = tf.nest.map_structure(
                 lambda t: None if t is None else tf.identity(t[lo:hi]), (x, y, w))
+        rows = tf.cast(hi - lo, tf.float32) / tf.cast(tf.maximum(n, 1), tf.float32)
         with tf.GradientTape() as tape:
-            out = model(xi, training=True)
-            loss = reduce(weighted(tf, loss_fn(yi, tf.cast(out, tf.float32)), wi))
-            own, weights = extra_losses(tf, model)
-            if own is not None:  # a mean over this slice's rows: weighted by their share
-                rows = tf.cast(hi - lo, tf.float32) / tf.cast(tf.maximum(n, 1), tf.float32)
-                loss = loss + tf.nn.scale_regularization_loss(own) * rows
-            loss = loss * scale
-            if weights is not None:
-                loss = loss + tf.nn.scale_regularization_loss(weights) * share
+            loss = training_loss(tf, model, loss_fn, reduce, xi, yi, wi, rows=rows, scale=scale,
+                                 share=share)
             loss_for_grad = optimizer.scale_loss(loss) if scaled else loss
         grads = tape.gradient(loss_for_grad, variables)
         unused[:] = [g is None for g in grads]
@@ -172,26 +171,23 @@ def accumulating_step(tf: Any, model: Any, optimizer: Any, loss_fn: Any, mixed: 
             loss, acc = one_slice(lo, hi, n, tf.where(empty, 0.0, 1.0), 1.0 / k, x, y, w,
                                   acc, after)
             total = total + loss
-            after = [a for a in acc] + [total]
+            after = list(acc) + [total]
         return total, acc
 
     def step_fn(x: Any, y: Any, w: Any = None) -> Any:
+        nonlocal unrolled
         n = tf.shape(tf.nest.flatten(y)[0])[0]
         acc0 = [tf.zeros(v.shape, v.dtype) for v in variables]
-        if not unrolled[0]:
+        if not unrolled:
             try:
                 total, acc = looped(x, y, w, n, acc0)
             except RuntimeError as e:
                 # merge_call inside the loop body: a cross-replica step Strata did not see
                 if "merge_call" not in str(e):
                     raise
-                unrolled[0] = True
-        if unrolled[0]:
-            if not said:
-                said.append(True)
-                log(f"gradients.accumulate: the model all-reduces in its forward pass (a "
-                    f"synchronized BatchNormalization); its {k} slices are written out one "
-                    "after the other rather than looped")
+                unrolled = True
+                written_out_note()
+        if unrolled:
             total, acc = written_out(x, y, w, n, acc0)
         grads = [None if none else a for a, none in zip(acc, unused)]
         optimizer.apply_gradients(zip(grads, variables))

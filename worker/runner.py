@@ -31,8 +31,7 @@ from strata.spec import STREAMED_SOURCES
 from strata.taskconfig import TaskConfig, TaskConfigError
 from strata.worker.checkpoints import Checkpointer, Found
 from strata.worker.common import (
-    Events, configure_device, exit_task, extra_losses, format_mib, install_sigterm_handler, log,
-    weighted,
+    Events, configure_device, exit_task, format_mib, install_sigterm_handler, log, training_loss,
 )
 
 
@@ -106,21 +105,15 @@ def check_data_available(cfg: TaskConfig) -> None:
 
 def gradient_step(tf: Any, model: Any, optimizer: Any, loss_fn: Any, mixed: str,
                   reduce: Callable[[Any], Any]) -> Callable[[Any, Any], Any]:
-    """One replica's training step: forward, ``reduce`` the float32 per-example losses (times
-    the batch's sample weights, when its dataset has them) to the loss to differentiate (a mean
-    over the global or the local batch), plus the model's own losses and regularizers divided
-    by the replicas (``extra_losses``; Keras's ``fit`` adds them too), backward (scaled with
-    float16's loss scaling), apply. Returns the loss."""
+    """One replica's training step: forward and ``training_loss`` (``reduce`` is a mean over
+    the global or the local batch), backward (scaled with float16's loss scaling), apply.
+    Returns the loss."""
     variables = model.trainable_variables
     scaled = mixed == "float16"
 
     def step_fn(x: Any, y: Any, w: Any = None) -> Any:
         with tf.GradientTape() as tape:
-            out = model(x, training=True)
-            loss = reduce(weighted(tf, loss_fn(y, tf.cast(out, tf.float32)), w))
-            extra = [t for t in extra_losses(tf, model) if t is not None]
-            if extra:
-                loss = loss + tf.nn.scale_regularization_loss(tf.add_n(extra))
+            loss = training_loss(tf, model, loss_fn, reduce, x, y, w)
             loss_for_grad = optimizer.scale_loss(loss) if scaled else loss
         grads = tape.gradient(loss_for_grad, variables)
         optimizer.apply_gradients(zip(grads, variables))
