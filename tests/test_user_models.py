@@ -311,6 +311,20 @@ def project(tmp_path_factory):
     return proj
 
 
+def _short_code_job(client, project, name: str, model: str, dataset: str = "",
+                    workers: int = 1):
+    """A 5-step code job on the project at a fixed budget (no probe), to its end: the jobs
+    whose failure a test reads. Without ``dataset`` it reads the built-in digits."""
+    code = {"dir": "my_project", "model": f"train:{model}"}
+    if dataset:
+        code["dataset"] = f"train:{dataset}"
+    job_yaml = _job_file(project.parent, {
+        "name": name, "strategy": "multi_worker_mirrored", "workers": workers, "code": code,
+        "data": {"batch_size": 64} if dataset else {"source": "digits", "batch_size": 64},
+        "training": {"steps": 5}, "memory": {"per_task_budget": "256MiB"}})
+    return client.wait(client.submit(job_yaml).id, timeout=TIMEOUT_S)
+
+
 def test_code_job_with_its_own_model_and_tfrecord_dataset(client, project, tmp_path):
     job_yaml = _job_file(project.parent, {
         "name": "code-tfrecord", "strategy": "multi_worker_mirrored", "workers": 2,
@@ -339,23 +353,12 @@ def test_subclassed_code_model_is_built_on_the_dataset_and_trains(client, projec
     assert final.state == JobState.SUCCEEDED, final.message
     assert final.metrics.test_accuracy >= 0.85, final.metrics
     # without code.dataset nothing says its input's shape: refused, naming the field
-    job_yaml = _job_file(project.parent, {
-        "name": "code-subclassed-source", "strategy": "multi_worker_mirrored", "workers": 1,
-        "code": {"dir": "my_project", "model": "train:subclassed_model"},
-        "data": {"source": "digits", "batch_size": 64}, "training": {"steps": 5},
-        "memory": {"per_task_budget": "256MiB"}})
-    final = client.wait(client.submit(job_yaml).id, timeout=TIMEOUT_S)
+    final = _short_code_job(client, project, "code-subclassed-source", "subclassed_model")
     assert final.state == JobState.FAILED
     assert "code.model: train:subclassed_model returned a subclassed TwoLayers" in \
         final.message and "give code.dataset" in final.message, final.message
     # nor does a model of two outputs, which one loss cannot train
-    job_yaml = _job_file(project.parent, {
-        "name": "code-two-outputs", "strategy": "multi_worker_mirrored", "workers": 1,
-        "code": {"dir": "my_project", "model": "train:two_outputs",
-                 "dataset": "train:make_dataset"},
-        "data": {"batch_size": 64}, "training": {"steps": 5},
-        "memory": {"per_task_budget": "256MiB"}})
-    final = client.wait(client.submit(job_yaml).id, timeout=TIMEOUT_S)
+    final = _short_code_job(client, project, "code-two-outputs", "two_outputs", "make_dataset")
     assert final.state == JobState.FAILED
     assert "code.model: train:two_outputs returned a model with 2 outputs" in final.message, \
         final.message
@@ -386,13 +389,7 @@ def test_code_dataset_of_the_wrong_elements_names_the_field(client, project, dat
                                                             words):
     from strata.types import FailureKind
 
-    job_yaml = _job_file(project.parent, {
-        "name": "code-wrong", "strategy": "multi_worker_mirrored", "workers": 2,
-        "code": {"dir": "my_project", "model": "train:build_model",
-                 "dataset": f"train:{dataset}"},
-        "data": {"batch_size": 64}, "training": {"steps": 5},
-        "memory": {"per_task_budget": "256MiB"}})
-    final = client.wait(client.submit(job_yaml).id, timeout=TIMEOUT_S)
+    final = _short_code_job(client, project, "code-wrong", "build_model", dataset, workers=2)
     assert final.state == JobState.FAILED
     # (the other worker may fail first on its own, or be stopped)
     assert FailureKind[kind] in {t.failure for t in final.tasks}, (
@@ -405,12 +402,7 @@ def test_code_dataset_of_the_wrong_elements_names_the_field(client, project, dat
 def test_user_exception_is_its_own_failure_with_its_traceback(client, project):
     from strata.types import FailureKind
 
-    job_yaml = _job_file(project.parent, {
-        "name": "code-broken", "strategy": "multi_worker_mirrored", "workers": 1,
-        "code": {"dir": "my_project", "model": "train:broken_model"},
-        "data": {"source": "digits", "batch_size": 64}, "training": {"steps": 5},
-        "memory": {"per_task_budget": "256MiB"}})
-    final = client.wait(client.submit(job_yaml).id, timeout=TIMEOUT_S)
+    final = _short_code_job(client, project, "code-broken", "broken_model")
     assert final.state == JobState.FAILED
     t = final.tasks[0]
     assert t.failure == FailureKind.USER_CODE, (t.failure, final.message)
