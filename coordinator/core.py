@@ -29,7 +29,7 @@ from strata.coordinator.agents import (
 from strata.coordinator.blobs import DEFAULT_MAX_UPLOAD_BYTES, BlobStore
 from strata.coordinator.jobtable import JobTable
 from strata.coordinator.logs import JobLogs
-from strata.coordinator.placement import Capacity, TaskDemand, place
+from strata.coordinator.placement import Capacity, Placement, Room, TaskDemand, place
 from strata.coordinator.series import Series
 from strata.coordinator.store import Store, WorkerRecord
 from strata.errors import (
@@ -248,6 +248,19 @@ class Coordinator:
             for t in j.tasks:
                 if t.worker and t.address and not t.state.final:
                     self._ports_held.setdefault(t.worker, set()).add(t.address.rsplit(":", 1)[1])
+        #: worker -> the budgets its unfinished tasks reserve, kept as tasks are placed and end
+        self._reservations: dict[str, int] = self._reserved_scan()
+        #: the agents that can take tasks now, in order of free budget, kept as they change
+        #: (``_refresh``): a tick after room changed places each job by binary search
+        #: instead of listing and sorting every agent (bench/control_plane.py)
+        self._room = Room()
+        #: raised when an agent registers, is lost, comes back or drains: what the whole-budget
+        #: offers kept by job needs (``worker_offers``) were listed under
+        self._standing_version = 0
+        self._offers: dict[Needs, tuple[int, list[WorkerOffer]]] = {}
+        #: STRATA_CHECK_ROOM=1 (the test suite sets it): every tick checks both against a
+        #: scan, and a mismatch stops the control loop rather than being logged and passed
+        self._check_room = os.environ.get("STRATA_CHECK_ROOM") == "1"
         #: raised whenever room can grow (a task ends, an agent registers or comes back, an
         #: agent offers more ports): a waiting job whose placement failed is not tried again
         #: until it moves (``_try_schedule``)
@@ -368,6 +381,13 @@ class Coordinator:
             self._room_version += 1
             if task.worker and task.address:
                 self._ports_held.get(task.worker, set()).discard(task.address.rsplit(":", 1)[1])
+            if task.worker:
+                left = self._reservations.get(task.worker, 0) - task.memory_budget_bytes
+                if left > 0:
+                    self._reservations[task.worker] = left
+                else:
+                    self._reservations.pop(task.worker, None)
+                self._refresh(task.worker)
         return True
 
     # --- job API ------------------------------------------------------------------------------
@@ -378,9 +398,18 @@ class Coordinator:
         only those that meet a job's ``needs`` (a shared directory, data roots)."""
         if free:
             return [WorkerOffer(c.name, c.free_bytes) for c in self._capacities(needs)]
-        return [WorkerOffer(w.name, w.record.budget_bytes)
-                for w in self.agents.values() if not w.lost and not w.record.draining
-                and needs.met_by(w.record)]
+        # Whole budgets change only when an agent comes, goes or drains
+        # (``_standing_version``): kept until then, a submit does not list every agent again
+        kept = self._offers.get(needs)
+        if kept is not None and kept[0] == self._standing_version:
+            return list(kept[1])
+        offers = [WorkerOffer(w.name, w.record.budget_bytes)
+                  for w in self.agents.values() if not w.lost and not w.record.draining
+                  and needs.met_by(w.record)]
+        if len(self._offers) > 64:  # (needs differ by data paths: keep a bounded few)
+            self._offers.clear()
+        self._offers[needs] = (self._standing_version, offers)
+        return list(offers)
 
     def offers_for(self, spec: JobSpec, free: bool) -> list[WorkerOffer]:
         """``worker_offers`` for this job (``Needs.of``)."""
@@ -399,8 +428,8 @@ class Coordinator:
         ``--shared-dir`` (with none registered yet it waits for them)."""
         known = [w for w in self.agents.values() if not w.lost]
         for field, path in (("data.path", spec.data.path), ("data.test_path", spec.data.test_path)):
-            roots = [w.record.data_roots for w in known]
-            if path and roots and not any(under_roots(path, r) for r in roots):
+            roots = [w.record.data_roots for w in known] if path else []
+            if roots and not any(under_roots(path, r) for r in roots):
                 confined = sorted({r for rs in roots for r in rs})
                 raise SpecError(field, outside_message(confined).replace(
                     "the worker's", "any worker's"))
@@ -651,6 +680,8 @@ class Coordinator:
         live.free_ports = [p for p in live.free_ports if str(p) not in held]
         self._room_version += 1  # a new agent, or one back with a new budget and ports
         live.record.draining = live.record.draining or draining
+        self._standing_version += 1
+        self._refresh(name)
         self.store.put_worker(live.record)
         self._reconcile(live, reports)
         self.wake()
@@ -686,12 +717,16 @@ class Coordinator:
         offered = [p for p in free_ports if str(p) not in in_use]
         if len(offered) > len(live.free_ports):
             self._room_version += 1
+        ports_changed = len(offered) != len(live.free_ports)
         live.free_ports = offered
         if was_lost:
             self._room_version += 1
+            self._standing_version += 1
             live.lost = False
             log.info("worker %s is back", name)
             self.wake()
+        if ports_changed or was_lost:
+            self._refresh(name)
         for r in reports:
             self.report(name, session, r)
             if r.state.final:
@@ -728,6 +763,8 @@ class Coordinator:
             raise NotFoundError("worker", name)
         if not live.record.draining:
             live.record.draining = True
+            self._standing_version += 1
+            self._refresh(name)
             self.store.put_worker(live.record)
             log.info("worker %s draining", name)
         for job in list(self._live.values()):
@@ -1003,6 +1040,36 @@ class Coordinator:
     # --- control loop -------------------------------------------------------------------------
 
     def _reserved(self) -> dict[str, int]:
+        """worker -> the budgets its unfinished tasks reserve (kept: read, never change)."""
+        return self._reservations
+
+    def _refresh(self, name: str) -> None:
+        """Brings ``name``'s entry in the room index up to date: after its reservation, its
+        ports or its standing (registered, lost, draining) changed."""
+        w = self.agents.get(name)
+        if w is None or not w.session or w.lost or w.record.draining:
+            self._room.drop(name)
+            return
+        budget = w.record.budget_bytes
+        self._room.set(Capacity(name, budget, budget - self._reservations.get(name, 0),
+                                len(w.free_ports)))
+
+    def check_room(self) -> None:
+        """Asserts that the kept reservations and room index equal what a scan of every
+        live task and agent gives (tests call it: a missed update would place on stale
+        room)."""
+        assert self._reservations == self._reserved_scan(), (self._reservations,
+                                                             self._reserved_scan())
+        want = {c.name: c for c in self.agents.capacities(self._reserved_scan())}
+        have = {c.name: c for c in self._room}
+        assert have == want, (set(have.items()) ^ set(want.items()))
+        for needs, (version, offers) in self._offers.items():
+            if version == self._standing_version:
+                assert offers == [WorkerOffer(w.name, w.record.budget_bytes)
+                                  for w in self.agents.values() if not w.lost
+                                  and not w.record.draining and needs.met_by(w.record)], needs
+
+    def _reserved_scan(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for job in self._live.values():
             for t in job.tasks:
@@ -1022,13 +1089,24 @@ class Coordinator:
         return True
 
     def _capacities(self, needs: Needs = NO_NEEDS) -> list[Capacity]:
+        """The agents that can take tasks now and meet ``needs``, in the agents' order."""
         if self._tick_fresh():  # within one tick, until a job is placed or room grows
             assert self._tick_cache is not None
             caps = self._tick_cache.get(needs)
             if caps is None:
-                caps = self._tick_cache[needs] = self.agents.capacities(self._reserved(), needs)
+                caps = self._tick_cache[needs] = self._capacities_now(needs)
             return caps
-        return self.agents.capacities(self._reserved(), needs)
+        return self._capacities_now(needs)
+
+    def _capacities_now(self, needs: Needs) -> list[Capacity]:
+        room = self._room
+        return [c for w in self.agents.values()
+                if (c := room.get(w.name)) is not None and needs.met_by(w.record)]
+
+    def _place(self, demands: list[TaskDemand], needs: Needs) -> Placement:
+        if needs == NO_NEEDS:  # every agent in the room: its kept order serves
+            return self._room.place(demands)
+        return place(demands, self._capacities(needs))
 
     def tick(self) -> None:
         """One step of the control loop: detect lost agents, then schedule pending jobs."""
@@ -1056,6 +1134,8 @@ class Coordinator:
             self._schedule(now)
         finally:
             self._tick_cache, self._tick_failed = None, {}
+        if self._check_room:
+            self.check_room()
 
     def _schedule(self, now: float) -> None:
         for job in sorted(self._live.values(), key=lambda j: (j.created_at, j.id)):
@@ -1145,6 +1225,8 @@ class Coordinator:
     def _mark_lost(self, w: LiveWorker) -> None:
         log.warning("worker %s lost: no heartbeat for %.1f s", w.name, self.heartbeat_timeout_s)
         self.agents.mark_lost(w)
+        self._standing_version += 1
+        self._refresh(w.name)
         for job in list(self._live.values()):
             for t in job.tasks:
                 if t.worker == w.name and not t.state.final:
@@ -1167,7 +1249,7 @@ class Coordinator:
         placement = self._tick_failed.get((needs, key[1])) if self._tick_fresh() else None
         if placement is None:
             demands = [TaskDemand(t.role, t.index, t.memory_budget_bytes) for t in job.tasks]
-            placement = place(demands, self._capacities(needs))
+            placement = self._place(demands, needs)
         if not placement.assignments:
             self._tried[job.id] = key
             if self._tick_cache is not None:
@@ -1187,6 +1269,9 @@ class Coordinator:
             live = self.workers[placement.assignments[(t.role, t.index)]]
             port = live.free_ports.pop(0)
             t.worker = live.name
+            self._reservations[live.name] = (self._reservations.get(live.name, 0)
+                                             + t.memory_budget_bytes)
+            self._refresh(live.name)
             t.address = f"{live.record.address}:{port}"
             self._ports_held.setdefault(live.name, set()).add(str(port))
             t.attempt += 1
@@ -1231,6 +1316,8 @@ class Coordinator:
                 self.tick()
             except Exception:  # a bug in one tick must not stop the control plane
                 log.exception("control loop tick failed")
+                if self._check_room:
+                    raise
             # Wake-ups that come while a tick runs are served by the next one, at most
             # MIN_TICK_GAP_S later: a burst of registrations or reports costs a few ticks,
             # not one each, and the calls queued meanwhile are handled in between.

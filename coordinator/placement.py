@@ -7,7 +7,9 @@ contend for it). Agents may run tasks of several jobs while their budgets allow.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+from typing import Iterator
 
 from strata.memory import format_size
 
@@ -46,22 +48,69 @@ def place(demands: list[TaskDemand], agents: list[Capacity]) -> Placement:
     whenever one exists under the one-task-per-agent rule, and it keeps large agents free for
     large tasks.
     """
-    if not demands:
-        return Placement({})
-    pool = sorted((a for a in agents if a.free_ports > 0), key=lambda a: (a.free_bytes, a.name))
-    used: set[str] = set()
-    out: dict[tuple[str, int], str] = {}
-    for d in sorted(demands, key=lambda d: (-d.budget_bytes, d.role, d.index)):
-        chosen = next((a for a in pool if a.name not in used and a.free_bytes >= d.budget_bytes), None)
-        if chosen is None:
-            need = max(x.budget_bytes for x in demands)
-            fitting = sum(1 for a in agents if a.free_bytes >= need)
-            return Placement({}, reason=(
-                f"waiting for {len(demands)} workers with {format_size(need)} free each; "
-                f"{fitting} of {len(agents)} connected workers have that much free"))
-        used.add(chosen.name)
-        out[(d.role, d.index)] = chosen.name
-    return Placement(out)
+    room = Room()
+    for a in agents:
+        room.set(a)
+    return room.place(demands)
+
+
+class Room:
+    """The agents that can take tasks now, kept in order of free budget as they change, so
+    that placing a job costs the job's tasks and a binary search, not a pass over every
+    agent: the coordinator ``set``s an agent whenever its reservation, ports or standing
+    changed, and ``drop``s one that can take nothing (lost, draining)."""
+
+    def __init__(self) -> None:
+        self._caps: dict[str, Capacity] = {}
+        self._order: list[tuple[int, str]] = []  # (free_bytes, name), ascending
+
+    def set(self, cap: Capacity) -> None:
+        old = self._caps.get(cap.name)
+        self._caps[cap.name] = cap
+        if old is not None:
+            if old.free_bytes == cap.free_bytes:
+                return  # (its ports or budget changed: same place in the order)
+            del self._order[bisect.bisect_left(self._order, (old.free_bytes, old.name))]
+        bisect.insort(self._order, (cap.free_bytes, cap.name))
+
+    def drop(self, name: str) -> None:
+        old = self._caps.pop(name, None)
+        if old is not None:
+            del self._order[bisect.bisect_left(self._order, (old.free_bytes, old.name))]
+
+    def get(self, name: str) -> Capacity | None:
+        return self._caps.get(name)
+
+    def __len__(self) -> int:
+        return len(self._caps)
+
+    def __iter__(self) -> Iterator[Capacity]:
+        """In order of free budget (then name)."""
+        return (self._caps[name] for _, name in self._order)
+
+    def place(self, demands: list[TaskDemand]) -> Placement:
+        """``place`` on these agents."""
+        if not demands:
+            return Placement({})
+        used: set[str] = set()
+        out: dict[tuple[str, int], str] = {}
+        for d in sorted(demands, key=lambda d: (-d.budget_bytes, d.role, d.index)):
+            chosen = None
+            for i in range(bisect.bisect_left(self._order, (d.budget_bytes, "")),
+                           len(self._order)):
+                name = self._order[i][1]
+                if name not in used and self._caps[name].free_ports > 0:
+                    chosen = name
+                    break
+            if chosen is None:
+                need = max(x.budget_bytes for x in demands)
+                fitting = len(self._order) - bisect.bisect_left(self._order, (need, ""))
+                return Placement({}, reason=(
+                    f"waiting for {len(demands)} workers with {format_size(need)} free each; "
+                    f"{fitting} of {len(self._order)} connected workers have that much free"))
+            used.add(chosen)
+            out[(d.role, d.index)] = chosen
+        return Placement(out)
 
 
 def admission_error(demand_bytes: int, budgets: list[int]) -> str:

@@ -7,7 +7,11 @@ import time
 
 import pytest
 
-from strata.local import LocalCluster
+# Every coordinator the tests start, in this process or as a child, checks its kept
+# reservations and room index against a full scan after each tick (Coordinator.check_room).
+os.environ.setdefault("STRATA_CHECK_ROOM", "1")
+
+from strata.local import LocalCluster  # noqa: E402
 
 # A small seed-shaped MLP on the digits data that reaches >= 0.90 test accuracy quickly.
 DIGITS_SPEC = {

@@ -29,12 +29,12 @@ def agree_with_a_full_scan(coord) -> None:
 def test_waiting_jobs_are_not_retried_until_room_grows_then_placed_at_once(env, monkeypatch):
     coord, clock, store, _ = env
     calls = []
-    real = placement_module.place
+    real = placement_module.Room.place
 
-    def counting(demands, agents):
+    def counting(room, demands):
         calls.append(len(demands))
-        return real(demands, agents)
-    monkeypatch.setattr("strata.coordinator.core.place", counting)
+        return real(room, demands)
+    monkeypatch.setattr(placement_module.Room, "place", counting)
     s = coord.register("a", "127.0.0.1", "CPU", GiB, [5000, 5001, 5002], [], shared_dir="/s")
     first = coord.submit(SPEC)
     coord.tick()

@@ -476,3 +476,67 @@ def test_memory_profile_auto_probes_only_large_jobs_without_a_fixed_budget(env):
     assert fixed.id not in coord._probe_of and off.id not in coord._probe_of
     assert [j.name for j in coord.list_jobs()].count("big-probe") == 1
     assert len(coord.list_jobs()) == 5
+
+
+def test_kept_room_matches_a_full_scan_through_random_cluster_events(env):
+    """The reservations and room index the coordinator keeps as things change (placing by
+    binary search) equal what a scan of every task and agent gives, after each of a few
+    hundred random registrations, heartbeats offering more or fewer ports, submits and
+    cancels, task ends, drains, losses and returns; and each placement is the one the plain
+    `place` over a fresh scan makes."""
+    import random
+
+    from strata.coordinator.placement import TaskDemand, place
+
+    coord, clock, _, _ = env
+    rng = random.Random(7)
+    names = [f"w{i}" for i in range(8)]
+    sessions: dict[str, str] = {}
+    jobs = []
+    for step in range(400):
+        op = rng.random()
+        name = rng.choice(names)
+        live = coord.workers.get(name)
+        if op < 0.15 or name not in sessions:
+            budget = rng.choice([GiB // 2, GiB, 2 * GiB])
+            sessions[name] = coord.register(name, "127.0.0.1", "CPU", budget,
+                                            [6000 + 10 * names.index(name) + i
+                                             for i in range(rng.randint(0, 3))], [])
+        elif op < 0.35 and live is not None and live.session:
+            ports = [6000 + 10 * names.index(name) + i for i in range(rng.randint(0, 4))]
+            coord.heartbeat(name, sessions[name], live.memory, [], ports)
+        elif op < 0.55:
+            spec = {**SPEC, "workers": rng.randint(1, 3),
+                    "memory": {"per_task_budget": f"{rng.choice([128, 300, 700])}MiB"}}
+            try:
+                jobs.append(coord.submit(spec))
+            except Exception:  # noqa: BLE001 - refused with no worker large enough: fine
+                pass
+        elif op < 0.7 and jobs:
+            job = rng.choice(jobs)
+            ended = [t for t in job.tasks if t.worker and not t.state.final
+                     and coord.workers[t.worker].session]
+            if ended:
+                t = rng.choice(ended)
+                coord.report(t.worker, coord.workers[t.worker].session, TaskReport(
+                    job.id, t.role, t.index, rng.choice([TaskState.SUCCEEDED, TaskState.FAILED]),
+                    attempt=t.attempt))
+        elif op < 0.8 and jobs:
+            job = rng.choice(jobs)
+            if not job.state.final:
+                coord.cancel(job.id)
+        elif op < 0.85 and live is not None:
+            coord.drain(name)
+        elif op < 0.9:
+            clock.now += 11  # every agent silent past the timeout but those heartbeating now
+            for other in names:
+                w = coord.workers.get(other)
+                if w is not None and w.session and rng.random() < 0.7:
+                    coord.heartbeat(other, sessions[other], w.memory, [], list(w.free_ports))
+        demands = [TaskDemand("worker", i, rng.choice([128, 300, 700]) << 20) for i in range(2)]
+        scanned = coord.agents.capacities(coord._reserved_scan())
+        assert coord._room.place(demands) == place(demands, scanned), step
+        coord.tick()
+        coord.check_room()
+    placed = [t for j in jobs for t in j.tasks if t.worker]
+    assert len(placed) > 20 and sum(t.state.final for t in placed) > 10, len(placed)
