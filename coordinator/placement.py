@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from strata.memory import format_size
 
@@ -48,10 +48,7 @@ def place(demands: list[TaskDemand], agents: list[Capacity]) -> Placement:
     whenever one exists under the one-task-per-agent rule, and it keeps large agents free for
     large tasks.
     """
-    room = Room()
-    for a in agents:
-        room.set(a)
-    return room.place(demands)
+    return Room(agents).place(demands)
 
 
 class Room:
@@ -60,9 +57,11 @@ class Room:
     agent: the coordinator ``set``s an agent whenever its reservation, ports or standing
     changed, and ``drop``s one that can take nothing (lost, draining)."""
 
-    def __init__(self) -> None:
-        self._caps: dict[str, Capacity] = {}
-        self._order: list[tuple[int, str]] = []  # (free_bytes, name), ascending
+    def __init__(self, agents: Iterable[Capacity] = ()) -> None:
+        self._caps: dict[str, Capacity] = {a.name: a for a in agents}
+        #: (free_bytes, name), ascending
+        self._order: list[tuple[int, str]] = sorted((a.free_bytes, a.name)
+                                                    for a in self._caps.values())
 
     def set(self, cap: Capacity) -> None:
         old = self._caps.get(cap.name)

@@ -49,3 +49,29 @@ def test_admission():
     assert admission_error(10, [5, 10]) == ""
     msg = admission_error(2 * 1024 * MiB, [512 * MiB, 1024 * MiB])
     assert "2 GiB" in msg and "1 GiB" in msg
+
+
+def test_a_room_kept_through_changes_places_as_a_fresh_list_does():
+    """Agents set (free budget and ports changing) and dropped one at a time leave the room
+    in the order, and with the placements, that `place` over the same agents gives."""
+    import random
+
+    from strata.coordinator.placement import Room
+
+    rng = random.Random(3)
+    room, now = Room(), {}
+    for _ in range(2000):
+        name = f"a{rng.randrange(30)}"
+        if rng.random() < 0.2:
+            room.drop(name)
+            now.pop(name, None)
+        else:
+            cap = Capacity(name, 16 * MiB, rng.randrange(17) * MiB, rng.randrange(3))
+            room.set(cap)
+            now[name] = cap
+        demands = [TaskDemand("worker", i, rng.randrange(1, 17) * MiB)
+                   for i in range(rng.randrange(1, 4))]
+        assert room.place(demands) == place(demands, list(now.values()))
+        assert [c.name for c in room] == [c.name for c in sorted(
+            now.values(), key=lambda c: (c.free_bytes, c.name))]
+    assert len(room) == len(now)
