@@ -1,38 +1,43 @@
 """Many agents against one coordinator, over real gRPC: heartbeat latency, false LOST, submits.
 
     .venv/bin/python bench/agents_load.py [--agents 1000] [--seconds 30] [--pending 200]
-                                          [--finished 800] [--unary]
+                                          [--finished 800] [--procs 2] [--grid] [--unary]
 
-A real `strata coordinator` process (plain text, loopback, heartbeat timeout 10 s) and, in this
-process, `--agents` simulated agents on grpc.aio: each registers, opens its command stream
-and heartbeats once a second (start times spread over the first seconds) on the Heartbeats
-stream as `strata worker` does (`--unary`: one Heartbeat call each). The measure starts
-3 s after the last agent registered (`register_s`: from the first agent's start). Agents
-are separate hosts, each with its own connection; here `--agents-per-channel` (50) share
-one. Before they
-come, `--finished` jobs are submitted and cancelled, and `--pending` jobs of 1.5 GiB wait:
-one agent of 2 GiB registers first and holds one such job, so they are admissible but find
-no room on the 1 GiB agents. While the agents heartbeat, one client submits a job every
-200 ms and cancels it.
+A real `strata coordinator` process (plain text, loopback, heartbeat timeout 10 s) and
+`--agents` simulated agents on grpc.aio, split over `--procs` generator processes: each
+registers, opens its command stream and heartbeats on the Heartbeats stream as `strata
+worker` does (`--unary`: one Heartbeat call each), waiting the interval (1 s) times
+1 ± 0.1 after each answer, as the agent does (`--grid`: instead on a fixed 1 s grid from its
+registration, catching up at once when late: a fixed 1 Hz whatever the latency). The
+measure starts 3 s after the last agent registered (`register_s`: from the first agent's
+start) and counts the heartbeats sent within it. Agents are separate hosts, each with its
+own connection; here `--agents-per-channel` (50) share one, and one process's event loop
+drives thousands: with all 5,000 in one process (`--procs 1`) the latency measured was
+that process's own (p50 ~0.4 s with both processes under 0.65 of a core and the machine
+40 % idle; two processes: p50 3-13 ms, docs/benchmarks.md). Before the agents come,
+`--finished` jobs are submitted and cancelled, and `--pending` jobs of 1.5 GiB wait: one
+agent of 2 GiB registers first and holds one such job, so they are admissible but find no
+room on the 1 GiB agents. While the agents heartbeat, one client submits a job every 200 ms
+and cancels it.
 
-Prints JSON: heartbeat latency p50/p99/max (ms), heartbeats sent and failed, submit latency
-p50/p99 (ms), the agents the coordinator counts LOST at the end (must be 0), and the
-coordinator's CPU over the measured window: seconds per wall second and microseconds per
-heartbeat (everything it did in the window, divided by the heartbeats); the generator's own
-CPU; how many agents registered, how long that took, and the agents that failed, by error.
-Both sides share this machine's cores: the load generator's own cost and pauses are in the
-latencies it measures.
+Prints JSON: heartbeat latency p50/p99/max (ms) over every generator's heartbeats, those
+sent per second and failed, submit latency p50/p99 (ms), the agents the coordinator counts
+LOST at the end (must be 0), and the coordinator's CPU over the measured window: seconds per
+wall second and microseconds per heartbeat (everything it did in the window, divided by the
+heartbeats); the generators' own CPU, summed; how many agents registered, how long that
+took, and the agents that failed, by error. Every process shares this machine's cores: the
+generators' own cost and pauses are in the latencies they measure.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import gc
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -46,6 +51,7 @@ import grpc  # noqa: E402
 
 from strata.protos import strata_pb2 as pb  # noqa: E402
 from strata.protos import strata_pb2_grpc as pb_grpc  # noqa: E402
+from strata.worker.agent import HEARTBEAT_JITTER  # noqa: E402
 
 GiB = 1 << 30
 REGISTERING = 200
@@ -65,13 +71,15 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))] if values else 0.0
 
 
-async def agent(stub, name: str, budget: int, stop: asyncio.Event, lat: list[float],
-                failed: list[int], start_in: float, registered: list[float],
-                retries: list[int], unary: bool, registering: asyncio.Semaphore) -> None:
+async def agent(stub, name: str, budget: int, stop: asyncio.Event, window: list[float],
+                lat: list[float], failed: list[int], start_in: float, registered: list[float],
+                retries: list[int], args: argparse.Namespace,
+                registering: asyncio.Semaphore) -> None:
     await asyncio.sleep(start_in)
-    # As `strata worker` does: a short timeout, and again. Here all agents share one grpc.aio
-    # event loop: with thousands of calls started at once some were never answered and never
-    # timed out, so at most REGISTERING registrations are in flight, each bounded here too.
+    # As `strata worker` does: a short timeout, and again. Thousands of agents share one
+    # grpc.aio event loop here: with thousands of calls started at once some were never
+    # answered and never timed out, so at most REGISTERING registrations are in flight (over
+    # all generator processes), each bounded here too.
     while True:
         try:
             async with registering:
@@ -96,10 +104,11 @@ async def agent(stub, name: str, budget: int, stop: asyncio.Event, lat: list[flo
             pass
     reader = asyncio.create_task(drain())
     memory = pb.MemoryStatus(budget_bytes=budget)
-    beats = None if unary else stub.Heartbeats()  # as worker/heartbeats.py: one stream
+    beats = None if args.unary else stub.Heartbeats()  # as worker/heartbeats.py: one stream
     next_at = time.monotonic()
     while not stop.is_set():
         t0 = time.monotonic()
+        counted = bool(window) and window[0] <= t0 < window[1]
         request = pb.HeartbeatRequest(name=name, session=session, memory=memory,
                                       free_ports=[20000, 20001])
         try:
@@ -108,16 +117,21 @@ async def agent(stub, name: str, budget: int, stop: asyncio.Event, lat: list[flo
             else:
                 await beats.write(request)
                 r = await asyncio.wait_for(beats.read(), timeout=30)
-            lat.append(time.monotonic() - t0)
-            if r.reregister:
+            if counted:
+                lat.append(time.monotonic() - t0)
+            if r.reregister and counted:
                 failed.append(1)
         except (grpc.aio.AioRpcError, asyncio.TimeoutError, asyncio.InvalidStateError):
-            failed.append(1)
+            if counted:
+                failed.append(1)
             if beats is not None:
                 beats.cancel()
                 beats = stub.Heartbeats()
-        next_at += 1.0
-        await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+        if args.grid:
+            next_at += 1.0
+            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+        else:  # as worker/agent.py: the interval after the answer, jittered
+            await asyncio.sleep(random.uniform(1 - HEARTBEAT_JITTER, 1 + HEARTBEAT_JITTER))
     if beats is not None:
         beats.cancel()
     stream.cancel()
@@ -133,86 +147,152 @@ async def submitter(stub, stop: asyncio.Event, lat: list[float]) -> None:
         await asyncio.sleep(0.2)
 
 
+async def wait_for_file(path: str, deadline_s: float) -> dict:
+    deadline = time.monotonic() + deadline_s
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {os.path.basename(path)} within {deadline_s:g} s")
+        await asyncio.sleep(0.1)
+    with open(path) as f:
+        return json.load(f)
+
+
+def write_json(path: str, body: dict) -> None:
+    with open(path + ".tmp", "w") as f:
+        json.dump(body, f)
+    os.replace(path + ".tmp", path)
+
+
+async def generator(args: argparse.Namespace) -> None:
+    """One generator process (``--child I``): its share of the agents, from registration to
+    the end of the measured window the parent sets; what it measured goes to a file."""
+    d, me = args.dir, args.child
+    per = max(1, args.agents_per_channel)
+    channels = [grpc.aio.insecure_channel(args.address) for _ in range(-(-args.agents // per))]
+    stop = asyncio.Event()
+    lat: list[float] = []
+    failed: list[int] = []
+    registered: list[float] = []
+    retries: list[int] = []
+    window: list[float] = []  # [start, end) in CLOCK_MONOTONIC, shared by the processes
+    registering = asyncio.Semaphore(max(1, REGISTERING // args.procs))
+    spread = min(5.0, args.total / 500)
+    come = time.monotonic()
+    tasks = [asyncio.create_task(agent(pb_grpc.ClusterServiceStub(channels[i // per]),
+                                       f"sim-{args.offset + i:05d}", GiB, stop, window, lat,
+                                       failed, random.random() * spread, registered, retries,
+                                       args, registering))
+             for i in range(args.agents)]
+    deadline = come + 120
+    while len(registered) < args.agents and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+    write_json(os.path.join(d, f"registered-{me}"), {
+        "registered": len(registered), "first": come, "last": max(registered, default=come),
+        "retries": len(retries)})
+    times = await wait_for_file(os.path.join(d, "window"), 300)
+    # The generator's own pauses count in the latencies it measures: its agents, streams and
+    # channels are frozen out of its collector once they are all there.
+    gc.collect()
+    gc.freeze()
+    window[:] = [times["start"], times["end"]]
+    await asyncio.sleep(max(0.0, times["start"] - time.monotonic()))
+    own0 = time.process_time()
+    await asyncio.sleep(max(0.0, times["end"] - time.monotonic()))
+    own_cpu = time.process_time() - own0
+    await wait_for_file(os.path.join(d, "stop"), 120)
+    stop.set()
+    ended = await asyncio.gather(*tasks, return_exceptions=True)
+    errors: dict[str, int] = {}
+    for e in ended:
+        if isinstance(e, BaseException):
+            key = (f"{e.code().name}: {e.details()}"[:120] if isinstance(e, grpc.aio.AioRpcError)
+                   else type(e).__name__)
+            errors[key] = errors.get(key, 0) + 1
+    for c in channels:
+        await c.close()
+    write_json(os.path.join(d, f"result-{me}"), {"lat": lat, "failed": len(failed),
+                                                 "cpu": own_cpu, "errors": errors})
+
+
 async def run(address: str, args: argparse.Namespace, cpu: Callable[[], float]) -> dict:
-    ch = grpc.aio.insecure_channel(address, options=[("grpc.max_concurrent_streams", 100000)])
+    ch = grpc.aio.insecure_channel(address)
     cluster, jobs = pb_grpc.ClusterServiceStub(ch), pb_grpc.JobServiceStub(ch)
     # the one agent that makes the large jobs admissible, holding a large job so they wait
     big = await cluster.RegisterAgent(pb.RegisterAgentRequest(
         name="big", host="10.0.0.2", device="CPU", budget_bytes=2 * GiB,
         free_ports=[30000, 30001]), timeout=60)
     stop = asyncio.Event()
-    lat: list[float] = []
-    failed: list[int] = []
     sub_lat: list[float] = []
 
-    async def big_alive() -> None:  # the large agent heartbeats too
+    async def big_alive() -> None:  # the large agent heartbeats too, as an agent does
+        beats = cluster.Heartbeats()
         while not stop.is_set():
-            with contextlib.suppress(grpc.aio.AioRpcError, asyncio.TimeoutError):
-                await asyncio.wait_for(cluster.Heartbeat(pb.HeartbeatRequest(
-                    name="big", session=big.session, free_ports=[30001]), timeout=5), 6)
-            await asyncio.sleep(1.0)
+            try:
+                await beats.write(pb.HeartbeatRequest(name="big", session=big.session,
+                                                      free_ports=[30001]))
+                await asyncio.wait_for(beats.read(), timeout=5)
+            except (grpc.aio.AioRpcError, asyncio.TimeoutError, asyncio.InvalidStateError):
+                beats.cancel()
+                beats = cluster.Heartbeats()
+            await asyncio.sleep(random.uniform(1 - HEARTBEAT_JITTER, 1 + HEARTBEAT_JITTER))
+        beats.cancel()
     tasks = [asyncio.create_task(big_alive())]
     for _ in range(args.finished):
         j = await jobs.SubmitJob(pb.SubmitJobRequest(spec=JOB), timeout=60)
         await jobs.CancelJob(pb.CancelJobRequest(id=j.id), timeout=60)
     for _ in range(args.pending + 1):
         await jobs.SubmitJob(pb.SubmitJobRequest(spec=BIG), timeout=60)
-    # agents are separate hosts, each with its own connection: here one channel (one HTTP/2
-    # connection) per --agents-per-channel agents rather than one for all
-    per = max(1, args.agents_per_channel)
-    channels = [grpc.aio.insecure_channel(address) for _ in range(-(-args.agents // per))]
-    registered: list[float] = []
-    retries: list[int] = []
-    registering = asyncio.Semaphore(REGISTERING)
-    spread = min(5.0, args.agents / 500)
-    come = time.monotonic()
-    tasks += [asyncio.create_task(agent(pb_grpc.ClusterServiceStub(channels[i // per]),
-                                       f"sim-{i:05d}", GiB, stop, lat, failed,
-                                       random.random() * spread, registered, retries,
-                                       args.unary, registering))
-             for i in range(args.agents)]
-    # the measure starts once every agent registered and had a few seconds to settle
-    deadline = come + 120
-    while len(registered) < args.agents and time.monotonic() < deadline:
-        await asyncio.sleep(0.2)
-    register_s = max(registered, default=come) - come
-    await asyncio.sleep(3.0)
-    # The generator's own pauses count in the latencies it measures: its agents, streams and
-    # channels are frozen out of its collector once they are all there. (Running gcpolicy.py's
-    # GcPolicy here as well measured no better: p99 164 and 1,366 ms in two runs.)
-    gc.collect()
-    gc.freeze()
-    lat.clear()
-    failed.clear()
-    tasks.append(asyncio.create_task(submitter(jobs, stop, sub_lat)))
-    # the coordinator's CPU (and this process's) over the measured window only
-    cpu0, own0, t0 = cpu(), time.process_time(), time.monotonic()
-    await asyncio.sleep(args.seconds)
-    window_cpu, window_s, beats = cpu() - cpu0, time.monotonic() - t0, len(lat)
-    own_cpu = time.process_time() - own0
-    workers = await jobs.ListWorkers(pb.ListWorkersRequest(states=[pb.LOST], page_size=1000),
-                                     timeout=60)
+    d = tempfile.mkdtemp(prefix="strata-load-gen-")
+    procs = max(1, min(args.procs, args.agents))
+    shares = [args.agents * (i + 1) // procs - args.agents * i // procs for i in range(procs)]
+    children = []
+    for i, n in enumerate(shares):
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", str(i), "--address",
+               address, "--dir", d, "--agents", str(n), "--offset", str(sum(shares[:i])),
+               "--total", str(args.agents), "--procs", str(procs), "--agents-per-channel",
+               str(args.agents_per_channel)] + ["--grid"] * args.grid + ["--unary"] * args.unary
+        children.append(subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": ROOT}))
+    try:
+        regs = [await wait_for_file(os.path.join(d, f"registered-{i}"), 300)
+                for i in range(procs)]
+        register_s = max(r["last"] for r in regs) - min(r["first"] for r in regs)
+        start = time.monotonic() + 3.0  # a few seconds to settle
+        write_json(os.path.join(d, "window"), {"start": start, "end": start + args.seconds})
+        await asyncio.sleep(start - time.monotonic())
+        tasks.append(asyncio.create_task(submitter(jobs, stop, sub_lat)))
+        # the coordinator's CPU over the measured window only
+        cpu0, t0 = cpu(), time.monotonic()
+        await asyncio.sleep(args.seconds)
+        window_cpu, window_s = cpu() - cpu0, time.monotonic() - t0
+        workers = await jobs.ListWorkers(pb.ListWorkersRequest(states=[pb.LOST],
+                                                               page_size=1000), timeout=60)
+        write_json(os.path.join(d, "stop"), {})
+        results = [await wait_for_file(os.path.join(d, f"result-{i}"), 120)
+                   for i in range(procs)]
+    finally:
+        for c in children:
+            if c.poll() is None:
+                c.send_signal(signal.SIGTERM)
+        for c in children:
+            c.wait(timeout=30)
     stop.set()
-    ended = await asyncio.gather(*tasks, return_exceptions=True)
-    errors: dict[str, int] = {}
-    for e in ended:
-        if isinstance(e, BaseException) and os.environ.get("TRACE"):
-            print("failed task", ended.index(e), file=sys.stderr)
-        if isinstance(e, BaseException):
-            key = (f"{e.code().name}: {e.details()}"[:120] if isinstance(e, grpc.aio.AioRpcError)
-                   else type(e).__name__)
-            errors[key] = errors.get(key, 0) + 1
+    await asyncio.gather(*tasks, return_exceptions=True)
     await ch.close()
-    for c in channels:
-        await c.close()
+    lat = [x for r in results for x in r["lat"]]
+    errors: dict[str, int] = {}
+    for r in results:
+        for k, v in r["errors"].items():
+            errors[k] = errors.get(k, 0) + v
+    beats = len(lat)
     return {"transport": "unary" if args.unary else "stream",
-            "registered": len(registered), "register_s": round(register_s, 1),
-            "register_retries": len(retries),
-            "heartbeats": len(lat), "heartbeats_per_s": round(beats / window_s),
-            "heartbeats_failed": len(failed),
+            "schedule": "grid" if args.grid else "after answer", "generators": procs,
+            "registered": sum(r["registered"] for r in regs), "register_s": round(register_s, 1),
+            "register_retries": sum(r["retries"] for r in regs),
+            "heartbeats": beats, "heartbeats_per_s": round(beats / window_s),
+            "heartbeats_failed": sum(r["failed"] for r in results),
             "coordinator_cpu_per_s": round(window_cpu / window_s, 2),
             "coordinator_cpu_us_per_heartbeat": round(1e6 * window_cpu / max(1, beats)),
-            "generator_cpu_per_s": round(own_cpu / window_s, 2),
+            "generator_cpu_per_s": round(sum(r["cpu"] for r in results) / window_s, 2),
             "heartbeat_ms_p50": round(1e3 * pct(lat, 0.5), 1),
             "heartbeat_ms_p99": round(1e3 * pct(lat, 0.99), 1),
             "heartbeat_ms_max": round(1e3 * max(lat, default=0.0), 1),
@@ -230,10 +310,24 @@ def main() -> None:
     ap.add_argument("--agents-per-channel", type=int, default=50)
     ap.add_argument("--unary", action="store_true",
                     help="one Heartbeat call per heartbeat instead of the Heartbeats stream")
+    ap.add_argument("--procs", type=int, default=2,
+                    help="generator processes the agents are split over")
+    ap.add_argument("--grid", action="store_true",
+                    help="heartbeat on a fixed 1 s grid instead of 1 s (jittered) after each "
+                         "answer as the agent does")
     ap.add_argument("--pin", action="store_true",
-                    help="the coordinator on CPU 0 and this generator on CPU 1, as if on two "
-                         "hosts that each have a core, instead of both free on every CPU")
+                    help="the coordinator on CPU 0 and the generators on CPU 1, as if on two "
+                         "hosts that each have a core, instead of all free on every CPU")
+    # a generator process (started by this script)
+    ap.add_argument("--child", type=int, default=-1, help=argparse.SUPPRESS)
+    ap.add_argument("--address", help=argparse.SUPPRESS)
+    ap.add_argument("--dir", help=argparse.SUPPRESS)
+    ap.add_argument("--offset", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--total", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.child >= 0:
+        asyncio.run(generator(args))
+        return
     if args.pin:
         os.sched_setaffinity(0, {1})  # before any gRPC thread starts: they inherit it
     state = tempfile.mkdtemp(prefix="strata-load-")

@@ -55,6 +55,8 @@ MAX_LOG_CHUNK = 256 * 1024
 #: under --work-dir: the time of the latest heartbeat the coordinator accepted
 ALIVE_FILE = "agent.alive"
 REGISTER_BACKOFF_MAX_S = 5.0
+#: each wait between heartbeats is the interval times 1 ± this, drawn afresh
+HEARTBEAT_JITTER = 0.1
 #: SIGTERM: how long the agent waits for the coordinator to move its tasks elsewhere
 DRAIN_TIMEOUT_S = 60.0
 
@@ -849,7 +851,10 @@ class Agent:
                 if e.code() == grpc.StatusCode.UNAVAILABLE:
                     self._reregister.set()
             # Logs go out several times per heartbeat so `strata logs --follow` stays live.
-            deadline = time.monotonic() + self.heartbeat_interval
+            # jittered: agents that registered together (after a coordinator restart, a
+            # cluster brought up at once) drift apart instead of beating together for ever
+            deadline = time.monotonic() + self.heartbeat_interval * random.uniform(
+                1 - HEARTBEAT_JITTER, 1 + HEARTBEAT_JITTER)
             while not self.stopping.is_set() and not self._reregister.is_set():
                 now = time.monotonic()
                 if now - last_flush >= LOG_FLUSH_INTERVAL_S:
