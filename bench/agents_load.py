@@ -110,7 +110,7 @@ async def agent(stub, name: str, budget: int, stop: asyncio.Event, window: list[
         t0 = time.monotonic()
         counted = bool(window) and window[0] <= t0 < window[1]
         request = pb.HeartbeatRequest(name=name, session=session, memory=memory,
-                                      free_ports=[20000, 20001])
+                                      free_ports=[20000, 20001], sent_at=time.time())
         try:
             if beats is None:
                 r = await stub.Heartbeat(request, timeout=30)
@@ -229,7 +229,7 @@ async def run(address: str, args: argparse.Namespace, cpu: Callable[[], float]) 
         while not stop.is_set():
             try:
                 await beats.write(pb.HeartbeatRequest(name="big", session=big.session,
-                                                      free_ports=[30001]))
+                                                      free_ports=[30001], sent_at=time.time()))
                 await asyncio.wait_for(beats.read(), timeout=5)
             except (grpc.aio.AioRpcError, asyncio.TimeoutError, asyncio.InvalidStateError):
                 beats.cancel()

@@ -9,6 +9,7 @@ return; nothing here touches jobs.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import secrets
@@ -188,6 +189,53 @@ class Agents:
         for w in self.workers.values():
             if w.queue is not None:
                 w.queue.put_nowait(None)
+
+
+# --- how long heartbeats wait before they are handled ----------------------------------------
+
+class HeartbeatDelay:
+    """How long heartbeats wait between being sent and being handled (in the gRPC server's
+    queue, behind a burst of registrations), so that an agent is judged lost by when its
+    heartbeats arrive, not by when they are handled.
+
+    Each heartbeat carries its agent's clock (``sent_at``). Per agent, handled minus sent is
+    the clocks' offset plus the wait; its smallest value seen is taken as the offset with no
+    wait, so clocks need not agree. That floor may rise by ``drift`` seconds a second, so
+    clocks that drift apart (up to 1,000 ppm) are followed, while a wait that builds in
+    seconds stands out. The estimate is the median wait of
+    the heartbeats handled in the last ``window_s`` (at most ``samples`` of them): one agent
+    with a clock that jumped cannot move it. With none handled lately it keeps its last
+    value, so a coordinator that hears nothing (every agent gone, a partition) judges them
+    on the plain timeout."""
+
+    def __init__(self, window_s: float = 2.0, samples: int = 512, drift: float = 1e-3):
+        self.window_s = window_s
+        self.drift = drift
+        self._offset: dict[str, tuple[float, float]] = {}  # name -> (floor, when set)
+        self._recent: collections.deque[tuple[float, float]] = collections.deque(maxlen=samples)
+        self._estimate = 0.0
+
+    def observe(self, name: str, handled_at: float, sent_at: float) -> None:
+        if sent_at <= 0:
+            return  # an agent that does not stamp its heartbeats
+        offset = handled_at - sent_at
+        floor = self._offset.get(name)
+        least = offset if floor is None else min(
+            offset, floor[0] + self.drift * max(0.0, handled_at - floor[1]))
+        self._offset[name] = (least, handled_at)
+        self._recent.append((handled_at, offset - least))
+
+    def forget(self, name: str) -> None:
+        """A new registration: perhaps another process, or host, under the name."""
+        self._offset.pop(name, None)
+
+    def estimate(self, now: float) -> float:
+        while self._recent and self._recent[0][0] < now - self.window_s:
+            self._recent.popleft()
+        if self._recent:
+            waits = sorted(w for _, w in self._recent)
+            self._estimate = waits[len(waits) // 2]
+        return self._estimate
 
 
 # --- reconciling a registering agent (a pure decision) ---------------------------------------

@@ -24,7 +24,8 @@ from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 
 from strata import strategies
 from strata.coordinator.agents import (
-    AgentCommand, Agents, LiveWorker, Needs, NO_NEEDS, StartTaskCommand, StopTaskCommand, reconcile,
+    AgentCommand, Agents, HeartbeatDelay, LiveWorker, Needs, NO_NEEDS, StartTaskCommand,
+    StopTaskCommand, reconcile,
 )
 from strata.coordinator.blobs import DEFAULT_MAX_UPLOAD_BYTES, BlobStore
 from strata.coordinator.jobtable import JobTable
@@ -79,6 +80,9 @@ REREGISTER_GRACE_S = 10.0
 MIN_TICK_GAP_S = 0.05
 #: a gap between ticks longer than this (real time) means the event loop was held up
 LOOP_STALL_S = 2.0
+#: the most the wait of heartbeats before they are handled may add to the heartbeat timeout,
+#: in timeouts: a dead agent is still judged within (1 + this) timeouts under any burst
+MAX_DELAY_ALLOWANCE = 5.0
 #: how often finished jobs are checked against --retention
 EXPIRY_INTERVAL_S = 60.0
 # how long a job waits, after its probe ended, for the probe's remaining tasks to report their end
@@ -274,6 +278,9 @@ class Coordinator:
         self._tick_failed: dict[Any, Any] = {}
         self._tick_version = 0
         self._last_tick_mono = 0.0
+        #: how long heartbeats wait before they are handled: added to the timeout (``tick``)
+        self.heartbeat_delay = HeartbeatDelay()
+        self._delay_noted = False
         #: client request id -> the job its SubmitJob created (a retried submit returns it)
         self._by_request: dict[str, str] = store.request_ids()
         #: task kind -> bytes it was measured to need (``strata.measured``)
@@ -676,6 +683,7 @@ class Coordinator:
                            work_dir=work_dir, last_seen=now, shared_dir=shared_dir,
                            data_roots=list(data_roots or []))
         live = self.agents.register(rec, pid, free_ports, now, self.heartbeat_timeout_s)
+        self.heartbeat_delay.forget(name)
         held = self._ports_held.get(name, set())
         live.free_ports = [p for p in live.free_ports if str(p) not in held]
         self._room_version += 1  # a new agent, or one back with a new budget and ports
@@ -706,10 +714,11 @@ class Coordinator:
                             "the agent restarted and no longer runs this task")
 
     def heartbeat(self, name: str, session: str, memory: MemoryStatus, reports: list[TaskReport],
-                  free_ports: list[int]) -> None:
+                  free_ports: list[int], sent_at: float = 0.0) -> None:
         live = self.agents.check_session(name, session)
         was_lost = live.lost
         live.last_seen = self.clock()
+        self.heartbeat_delay.observe(name, live.last_seen, sent_at)
         live.memory = memory
         # A heartbeat composed before the agent saw its latest start may still offer the port
         # that start took: never hand out a port a live task of this worker holds.
@@ -1117,11 +1126,20 @@ class Coordinator:
         mono = time.monotonic()
         gap = mono - self._last_tick_mono if self._last_tick_mono else 0.0
         self._last_tick_mono = mono
+        # Heartbeats can also wait in front of the handlers, not the loop (in the gRPC server's
+        # queue, behind thousands of registrations): an agent is lost only once silent for the
+        # timeout plus how long heartbeats handled lately had waited (``HeartbeatDelay``).
+        delay = min(self.heartbeat_delay.estimate(now),
+                    MAX_DELAY_ALLOWANCE * self.heartbeat_timeout_s)
+        if (delay > 1.0) != self._delay_noted:
+            self._delay_noted = delay > 1.0
+            log.warning("heartbeats wait %.1f s before they are handled; agents are judged "
+                        "lost after %.1f s", delay, self.heartbeat_timeout_s + delay)
         if gap > max(LOOP_STALL_S, 4 * self.tick_interval_s):
             log.warning("the control loop was held up %.1f s: lost agents are judged next tick",
                         gap)
         else:
-            for w in self.agents.expired(now, self.heartbeat_timeout_s):
+            for w in self.agents.expired(now, self.heartbeat_timeout_s + delay):
                 self._mark_lost(w)
         for job_id in [j.id for j in self._live.values() if _over(j)]:
             del self._live[job_id]

@@ -501,7 +501,7 @@ class ClusterServicer(pb_grpc.ClusterServiceServicer):
         try:
             self.coord.heartbeat(request.name, request.session,
                                  convert.memory_from_proto(request.memory), _reports(request.tasks),
-                                 list(request.free_ports))
+                                 list(request.free_ports), sent_at=request.sent_at)
         except UnknownAgentSession:
             return pb.HeartbeatResponse(reregister=True)
         return pb.HeartbeatResponse()

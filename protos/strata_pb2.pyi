@@ -695,18 +695,20 @@ class RegisterAgentResponse(_message.Message):
     def __init__(self, session: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("name", "session", "memory", "tasks", "free_ports")
+    __slots__ = ("name", "session", "memory", "tasks", "free_ports", "sent_at")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     MEMORY_FIELD_NUMBER: _ClassVar[int]
     TASKS_FIELD_NUMBER: _ClassVar[int]
     FREE_PORTS_FIELD_NUMBER: _ClassVar[int]
+    SENT_AT_FIELD_NUMBER: _ClassVar[int]
     name: str
     session: str
     memory: MemoryStatus
     tasks: _containers.RepeatedCompositeFieldContainer[TaskStatus]
     free_ports: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, name: _Optional[str] = ..., session: _Optional[str] = ..., memory: _Optional[_Union[MemoryStatus, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[TaskStatus, _Mapping]]] = ..., free_ports: _Optional[_Iterable[int]] = ...) -> None: ...
+    sent_at: float
+    def __init__(self, name: _Optional[str] = ..., session: _Optional[str] = ..., memory: _Optional[_Union[MemoryStatus, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[TaskStatus, _Mapping]]] = ..., free_ports: _Optional[_Iterable[int]] = ..., sent_at: _Optional[float] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("reregister",)

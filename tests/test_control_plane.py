@@ -221,3 +221,58 @@ def test_the_status_page_loads_only_the_finished_jobs_it_shows(env, tmp_path):
     shown = [j["id"] for j in state_json(again)["jobs"]]
     assert shown[0] == live.id and len(shown) == 1 + RECENT_JOBS
     assert len(again.jobs.loaded_jobs()) == 1 + RECENT_JOBS
+
+
+def test_heartbeat_delay_follows_waits_not_clocks():
+    """The wait of heartbeats before they are handled, from the agents' own clocks: a constant
+    skew is no wait; a queue that builds is; one agent whose clock jumps back cannot move the
+    median; clocks drifting apart at 500 ppm for a day are followed; with nothing handled the
+    last estimate holds."""
+    from strata.coordinator.agents import HeartbeatDelay
+
+    d = HeartbeatDelay()
+    t = 1000.0
+    for _ in range(20):  # four agents, 100 s and -50 s off, answered at once
+        t += 0.25
+        for name, skew in (("a", 100.0), ("b", -50.0), ("c", 0.0), ("e", 3.0)):
+            d.observe(name, t, t - skew)
+    assert d.estimate(t) == 0.0
+    for wait in (2.0, 4.0, 6.0, 8.0, 8.0, 8.0, 8.0):  # a queue builds, then holds at 8 s
+        t += 1.0
+        for name, skew in (("a", 100.0), ("b", -50.0), ("c", 0.0), ("e", 3.0)):
+            d.observe(name, t, t - wait - skew)
+    assert 7.9 < d.estimate(t) < 8.1
+    assert 7.9 < d.estimate(t + 60) < 8.1  # nothing handled since: the last estimate holds
+    t += 5.0
+    for name, skew in (("a", 100.0), ("b", -50.0), ("c", 0.0)):
+        d.observe(name, t, t - skew)
+    d.observe("e", t, t + 1e6)  # a clock thrown far off
+    assert d.estimate(t) < 0.1
+    d.observe("e", t, 1.0)  # and far back
+    assert d.estimate(t) < 0.1
+    drifting = HeartbeatDelay()
+    for i in range(86_400):  # a day at 1 Hz, the agent's clock 500 ppm slow
+        drifting.observe("a", 1000.0 + i, 1000.0 + i * (1 - 5e-4))
+    assert drifting.estimate(1000.0 + 86_399) < 0.01
+    assert HeartbeatDelay().estimate(5.0) == 0.0
+
+
+def test_a_silent_agent_is_judged_after_the_wait_heartbeats_see(env):
+    """While the heartbeats the coordinator handles had waited 8 s (a registration burst in
+    front of them), an agent silent for 12 s is not lost (10 s timeout + 8 s); once they come
+    through without waiting, it is."""
+    coord, clock, _, _ = env
+    sa = coord.register("a", "127.0.0.1", "CPU", GiB, [5000], [])
+    coord.register("b", "127.0.0.1", "CPU", GiB, [6000], [])
+    mem = coord.workers["a"].memory
+    coord.heartbeat("a", sa, mem, [], [5000], sent_at=clock.now - 7.0)  # the agent's clock
+    for _ in range(12):
+        clock.now += 1
+        coord.heartbeat("a", sa, mem, [], [5000], sent_at=clock.now - 7.0 - 8.0)
+        coord.tick()
+    assert not coord.workers["b"].lost
+    for _ in range(3):  # the queue drained
+        clock.now += 1
+        coord.heartbeat("a", sa, mem, [], [5000], sent_at=clock.now - 7.0)
+    coord.tick()
+    assert coord.workers["b"].lost and not coord.workers["a"].lost

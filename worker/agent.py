@@ -841,7 +841,7 @@ class Agent:
                 resp = self.heartbeats.send(pb.HeartbeatRequest(
                     name=self.cfg.name, session=self.session,
                     memory=convert.memory_to_proto(self.memory()), tasks=self._reports(),
-                    free_ports=self.free_ports))
+                    free_ports=self.free_ports, sent_at=time.time()))
                 if resp.reregister:
                     self._reregister.set()
                     continue
