@@ -194,19 +194,19 @@ class Agents:
 # --- how long heartbeats wait before they are handled ----------------------------------------
 
 class HeartbeatDelay:
-    """How long heartbeats wait between being sent and being handled (in the gRPC server's
-    queue, behind a burst of registrations), so that an agent is judged lost by when its
-    heartbeats arrive, not by when they are handled.
+    """How long heartbeats wait between being sent and being handled (behind the other work
+    of a saturated coordinator, in the gRPC server and the event loop), so that an agent is
+    judged lost by when its heartbeats were sent, not by when they are handled.
 
     Each heartbeat carries its agent's clock (``sent_at``). Per agent, handled minus sent is
     the clocks' offset plus the wait; its smallest value seen is taken as the offset with no
     wait, so clocks need not agree. That floor may rise by ``drift`` seconds a second, so
     clocks that drift apart (up to 1,000 ppm) are followed, while a wait that builds in
-    seconds stands out. The estimate is the median wait of
-    the heartbeats handled in the last ``window_s`` (at most ``samples`` of them): one agent
-    with a clock that jumped cannot move it. With none handled lately it keeps its last
-    value, so a coordinator that hears nothing (every agent gone, a partition) judges them
-    on the plain timeout."""
+    seconds stands out. The estimate is the median wait of the heartbeats handled in the
+    last ``window_s`` (at most ``samples`` of them): one agent with a clock that jumped
+    cannot move it. With none handled lately it keeps its last value (a coordinator that
+    hears nothing at all judges on the timeout plus that, capped by the caller). Calls not
+    yet started (a stream opened again, a unary heartbeat) are not seen here."""
 
     def __init__(self, window_s: float = 2.0, samples: int = 512, drift: float = 1e-3):
         self.window_s = window_s
