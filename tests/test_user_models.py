@@ -504,3 +504,21 @@ def test_tfrecord_source_with_a_test_path(client, project):
     final = client.wait(job.id, timeout=TIMEOUT_S)
     assert final.state == JobState.SUCCEEDED, final.message
     assert final.metrics.test_accuracy >= 0.9, final.metrics
+
+
+def test_parameter_server_job_weighs_a_code_dataset(cluster, client, project):
+    """Sample weights from a code dataset count in a parameter-server step too: the weights
+    leave class 0 out of training and count only it in the test split. (A third agent joins
+    the module's cluster: chief, PS and worker each need their own.)"""
+    cluster.add_worker("ps-third")
+    job_yaml = _job_file(project.parent, {
+        "name": "code-weighted-ps", "strategy": "parameter_server", "workers": 1,
+        "parameter_servers": 1,
+        "code": {"dir": "my_project", "model": "train:build_model", "dataset": "train:weighted"},
+        "data": {"batch_size": 64}, "memory": {"per_task_budget": "256MiB"},
+        "training": {"steps": 100, "optimizer": {"name": "adam", "learning_rate": 0.003}}})
+    final = client.wait(client.submit(job_yaml).id, timeout=TIMEOUT_S)
+    assert final.state == JobState.SUCCEEDED, final.message
+    assert sorted(t.role for t in final.tasks) == ["chief", "ps", "worker"]
+    # a model that never learned class 0, judged on class 0 alone (unweighted: about 0.9)
+    assert final.metrics.test_accuracy < 0.2, final.metrics
