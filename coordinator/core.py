@@ -410,13 +410,16 @@ class Coordinator:
         kept = self._offers.get(needs)
         if kept is not None and kept[0] == self._standing_version:
             return list(kept[1])
-        offers = [WorkerOffer(w.name, w.record.budget_bytes)
-                  for w in self.agents.values() if not w.lost and not w.record.draining
-                  and needs.met_by(w.record)]
+        offers = self._budget_offers(needs)
         if len(self._offers) > 64:  # (needs differ by data paths: keep a bounded few)
             self._offers.clear()
         self._offers[needs] = (self._standing_version, offers)
         return list(offers)
+
+    def _budget_offers(self, needs: Needs) -> list[WorkerOffer]:
+        return [WorkerOffer(w.name, w.record.budget_bytes)
+                for w in self.agents.values() if not w.lost and not w.record.draining
+                and needs.met_by(w.record)]
 
     def offers_for(self, spec: JobSpec, free: bool) -> list[WorkerOffer]:
         """``worker_offers`` for this job (``Needs.of``)."""
@@ -1048,10 +1051,6 @@ class Coordinator:
 
     # --- control loop -------------------------------------------------------------------------
 
-    def _reserved(self) -> dict[str, int]:
-        """worker -> the budgets its unfinished tasks reserve (kept: read, never change)."""
-        return self._reservations
-
     def _refresh(self, name: str) -> None:
         """Brings ``name``'s entry in the room index up to date: after its reservation, its
         ports or its standing (registered, lost, draining) changed."""
@@ -1067,16 +1066,14 @@ class Coordinator:
         """Asserts that the kept reservations and room index equal what a scan of every
         live task and agent gives (tests call it: a missed update would place on stale
         room)."""
-        assert self._reservations == self._reserved_scan(), (self._reservations,
-                                                             self._reserved_scan())
-        want = {c.name: c for c in self.agents.capacities(self._reserved_scan())}
+        scanned = self._reserved_scan()
+        assert self._reservations == scanned, (self._reservations, scanned)
+        want = {c.name: c for c in self.agents.capacities(scanned)}
         have = {c.name: c for c in self._room}
         assert have == want, (set(have.items()) ^ set(want.items()))
         for needs, (version, offers) in self._offers.items():
             if version == self._standing_version:
-                assert offers == [WorkerOffer(w.name, w.record.budget_bytes)
-                                  for w in self.agents.values() if not w.lost
-                                  and not w.record.draining and needs.met_by(w.record)], needs
+                assert offers == self._budget_offers(needs), needs
 
     def _reserved_scan(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -1349,7 +1346,7 @@ class Coordinator:
     # --- views --------------------------------------------------------------------------------
 
     def list_workers(self) -> list[WorkerInfo]:
-        reserved = self._reserved()
+        reserved = self._reservations
         on: dict[str, list[WorkerTask]] = {}
         for j in self._live.values():
             for t in j.tasks:
