@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/agents_load.py [--agents 1000] [--seconds 30] [--pending 200]
                                           [--finished 800] [--procs 2] [--grid] [--unary]
+                                          [--registering 200] [--keep]
 
 A real `strata coordinator` process (plain text, loopback, heartbeat timeout 10 s) and
 `--agents` simulated agents on grpc.aio, split over `--procs` generator processes: each
@@ -10,7 +11,9 @@ worker` does (`--unary`: one Heartbeat call each), waiting the interval (1 s) ti
 1 ± 0.1 after each answer, as the agent does (`--grid`: instead on a fixed 1 s grid from its
 registration, catching up at once when late: a fixed 1 Hz whatever the latency). The
 measure starts 3 s after the last agent registered (`register_s`: from the first agent's
-start) and counts the heartbeats sent within it. Agents are separate hosts, each with its
+start; at most `--registering` in flight, each tried again after a jittered backoff as the
+agent does: 4,000 is a storm) and counts the heartbeats sent within it. Agents are separate
+hosts, each with its
 own connection; here `--agents-per-channel` (50) share one, and one process's event loop
 drives thousands: with all 5,000 in one process (`--procs 1`) the latency measured was
 that process's own (p50 ~0.4 s with both processes under 0.65 of a core and the machine
@@ -25,8 +28,10 @@ sent per second and failed, submit latency p50/p99 (ms), the agents the coordina
 LOST at the end (must be 0), and the coordinator's CPU over the measured window: seconds per
 wall second and microseconds per heartbeat (everything it did in the window, divided by the
 heartbeats); the generators' own CPU, summed; how many agents registered, how long that
-took, and the agents that failed, by error. Every process shares this machine's cores: the
-generators' own cost and pauses are in the latencies they measure.
+took and how often a registration was tried again; the longest any generator's own event loop
+was late (`generator_late_s_max`); and the agents that failed, by error. Every process shares
+this machine's cores: the generators' own cost and pauses are in the latencies they measure.
+`--keep` keeps the coordinator's state directory and log.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import gc
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -51,7 +57,7 @@ import grpc  # noqa: E402
 
 from strata.protos import strata_pb2 as pb  # noqa: E402
 from strata.protos import strata_pb2_grpc as pb_grpc  # noqa: E402
-from strata.worker.agent import HEARTBEAT_JITTER  # noqa: E402
+from strata.worker.agent import HEARTBEAT_JITTER, REGISTER_BACKOFF_MAX_S  # noqa: E402
 
 GiB = 1 << 30
 REGISTERING = 200
@@ -76,10 +82,12 @@ async def agent(stub, name: str, budget: int, stop: asyncio.Event, window: list[
                 retries: list[int], args: argparse.Namespace,
                 registering: asyncio.Semaphore) -> None:
     await asyncio.sleep(start_in)
-    # As `strata worker` does: a short timeout, and again. Thousands of agents share one
+    # As `strata worker` does: a short timeout, and again after a jittered backoff that
+    # doubles up to REGISTER_BACKOFF_MAX_S. Thousands of agents share one
     # grpc.aio event loop here: with thousands of calls started at once some were never
-    # answered and never timed out, so at most REGISTERING registrations are in flight (over
+    # answered and never timed out, so at most --registering (200) are in flight (over
     # all generator processes), each bounded here too.
+    backoff = 0.2
     while True:
         try:
             async with registering:
@@ -92,6 +100,8 @@ async def agent(stub, name: str, budget: int, stop: asyncio.Event, window: list[
                     grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
                 raise  # (CANCELLED: wait_for's own timeout, raised through grpc.aio)
             retries.append(1)
+            await asyncio.sleep(backoff * random.uniform(0.5, 1.5))
+            backoff = min(backoff * 2, REGISTER_BACKOFF_MAX_S)
     registered.append(time.monotonic())
     session = resp.session
     stream = stub.Connect(pb.ConnectRequest(name=name, session=session))
@@ -175,8 +185,16 @@ async def generator(args: argparse.Namespace) -> None:
     registered: list[float] = []
     retries: list[int] = []
     window: list[float] = []  # [start, end) in CLOCK_MONOTONIC, shared by the processes
-    registering = asyncio.Semaphore(max(1, REGISTERING // args.procs))
+    registering = asyncio.Semaphore(max(1, args.registering // args.procs))
     spread = min(5.0, args.total / 500)
+    lag: list[float] = [0.0]  # the longest this process's own loop was late, from the start
+
+    async def watch_loop() -> None:
+        while not stop.is_set():
+            t = time.monotonic()
+            await asyncio.sleep(0.1)
+            lag[0] = max(lag[0], time.monotonic() - t - 0.1)
+    watcher = asyncio.create_task(watch_loop())
     come = time.monotonic()
     tasks = [asyncio.create_task(agent(pb_grpc.ClusterServiceStub(channels[i // per]),
                                        f"sim-{args.offset + i:05d}", GiB, stop, window, lat,
@@ -188,7 +206,7 @@ async def generator(args: argparse.Namespace) -> None:
         await asyncio.sleep(0.2)
     write_json(os.path.join(d, f"registered-{me}"), {
         "registered": len(registered), "first": come, "last": max(registered, default=come),
-        "retries": len(retries)})
+        "retries": len(retries), "loop_late_max": lag[0]})
     times = await wait_for_file(os.path.join(d, "window"), 300)
     # The generator's own pauses count in the latencies it measures: its agents, streams and
     # channels are frozen out of its collector once they are all there.
@@ -202,6 +220,7 @@ async def generator(args: argparse.Namespace) -> None:
     await wait_for_file(os.path.join(d, "stop"), 120)
     stop.set()
     ended = await asyncio.gather(*tasks, return_exceptions=True)
+    watcher.cancel()
     errors: dict[str, int] = {}
     for e in ended:
         if isinstance(e, BaseException):
@@ -250,7 +269,8 @@ async def run(address: str, args: argparse.Namespace, cpu: Callable[[], float]) 
         cmd = [sys.executable, os.path.abspath(__file__), "--child", str(i), "--address",
                address, "--dir", d, "--agents", str(n), "--offset", str(sum(shares[:i])),
                "--total", str(args.agents), "--procs", str(procs), "--agents-per-channel",
-               str(args.agents_per_channel)] + ["--grid"] * args.grid + ["--unary"] * args.unary
+               str(args.agents_per_channel), "--registering", str(args.registering)] \
+            + ["--grid"] * args.grid + ["--unary"] * args.unary
         children.append(subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": ROOT}))
     try:
         regs = [await wait_for_file(os.path.join(d, f"registered-{i}"), 300)
@@ -275,6 +295,7 @@ async def run(address: str, args: argparse.Namespace, cpu: Callable[[], float]) 
                 c.send_signal(signal.SIGTERM)
         for c in children:
             c.wait(timeout=30)
+        shutil.rmtree(d, ignore_errors=True)
     stop.set()
     await asyncio.gather(*tasks, return_exceptions=True)
     await ch.close()
@@ -288,6 +309,7 @@ async def run(address: str, args: argparse.Namespace, cpu: Callable[[], float]) 
             "schedule": "grid" if args.grid else "after answer", "generators": procs,
             "registered": sum(r["registered"] for r in regs), "register_s": round(register_s, 1),
             "register_retries": sum(r["retries"] for r in regs),
+            "generator_late_s_max": round(max(r["loop_late_max"] for r in regs), 2),
             "heartbeats": beats, "heartbeats_per_s": round(beats / window_s),
             "heartbeats_failed": sum(r["failed"] for r in results),
             "coordinator_cpu_per_s": round(window_cpu / window_s, 2),
@@ -315,9 +337,13 @@ def main() -> None:
     ap.add_argument("--grid", action="store_true",
                     help="heartbeat on a fixed 1 s grid instead of 1 s (jittered) after each "
                          "answer as the agent does")
+    ap.add_argument("--registering", type=int, default=REGISTERING,
+                    help="registrations in flight at most, over all generator processes")
     ap.add_argument("--pin", action="store_true",
                     help="the coordinator on CPU 0 and the generators on CPU 1, as if on two "
                          "hosts that each have a core, instead of all free on every CPU")
+    ap.add_argument("--keep", action="store_true",
+                    help="keep the coordinator's state directory (its log) and print where")
     # a generator process (started by this script)
     ap.add_argument("--child", type=int, default=-1, help=argparse.SUPPRESS)
     ap.add_argument("--address", help=argparse.SUPPRESS)
@@ -347,9 +373,13 @@ def main() -> None:
         out = asyncio.run(run(address, args, lambda: _cpu(proc.pid)))
         out = {"agents": args.agents, "jobs_held": args.finished + args.pending + 1, **out}
         print(json.dumps(out))
+        if args.keep:
+            print(f"coordinator state and log: {state}", file=sys.stderr)
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+        if not args.keep:
+            shutil.rmtree(state, ignore_errors=True)
 
 
 def _cpu(pid: int) -> float:

@@ -13,6 +13,7 @@ import collections
 import dataclasses
 import logging
 import secrets
+import threading
 from typing import AsyncIterator, Iterable, Mapping
 
 from strata.coordinator.placement import Capacity
@@ -236,6 +237,70 @@ class HeartbeatDelay:
             waits = sorted(w for _, w in self._recent)
             self._estimate = waits[len(waits) // 2]
         return self._estimate
+
+
+class CallWait:
+    """How long a new call waits at this coordinator before it is answered: what a heartbeat
+    on a stream being opened again, a unary heartbeat or a registration meets, which
+    ``HeartbeatDelay`` cannot see (it learns only from heartbeats that were handled). A probe
+    (``service.CallProbe``, a thread) calls the coordinator's own server, one call at a time,
+    and marks each try ``sent`` and an answer ``answered`` on its monotonic clock; a call
+    refused is tried again, and its wait counts from the first try. The estimate is the
+    longest wait answered in the last ``window_s``, or the age of the call still out if that
+    is longer: a probe stuck behind thousands of registrations counts from the moment it was
+    sent, before it is answered.
+
+    A server with too many calls waiting refuses new ones at random: the probe may get
+    through while an unlucky agent's calls are refused ten times running (in one run, 106 of
+    5,000 agents were lost so, the probe's waits all short). So while tries are refused, and
+    for ``window_s`` after the last refusal, the estimate is at least the time since the
+    refusals began: no silence during such an episode is held against an agent.
+    Thread-safe: the probe writes, the control loop reads."""
+
+    def __init__(self, window_s: float = 5.0):
+        self.window_s = window_s
+        self._lock = threading.Lock()
+        self._out: float | None = None
+        self._recent: collections.deque[tuple[float, float]] = collections.deque()
+        self._refusing: tuple[float, float] | None = None  # (first, last) of an episode
+        #: calls answered and tries refused, since the start (``/metrics``)
+        self.answers = self.refusals = 0
+
+    def sent(self, at: float) -> None:
+        with self._lock:
+            if self._out is None:  # else a try again: the wait runs from the first
+                self._out = at
+
+    def answered(self, at: float) -> None:
+        with self._lock:
+            if self._out is not None:
+                self._recent.append((at, at - self._out))
+                self._out = None
+                self.answers += 1
+
+    def refused(self, at: float) -> None:
+        """The try was refused (too many calls waiting): the call stays out, and an episode
+        of refusals begins or goes on."""
+        with self._lock:
+            self.refusals += 1
+            r = self._refusing
+            self._refusing = (at, at) if r is None or at - r[1] > self.window_s else (r[0], at)
+
+    def dropped(self) -> None:
+        """The call out could not be measured (no server to reach): it does not count."""
+        with self._lock:
+            self._out = None
+
+    def estimate(self, now: float) -> float:
+        with self._lock:
+            while self._recent and self._recent[0][0] < now - self.window_s:
+                self._recent.popleft()
+            longest = max((w for _, w in self._recent), default=0.0)
+            if self._out is not None:
+                longest = max(longest, now - self._out)
+            if self._refusing is not None and now - self._refusing[1] <= self.window_s:
+                longest = max(longest, now - self._refusing[0])
+            return longest
 
 
 # --- reconciling a registering agent (a pure decision) ---------------------------------------

@@ -24,7 +24,7 @@ from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 
 from strata import strategies
 from strata.coordinator.agents import (
-    AgentCommand, Agents, HeartbeatDelay, LiveWorker, Needs, NO_NEEDS, StartTaskCommand,
+    AgentCommand, Agents, CallWait, HeartbeatDelay, LiveWorker, Needs, NO_NEEDS, StartTaskCommand,
     StopTaskCommand, reconcile,
 )
 from strata.coordinator.blobs import DEFAULT_MAX_UPLOAD_BYTES, BlobStore
@@ -280,6 +280,9 @@ class Coordinator:
         self._last_tick_mono = 0.0
         #: how long heartbeats wait before they are handled: added to the timeout (``tick``)
         self.heartbeat_delay = HeartbeatDelay()
+        #: how long a new call waits before it is answered, when a probe measures it
+        #: (``service.CallProbe``): added to the timeout too (``tick``)
+        self.call_wait = CallWait()
         self._delay_noted = False
         #: client request id -> the job its SubmitJob created (a retried submit returns it)
         self._by_request: dict[str, str] = store.request_ids()
@@ -1125,12 +1128,14 @@ class Coordinator:
         self._last_tick_mono = mono
         # Heartbeats can also wait in front of the handlers, not the loop (in the gRPC server's
         # queue, behind thousands of registrations): an agent is lost only once silent for the
-        # timeout plus how long heartbeats handled lately had waited (``HeartbeatDelay``).
-        delay = min(self.heartbeat_delay.estimate(now),
+        # timeout plus how long heartbeats handled lately had waited (``HeartbeatDelay``), or
+        # a new call waits to be answered (``CallWait``: a stream opened again, a unary
+        # heartbeat), whichever is longer.
+        delay = min(max(self.heartbeat_delay.estimate(now), self.call_wait.estimate(mono)),
                     MAX_DELAY_ALLOWANCE * self.heartbeat_timeout_s)
         if (delay > 1.0) != self._delay_noted:
             self._delay_noted = delay > 1.0
-            log.warning("heartbeats wait %.1f s before they are handled; agents are judged "
+            log.warning("calls wait %.1f s before they are handled; agents are judged "
                         "lost after %.1f s", delay, self.heartbeat_timeout_s + delay)
         if gap > max(LOOP_STALL_S, 4 * self.tick_interval_s):
             log.warning("the control loop was held up %.1f s: lost agents are judged next tick",

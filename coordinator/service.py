@@ -17,7 +17,10 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
+import tempfile
+import threading
 import time
 from typing import IO, Any, AsyncIterator, Callable, Iterable, NoReturn, TypeVar
 
@@ -28,6 +31,7 @@ from grpc_reflection.v1alpha import reflection
 
 from strata.auth import CLUSTER, Auth, AuthFileError, Caller, Denied
 from strata.coordinator.bounds import Undecodable, check_request
+from strata.coordinator.agents import CallWait
 from strata.coordinator.core import Coordinator, prepare
 from strata.coordinator.gcpolicy import GcPolicy
 from strata.coordinator.web import RPC_SECONDS
@@ -104,6 +108,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 #: the caller of the RPC being handled (``strata.auth``; None when authentication is off)
 CALLER: contextvars.ContextVar[Caller | None] = contextvars.ContextVar("caller", default=None)
+#: the RPC being handled came through the probe's socket (``CallProbe``)
+PROBED: contextvars.ContextVar[bool] = contextvars.ContextVar("probed", default=False)
 
 
 #: the common name of a client certificate that may act as any agent (``strata certs`` makes
@@ -136,6 +142,10 @@ async def _authorize(self: Any, name: str, request: Any, context: Any) -> None:
     """The token check of every RPC (``strata.auth``): who calls, and whether that role may
     call ``name`` (agents: only as the agent their token names). Without tokens, under mutual
     TLS, the client certificate names the agent (``check_certificate``)."""
+    if context.peer().startswith("unix:"):  # the coordinator's own probe (``CallProbe``)
+        PROBED.set(True)
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                            "this socket serves the coordinator's own probe only")
     auth: Auth | None = getattr(self, "auth", None)
     if auth is None or not auth.enabled:
         CALLER.set(None)
@@ -239,7 +249,9 @@ def rpc(method: F) -> F:
 
 
 def _observe(method: str, start: float, context: Any) -> None:
-    """The call's latency, by method and status code (``/metrics``)."""
+    """The call's latency, by method and status code (``/metrics``); not the probe's."""
+    if PROBED.get():
+        return
     try:
         code = context.code()
     except Exception:  # noqa: BLE001 - a context without one
@@ -599,6 +611,85 @@ def add_service(servicer: Any, service: str, server: grpc.aio.Server) -> None:
                                                                           handlers),))
 
 
+#: new calls that may wait to be matched with a handler before gRPC starts refusing some (at
+#: random, all beyond twice this): above the 5,000 agents this coordinator is measured with
+MAX_PENDING_CALLS = 10_000
+#: how often the coordinator times a call to its own server (``CallProbe``)
+PROBE_INTERVAL_S = 0.5
+#: a probe call's own limit; the wait counts on as its age meanwhile (``agents.CallWait``)
+PROBE_TIMEOUT_S = 300.0
+
+
+#: a probe call that ended so was not served: refused by a server with too many calls waiting
+#: (CANCELLED, RESOURCE_EXHAUSTED), or past its own time limit
+REFUSED = (grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED,
+           grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+class CallProbe:
+    """Opens a ``Heartbeats`` stream to this coordinator's own server every
+    ``PROBE_INTERVAL_S``, one at a time, and times its answer into ``wait``
+    (``agents.CallWait``): how long an agent whose stream broke waits to be heard, so that
+    agents are not judged lost while their calls wait in the queue. A try refused (the
+    server sheds calls) is tried again every interval, and the wait counts from the first.
+
+    The method matters: gRPC queues new calls, and refuses them past its limits, method by
+    method, so a health check went through at once while heartbeat streams were refused.
+    The call goes through a Unix socket the same server also listens on (same queues, same
+    event loop), so it needs no credentials under TLS. Every call of the job and cluster
+    APIs through that socket is refused before its handler runs (``_authorize``), and that
+    refusal is the probe's answer; the socket lies in a directory only this user may enter
+    (``mkdtemp``). A blocking stub on its own thread: the time it measures is not the
+    coordinator's loop measuring itself."""
+
+    def __init__(self, server: grpc.aio.Server, wait: CallWait):
+        self.wait = wait
+        self._dir = tempfile.mkdtemp(prefix="strata-probe-")
+        self.path = os.path.join(self._dir, "probe.sock")
+        try:
+            self.bound = len(self.path) < 100 and \
+                server.add_insecure_port("unix:" + self.path) != 0
+        except RuntimeError:
+            self.bound = False
+        if not self.bound:
+            log.warning("cannot listen on %s: calls waiting in the queue are not measured, "
+                        "only heartbeats that were handled", self.path)
+        self._stop = threading.Event()
+        self._channel: grpc.Channel | None = None
+        self._thread = threading.Thread(target=self._run, name="strata-call-probe", daemon=True)
+
+    def start(self) -> None:
+        if self.bound:
+            self._channel = grpc.insecure_channel("unix:" + self.path)
+            self._thread.start()
+
+    def _run(self) -> None:
+        assert self._channel is not None
+        stub = pb_grpc.ClusterServiceStub(self._channel)  # type: ignore[no-untyped-call]
+        while not self._stop.is_set():
+            self.wait.sent(time.monotonic())
+            try:
+                next(stub.Heartbeats(iter([pb.HeartbeatRequest()]), timeout=PROBE_TIMEOUT_S))
+                self.wait.answered(time.monotonic())
+            except grpc.RpcError as e:
+                if e.code() in REFUSED:  # the wait runs on from the first try until one is
+                    self.wait.refused(time.monotonic())
+                elif e.code() == grpc.StatusCode.UNAVAILABLE:
+                    self.wait.dropped()  # no server to measure (stopping)
+                else:  # answered: PERMISSION_DENIED (``_authorize``), UNIMPLEMENTED (tests)
+                    self.wait.answered(time.monotonic())
+            except StopIteration:  # a stream ended without an answer: it was handled
+                self.wait.answered(time.monotonic())
+            self._stop.wait(PROBE_INTERVAL_S)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._channel is not None:
+            self._channel.close()  # ends a call in flight
+            self._thread.join(timeout=5.0)
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
 async def serve(listen: str, state_dir: str, *, heartbeat_timeout_s: float = 10.0,
                 heartbeat_interval_s: float = 1.0, start_timeout_s: float = 300.0,
                 ready: asyncio.Future[str] | None = None, port_file: str | None = None,
@@ -627,6 +718,12 @@ async def serve(listen: str, state_dir: str, *, heartbeat_timeout_s: float = 10.
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.so_reuseport", 0),
+        # gRPC refuses new calls at random (CANCELLED, at once) once more than 1,000 wait to
+        # be matched with a handler: a cluster's agents registering at once (a restart) then
+        # had their heartbeat streams refused too, for longer than the timeout. They queue
+        # now, and the probe counts refusals beyond these limits as waiting (``CallProbe``).
+        ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
+        ("grpc.server.max_pending_requests_hard_limit", 2 * MAX_PENDING_CALLS),
     ])
     auth = Auth(auth_tokens or None)
     add_service(JobServicer(coord, auth), "JobService", server)
@@ -653,7 +750,9 @@ async def serve(listen: str, state_dir: str, *, heartbeat_timeout_s: float = 10.
     # after the state is loaded (the live jobs are frozen with the modules), before serving
     gc_policy = GcPolicy()
     gc_policy.start()
+    probe = CallProbe(server, coord.call_wait)
     await server.start()
+    probe.start()
     for name in services[:2] + ("",):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     how = ("mutual TLS" if tls_client_ca else "TLS") if credentials is not None else "plain text"
@@ -666,6 +765,7 @@ async def serve(listen: str, state_dir: str, *, heartbeat_timeout_s: float = 10.
         try:
             http, url = await web.start(http_listen, coord, auth, tls_cert, tls_key)
         except OSError as e:
+            probe.stop()
             raise SystemExit(f"--http-listen {http_listen}: cannot bind that address "
                              f"({e.strerror or e})") from None
         print(f"status page at {url}/, Prometheus metrics at {url}/metrics", flush=True)
@@ -704,6 +804,7 @@ async def serve(listen: str, state_dir: str, *, heartbeat_timeout_s: float = 10.
     if http is not None:
         http.close()
     coord.stop()
+    probe.stop()
     await server.stop(grace=2.0)
     for task in (loop_task, gc_task):
         task.cancel()

@@ -112,6 +112,22 @@ class StrataCollector(Collector):
             for w in workers:
                 g.add_metric([w.name, w.device], getattr(w.memory, f"{key}_bytes"))
             yield g
+        # what an agent's silence is judged against: the heartbeat timeout plus the longer
+        # of these two waits (``Coordinator.tick``)
+        yield GaugeMetricFamily(
+            "strata_heartbeat_wait_seconds", "Median wait of the heartbeats handled in the "
+            "last 2 s, from being sent to being handled",
+            value=coord.heartbeat_delay.estimate(coord.clock()))
+        calls = coord.call_wait
+        yield GaugeMetricFamily(
+            "strata_call_wait_seconds", "How long a new call waits to be answered, as the "
+            "coordinator's own probe measures it (the longest in the last 5 s, or the age of "
+            "the probe still out)", value=calls.estimate(time.monotonic()))
+        probes = CounterMetricFamily("strata_call_probes", "Probe calls to the coordinator's "
+                                     "own server, by outcome", labels=["outcome"])
+        probes.add_metric(["answered"], calls.answers)
+        probes.add_metric(["refused"], calls.refusals)
+        yield probes
 
 
 def state_json(coord: Any) -> dict[str, Any]:

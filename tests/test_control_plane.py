@@ -4,6 +4,10 @@ scan; finished jobs leave the hot path."""
 
 from __future__ import annotations
 
+import os
+
+import pytest
+
 from strata.coordinator import placement as placement_module
 from strata.types import JobState, TaskReport, TaskState
 
@@ -276,3 +280,260 @@ def test_a_silent_agent_is_judged_after_the_wait_heartbeats_see(env):
         coord.heartbeat("a", sa, mem, [], [5000], sent_at=clock.now - 7.0)
     coord.tick()
     assert coord.workers["b"].lost and not coord.workers["a"].lost
+
+
+def test_call_wait_counts_from_the_first_try_until_an_answer():
+    """The wait of new calls as the probe sees it: the age of the call out (tries refused
+    meanwhile do not restart it), then the longest answered within the window."""
+    from strata.coordinator.agents import CallWait
+
+    w = CallWait(window_s=5.0)
+    assert w.estimate(100.0) == 0.0
+    w.sent(100.0)
+    assert w.estimate(103.0) == 3.0
+    w.sent(103.5)  # tried again
+    assert w.estimate(104.0) == 4.0
+    w.answered(104.0)
+    w.sent(104.5)
+    w.answered(104.51)
+    assert w.estimate(108.9) == 4.0  # the longest answered in the last 5 s
+    assert 0.0 < w.estimate(109.2) < 0.02
+    assert w.estimate(110.0) == 0.0
+    w.sent(110.0)
+    w.dropped()  # no server to reach: not a wait
+    assert w.estimate(120.0) == 0.0
+    # refused at random: tries that get through between refusals do not end the episode
+    for t in range(200, 230):
+        w.sent(float(t))
+        if t % 3:
+            w.refused(float(t))
+        else:
+            w.answered(t + 0.01)
+    w.answered(230.0)
+    assert 29.9 < w.estimate(230.0) < 30.1  # since the first refusal
+    assert 33.9 < w.estimate(234.0) < 34.1  # the last, 5 s ago: still in the episode
+    assert w.estimate(235.1) == 0.0
+    w.refused(300.0)  # a new episode
+    assert w.estimate(301.0) == 1.0
+    assert (w.answers, w.refusals) == (13, 21)
+
+
+def test_a_silent_agent_is_judged_after_the_wait_new_calls_see(env):
+    """While the probe's call has been out 8 s (new calls wait: a stream opened again, a
+    unary heartbeat), an agent silent for 12 s is not lost (10 s timeout + 8 s); once the
+    probe is answered and the wait has left the window, it is."""
+    import time
+
+    from strata.coordinator.agents import CallWait
+
+    coord, clock, _, _ = env
+    coord.call_wait = CallWait(window_s=0.05)
+    sa = coord.register("a", "127.0.0.1", "CPU", GiB, [5000], [])
+    coord.register("b", "127.0.0.1", "CPU", GiB, [6000], [])
+    mem = coord.workers["a"].memory
+    coord.call_wait.sent(time.monotonic() - 8.0)
+    for _ in range(12):
+        clock.now += 1
+        coord.heartbeat("a", sa, mem, [], [5000], sent_at=clock.now)
+        coord.tick()
+    assert not coord.workers["b"].lost
+    coord.call_wait.answered(time.monotonic())
+    time.sleep(0.1)
+    coord.tick()
+    assert coord.workers["b"].lost and not coord.workers["a"].lost
+
+
+class _ServerThread:
+    """A grpc.aio server with the health service on its own event loop and thread, as the
+    coordinator's: ``block`` holds that loop up from outside."""
+
+    def __init__(self, options=(), setup=None):
+        import asyncio
+        import threading
+
+        import grpc
+        from grpc_health.v1 import health, health_pb2_grpc
+
+        self.loop = asyncio.new_event_loop()
+        self.ready = threading.Event()
+        self.port = 0
+
+        async def start():
+            self.server = grpc.aio.server(options=list(options))
+            self.health = health.aio.HealthServicer()
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+            if setup is not None:
+                setup(self.server)
+            self.port = self.server.add_insecure_port("127.0.0.1:0")
+            await self.server.start()
+            self.ready.set()
+
+        self.thread = threading.Thread(
+            target=lambda: (self.loop.run_until_complete(start()), self.loop.run_forever()),
+            daemon=True)
+        self.thread.start()
+        assert self.ready.wait(30)
+
+    def block(self, seconds: float) -> None:
+        import time
+        self.loop.call_soon_threadsafe(time.sleep, seconds)
+
+    def stop(self) -> None:
+        import asyncio
+        asyncio.run_coroutine_threadsafe(self.server.stop(None), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(30)
+
+
+def _cluster_server(tmp_path, options=()):
+    """A real ClusterService (and JobService) over a coordinator on a SQLite store, with the
+    coordinator's probe socket: ``(server thread, coordinator, probe)``."""
+    from strata.coordinator.agents import CallWait
+    from strata.coordinator.core import Coordinator
+    from strata.coordinator.service import (
+        CallProbe, ClusterServicer, JobServicer, add_service,
+    )
+    from strata.coordinator.store import SqliteStore
+
+    coord = Coordinator(SqliteStore(str(tmp_path / "s.db")), str(tmp_path))
+    probes = []
+
+    def setup(server):
+        add_service(JobServicer(coord), "JobService", server)
+        add_service(ClusterServicer(coord), "ClusterService", server)
+        probes.append(CallProbe(server, CallWait(window_s=60.0)))
+    return _ServerThread(options=options, setup=setup), coord, probes[0]
+
+
+def test_the_probe_times_new_calls_that_wait_and_those_refused(tmp_path):
+    """A real grpc.aio server whose event loop is held up: the probe's heartbeat stream counts
+    as waiting from its first try, whether it waits to be matched or is refused at once (too
+    many heartbeat streams waiting), and is answered once the loop runs."""
+    import time
+
+    import grpc
+
+    from strata.protos import strata_pb2_grpc as pb_grpc
+
+    # one new call of a method may wait to be matched, and any beyond it is refused
+    srv, coord, probe = _cluster_server(tmp_path, [("grpc.server.max_pending_requests", 0),
+                                                   ("grpc.server.max_pending_requests_hard_limit", 1)])
+    wait = probe.wait
+    channel = grpc.insecure_channel(f"127.0.0.1:{srv.port}")
+    held = []
+    try:
+        stub = pb_grpc.ClusterServiceStub(channel)
+        with pytest.raises(StopIteration):  # a stream with no heartbeat ends, served
+            next(stub.Heartbeats(iter([]), timeout=10))
+        assert probe.bound
+        srv.block(3.0)
+        time.sleep(0.2)
+        # agents' streams: one matched while the loop is held, one waiting
+        held = [stub.Heartbeats(iter([]), timeout=30) for _ in range(2)]
+        time.sleep(0.3)
+        with pytest.raises(grpc.RpcError) as refused:  # a third is refused, at once
+            next(stub.Heartbeats(iter([]), timeout=10))
+        assert refused.value.code() in (grpc.StatusCode.CANCELLED,
+                                        grpc.StatusCode.RESOURCE_EXHAUSTED)
+        t0 = time.monotonic()
+        probe.start()  # its tries are refused while the loop is held
+        time.sleep(1.8)
+        assert wait.refusals >= 2 and wait.answers == 0
+        assert wait.estimate(time.monotonic()) >= time.monotonic() - t0 - 0.1
+        for call in held:
+            with pytest.raises(StopIteration):
+                next(call)
+        deadline = time.monotonic() + 10
+        while wait.answers == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert wait.answers >= 1  # answered once the loop ran: the wait is kept in the window
+        assert wait.estimate(time.monotonic()) >= 1.7
+        assert wait._refusing is not None and wait._refusing[0] >= t0
+        assert not coord.workers
+    finally:
+        for call in held:
+            call.cancel()
+        channel.close()
+        probe.stop()
+        srv.stop()
+        coord.store.close()
+    assert not os.path.exists(probe.path)
+
+
+def test_the_probe_socket_refuses_the_api(tmp_path):
+    """The probe's Unix socket carries no credentials under TLS: every call of the job and
+    cluster APIs that comes through it is refused before its handler runs, whatever the auth
+    settings, and is left out of the RPC metrics."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from strata.coordinator.web import RPC_SECONDS
+    from strata.protos import strata_pb2 as pb
+    from strata.protos import strata_pb2_grpc as pb_grpc
+
+    srv, coord, probe = _cluster_server(tmp_path)
+    channel = grpc.insecure_channel("unix:" + probe.path)
+    tcp = grpc.insecure_channel(f"127.0.0.1:{srv.port}")
+
+    def denied() -> float:
+        return sum(s.value for m in RPC_SECONDS.collect() for s in m.samples
+                   if s.name.endswith("_count") and s.labels.get("code") == "PERMISSION_DENIED")
+    before = denied()
+    try:
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                           timeout=10)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        cluster = pb_grpc.ClusterServiceStub(channel)
+        for call in (lambda: pb_grpc.JobServiceStub(channel).ListJobs(pb.ListJobsRequest(),
+                                                                      timeout=10),
+                     lambda: cluster.RegisterAgent(pb.RegisterAgentRequest(
+                         name="x", host="h", budget_bytes=GiB), timeout=10),
+                     lambda: next(cluster.Heartbeats(iter([pb.HeartbeatRequest(name="x")]),
+                                                     timeout=10))):
+            with pytest.raises(grpc.RpcError) as e:
+                call()
+            assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert not coord.workers
+        assert denied() == before
+        pb_grpc.JobServiceStub(tcp).ListJobs(pb.ListJobsRequest(), timeout=10)  # served there
+    finally:
+        channel.close()
+        tcp.close()
+        probe.stop()
+        srv.stop()
+        coord.store.close()
+
+
+def test_a_registration_that_waited_past_its_deadline_is_not_kept(tmp_path):
+    """An agent gave up on its registration while it waited (the coordinator's loop held up)
+    and will send another: the late one registers nothing, which would otherwise be a
+    schedulable session nobody heartbeats. gRPC drops such a call before its handler runs
+    (a check in the handler never fired), and this keeps that so."""
+    import time
+
+    import grpc
+
+    from strata.protos import strata_pb2 as pb
+    from strata.protos import strata_pb2_grpc as pb_grpc
+
+    srv, coord, probe = _cluster_server(tmp_path)
+    channel = grpc.insecure_channel(f"127.0.0.1:{srv.port}")
+    try:
+        stub = pb_grpc.ClusterServiceStub(channel)
+        stub.RegisterAgent(pb.RegisterAgentRequest(name="early", host="h", budget_bytes=GiB),
+                           timeout=10)
+        srv.block(2.0)
+        time.sleep(0.1)
+        with pytest.raises(grpc.RpcError) as e:
+            stub.RegisterAgent(pb.RegisterAgentRequest(name="late", host="h", budget_bytes=GiB),
+                               timeout=0.5)
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        time.sleep(2.5)  # the loop ran again, and handled or dropped the late call
+        stub.RegisterAgent(pb.RegisterAgentRequest(name="after", host="h", budget_bytes=GiB),
+                           timeout=10)
+        assert set(coord.workers) == {"early", "after"}
+    finally:
+        channel.close()
+        probe.stop()
+        srv.stop()
+        coord.store.close()

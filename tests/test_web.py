@@ -17,6 +17,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from strata.types import JobState, TaskReport, TaskState
 
@@ -66,6 +67,9 @@ def test_metrics_follow_prometheus_conventions(env):
     assert samples[("strata_job_examples_per_second", me)] == 1000
     assert samples[("strata_job_restarts_total", ())] == 0
     assert ("strata_job_queue_seconds_bucket", (("le", "+Inf"),)) in samples
+    assert samples[("strata_heartbeat_wait_seconds", ())] == 0.0
+    assert samples[("strata_call_wait_seconds", ())] == 0.0  # no probe runs in-process
+    assert samples[("strata_call_probes_total", (("outcome", "answered"),))] == 0
     for family in text_string_to_metric_families(text):
         assert family.name.startswith("strata_"), family.name
         for s in family.samples:
@@ -124,6 +128,16 @@ def test_the_listener_serves_tls_and_tokens_with_the_coordinator(tmp_path):
         assert _get(c.http_url + "/metrics", context=ctx)[0] == 401
         code, body = _get(c.http_url + "/metrics", c.admin_token, context=ctx)
         assert code == 200 and b"strata_workers" in body
+        # the coordinator times calls to itself through its probe socket, under TLS too
+        deadline = time.monotonic() + 20
+        answered = 0.0
+        while answered < 2 and time.monotonic() < deadline:
+            time.sleep(0.25)
+            body = _get(c.http_url + "/metrics", c.admin_token, context=ctx)[1]
+            answered = next(s.value for f in text_string_to_metric_families(body.decode())
+                            for s in f.samples if s.name == "strata_call_probes_total"
+                            and s.labels == {"outcome": "answered"})
+        assert answered >= 2
     finally:
         c.stop()
 
