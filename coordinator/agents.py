@@ -251,10 +251,10 @@ class CallWait:
     sent, before it is answered.
 
     A server with too many calls waiting refuses new ones at random: the probe may get
-    through while an unlucky agent's calls are refused ten times running (in one run, 106 of
-    5,000 agents were lost so, the probe's waits all short). So while tries are refused, and
-    for ``window_s`` after the last refusal, the estimate is at least the time since the
-    refusals began: no silence during such an episode is held against an agent.
+    through now and then while an unlucky agent's calls are refused for longer than the
+    timeout. So while tries are refused, and for ``window_s`` after the last refusal, the
+    estimate is at least the time since the refusals began: no silence during such an
+    episode is held against an agent.
     Thread-safe: the probe writes, the control loop reads."""
 
     def __init__(self, window_s: float = 5.0):

@@ -644,16 +644,20 @@ class CallProbe:
 
     def __init__(self, server: grpc.aio.Server, wait: CallWait):
         self.wait = wait
-        self._dir = tempfile.mkdtemp(prefix="strata-probe-")
-        self.path = os.path.join(self._dir, "probe.sock")
+        self._dir = self.path = ""
+        self.bound = False
         try:
+            self._dir = tempfile.mkdtemp(prefix="strata-probe-")
+            self.path = os.path.join(self._dir, "probe.sock")
+            # (a socket's path is at most 107 bytes)
             self.bound = len(self.path) < 100 and \
                 server.add_insecure_port("unix:" + self.path) != 0
-        except RuntimeError:
-            self.bound = False
+        except (OSError, RuntimeError):
+            pass
         if not self.bound:
-            log.warning("cannot listen on %s: calls waiting in the queue are not measured, "
-                        "only heartbeats that were handled", self.path)
+            log.warning("cannot listen on a Unix socket in %s: calls waiting in the queue "
+                        "are not measured, only heartbeats that were handled",
+                        self._dir or tempfile.gettempdir())
         self._stop = threading.Event()
         self._channel: grpc.Channel | None = None
         self._thread = threading.Thread(target=self._run, name="strata-call-probe", daemon=True)
@@ -687,7 +691,8 @@ class CallProbe:
         if self._channel is not None:
             self._channel.close()  # ends a call in flight
             self._thread.join(timeout=5.0)
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._dir:
+            shutil.rmtree(self._dir, ignore_errors=True)
 
 
 async def serve(listen: str, state_dir: str, *, heartbeat_timeout_s: float = 10.0,

@@ -537,3 +537,19 @@ def test_a_registration_that_waited_past_its_deadline_is_not_kept(tmp_path):
         probe.stop()
         srv.stop()
         coord.store.close()
+
+
+def test_without_a_writable_temp_dir_the_coordinator_serves_unprobed(monkeypatch, tmp_path):
+    """No socket for the probe (no writable temp directory): the coordinator starts
+    anyway, judging agents by the heartbeats it handled only."""
+    import tempfile
+
+    from strata.coordinator.agents import CallWait
+    from strata.coordinator.service import CallProbe
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "missing"))
+    probe = CallProbe(None, CallWait())  # type: ignore[arg-type]  (never reached)
+    assert not probe.bound and probe.path == ""
+    probe.start()
+    probe.stop()
+    assert probe.wait.estimate(1.0) == 0.0
