@@ -28,7 +28,9 @@ sent per second and failed, submit latency p50/p99 (ms), the agents the coordina
 LOST at the end (must be 0), and the coordinator's CPU over the measured window: seconds per
 wall second and microseconds per heartbeat (everything it did in the window, divided by the
 heartbeats); the generators' own CPU, summed; how many agents registered, how long that
-took and how often a registration was tried again; the longest any generator's own event loop
+took and how often a registration was tried again; how many times the coordinator's event
+loop ran its 50 ms timer in the window and how many ran over 50, 100, 250 and 500 ms late
+(`strata_event_loop_late_seconds`, scraped from its `/metrics`); the longest any generator's own event loop
 was late (`generator_late_s_max`); and the agents that failed, by error. Every process shares
 this machine's cores: the generators' own cost and pauses are in the latencies they measure.
 `--keep` keeps the coordinator's state directory and log.
@@ -48,6 +50,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from typing import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -188,12 +191,16 @@ async def generator(args: argparse.Namespace) -> None:
     registering = asyncio.Semaphore(max(1, args.registering // args.procs))
     spread = min(5.0, args.total / 500)
     lag: list[float] = [0.0]  # the longest this process's own loop was late, from the start
+    late_in_window: list[float] = []  # how late each 50 ms timer ran, within the window
 
     async def watch_loop() -> None:
         while not stop.is_set():
             t = time.monotonic()
-            await asyncio.sleep(0.1)
-            lag[0] = max(lag[0], time.monotonic() - t - 0.1)
+            await asyncio.sleep(0.05)
+            late = time.monotonic() - t - 0.05
+            lag[0] = max(lag[0], late)
+            if window and window[0] <= t < window[1]:
+                late_in_window.append(late)
     watcher = asyncio.create_task(watch_loop())
     come = time.monotonic()
     tasks = [asyncio.create_task(agent(pb_grpc.ClusterServiceStub(channels[i // per]),
@@ -230,10 +237,23 @@ async def generator(args: argparse.Namespace) -> None:
     for c in channels:
         await c.close()
     write_json(os.path.join(d, f"result-{me}"), {"lat": lat, "failed": len(failed),
-                                                 "cpu": own_cpu, "errors": errors})
+                                                 "cpu": own_cpu, "errors": errors,
+                                                 "late": late_in_window})
 
 
-async def run(address: str, args: argparse.Namespace, cpu: Callable[[], float]) -> dict:
+def loop_late(url: str) -> dict[float, float]:
+    """The coordinator's ``strata_event_loop_late_seconds`` buckets (cumulative): upper
+    bound in seconds -> wake-ups at most that late."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return {float(s.labels["le"]): s.value for f in text_string_to_metric_families(text)
+            for s in f.samples if s.name == "strata_event_loop_late_seconds_bucket"}
+
+
+async def run(address: str, args: argparse.Namespace, cpu: Callable[[], float],
+              http_url: str) -> dict:
     ch = grpc.aio.insecure_channel(address)
     cluster, jobs = pb_grpc.ClusterServiceStub(ch), pb_grpc.JobServiceStub(ch)
     # the one agent that makes the large jobs admissible, holding a large job so they wait
@@ -282,8 +302,11 @@ async def run(address: str, args: argparse.Namespace, cpu: Callable[[], float]) 
         tasks.append(asyncio.create_task(submitter(jobs, stop, sub_lat)))
         # the coordinator's CPU over the measured window only
         cpu0, t0 = cpu(), time.monotonic()
+        late0 = await asyncio.to_thread(loop_late, http_url)
         await asyncio.sleep(args.seconds)
         window_cpu, window_s = cpu() - cpu0, time.monotonic() - t0
+        late1 = await asyncio.to_thread(loop_late, http_url)
+        late = {le: late1[le] - late0.get(le, 0.0) for le in late1}
         workers = await jobs.ListWorkers(pb.ListWorkersRequest(states=[pb.LOST],
                                                                page_size=1000), timeout=60)
         write_json(os.path.join(d, "stop"), {})
@@ -314,7 +337,17 @@ async def run(address: str, args: argparse.Namespace, cpu: Callable[[], float]) 
             "heartbeats_failed": sum(r["failed"] for r in results),
             "coordinator_cpu_per_s": round(window_cpu / window_s, 2),
             "coordinator_cpu_us_per_heartbeat": round(1e6 * window_cpu / max(1, beats)),
+            # its loop's 50 ms timer over the window: how many ran, and how many ran late
+            "coordinator_loop_wakeups": int(late[float("inf")]),
+            "coordinator_loop_late_over_ms": {
+                str(int(1e3 * le)): int(late[float("inf")] - late[le])
+                for le in (0.05, 0.1, 0.25, 0.5)},
             "generator_cpu_per_s": round(sum(r["cpu"] for r in results) / window_s, 2),
+            # the generators' own loops, their 50 ms timer over the window, the same way
+            "generator_loop_wakeups": sum(len(r["late"]) for r in results),
+            "generator_loop_late_over_ms": {
+                str(ms): sum(1 for r in results for x in r["late"] if x > ms / 1e3)
+                for ms in (50, 100, 250, 500)},
             "heartbeat_ms_p50": round(1e3 * pct(lat, 0.5), 1),
             "heartbeat_ms_p99": round(1e3 * pct(lat, 0.99), 1),
             "heartbeat_ms_max": round(1e3 * max(lat, default=0.0), 1),
@@ -358,19 +391,22 @@ def main() -> None:
         os.sched_setaffinity(0, {1})  # before any gRPC thread starts: they inherit it
     state = tempfile.mkdtemp(prefix="strata-load-")
     port_file = os.path.join(state, "address")
+    http_file = os.path.join(state, "http")
     proc = subprocess.Popen([sys.executable, "-m", "strata.cli", "coordinator", "--listen",
                              "127.0.0.1:0", "--state-dir", state, "--port-file", port_file,
-                             "--max-pending-per-user", "100000"],
+                             "--max-pending-per-user", "100000", "--http-listen",
+                             "127.0.0.1:0", "--http-port-file", http_file],
                             stdout=subprocess.DEVNULL, stderr=open(os.path.join(state, "log"), "w"),
                             env={**os.environ, "PYTHONPATH": ROOT},
                             preexec_fn=(lambda: os.sched_setaffinity(0, {0})) if args.pin else None)
     try:
         deadline = time.monotonic() + 60
-        while not os.path.exists(port_file):
+        while not (os.path.exists(port_file) and os.path.exists(http_file)):
             assert proc.poll() is None and time.monotonic() < deadline
             time.sleep(0.1)
         address = open(port_file).read().strip()
-        out = asyncio.run(run(address, args, lambda: _cpu(proc.pid)))
+        out = asyncio.run(run(address, args, lambda: _cpu(proc.pid),
+                              open(http_file).read().strip()))
         out = {"agents": args.agents, "jobs_held": args.finished + args.pending + 1, **out}
         print(json.dumps(out))
         if args.keep:

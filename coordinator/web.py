@@ -44,6 +44,13 @@ RPC_SECONDS = Histogram("strata_rpc_duration_seconds", "Time to handle a gRPC ca
                         registry=RPC_REGISTRY,
                         buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                                  2.5, 5.0, 10.0, 30.0, 60.0, float("inf")))
+#: how late the coordinator's event loop ran a timer: how long its ready callbacks (gRPC's
+#: reads and writes, handlers, ticks) kept a call waiting (``service.watch_loop``)
+LOOP_LATE_SECONDS = Histogram("strata_event_loop_late_seconds", "How late the coordinator's "
+                              "event loop ran a timer set every 50 ms: the time ready work "
+                              "kept a call waiting", registry=RPC_REGISTRY,
+                              buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                                       float("inf")))
 QUEUE_BUCKETS = (1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 3600.0, 4 * 3600.0, 24 * 3600.0)
 #: finished jobs shown on the page (newest first), besides every job not yet finished
 RECENT_JOBS = 20

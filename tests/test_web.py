@@ -138,6 +138,9 @@ def test_the_listener_serves_tls_and_tokens_with_the_coordinator(tmp_path):
                             for s in f.samples if s.name == "strata_call_probes_total"
                             and s.labels == {"outcome": "answered"})
         assert answered >= 2
+        late = next(s.value for f in text_string_to_metric_families(body.decode())
+                    for s in f.samples if s.name == "strata_event_loop_late_seconds_count")
+        assert late >= 10  # the loop's lateness is timed every 50 ms
     finally:
         c.stop()
 
