@@ -44,6 +44,12 @@ def running(env):
     return coord, job
 
 
+def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """A Prometheus scrape's samples: (name, sorted labels) -> value."""
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}
+
+
 def test_metrics_follow_prometheus_conventions(env):
     from strata.coordinator.web import Web
 
@@ -51,10 +57,7 @@ def test_metrics_follow_prometheus_conventions(env):
     code, ctype, body = Web(coord, None).route("/metrics", {})
     text = body.decode()
     assert code == 200 and ctype.startswith("text/plain; version=0.0.4")
-    from prometheus_client.parser import text_string_to_metric_families
-
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for f in text_string_to_metric_families(text) for s in f.samples}
+    samples = _samples(text)
     w0 = (("device", "CPU"), ("worker", "w0"))
     me = (("job", job.id), ("name", "web"))
     assert samples[("strata_jobs", (("state", "RUNNING"),))] == 1
@@ -133,14 +136,12 @@ def test_the_listener_serves_tls_and_tokens_with_the_coordinator(tmp_path):
         answered = 0.0
         while answered < 2 and time.monotonic() < deadline:
             time.sleep(0.25)
-            body = _get(c.http_url + "/metrics", c.admin_token, context=ctx)[1]
-            answered = next(s.value for f in text_string_to_metric_families(body.decode())
-                            for s in f.samples if s.name == "strata_call_probes_total"
-                            and s.labels == {"outcome": "answered"})
+            samples = _samples(_get(c.http_url + "/metrics", c.admin_token, context=ctx)[1]
+                               .decode())
+            answered = samples[("strata_call_probes_total", (("outcome", "answered"),))]
         assert answered >= 2
-        late = next(s.value for f in text_string_to_metric_families(body.decode())
-                    for s in f.samples if s.name == "strata_event_loop_late_seconds_count")
-        assert late >= 10  # the loop's lateness is timed every 50 ms
+        # the loop's lateness is timed every 50 ms
+        assert samples[("strata_event_loop_late_seconds_count", ())] >= 10
     finally:
         c.stop()
 
