@@ -19,6 +19,9 @@ Prints JSON with:
 - heartbeat: one agent's heartbeat with its task's report, mean and p99 µs;
 - submit: a job's submission (parse, plan, admission, store), p50 and p99 ms;
 - list_workers: the `strata workers` view, ms;
+- metrics_scrape / status_page_state: one `/metrics` scrape and one `/api/state` read (what
+  the status page reads every 2 s), median of 5, ms: the part on the coordinator's loop and
+  the part in a thread;
 - tick_after_change: a tick right after one task ended (room grew: waiting jobs are tried), ms;
 - restart: a new coordinator loading the store (what a restart costs before listening), s.
 """
@@ -40,6 +43,7 @@ if not os.environ.get("STRATA_BENCH_SHIM"):
 
 from strata.coordinator.core import Coordinator  # noqa: E402
 from strata.coordinator.store import SqliteStore  # noqa: E402
+from strata.coordinator.web import Web  # noqa: E402
 from strata.types import MemoryStatus, TaskReport, TaskState  # noqa: E402
 
 GiB = 1 << 30
@@ -143,6 +147,21 @@ def main() -> None:
     s = time.perf_counter()
     coord.list_workers()
     list_s = time.perf_counter() - s
+    web = Web(coord, None)
+    served: dict[str, tuple[list[float], list[float]]] = {}
+    for path in ("/metrics", "/api/state"):
+        on_loop, made = served.setdefault(path, ([], []))
+        for _ in range(5):
+            s = time.perf_counter()
+            # on the coordinator's loop (a revision before the split made it all there)
+            code, _, body = web._route(path, {}) if hasattr(web, "_route") else \
+                web.route(path, {})
+            on_loop.append(time.perf_counter() - s)
+            assert code == 200
+            s = time.perf_counter()
+            if callable(body):
+                body()  # in a thread
+            made.append(time.perf_counter() - s)
     coord.store.close()
 
     s = time.perf_counter()
@@ -162,6 +181,9 @@ def main() -> None:
         "submit_ms_p50": round(1e3 * p(submits, 0.5), 2),
         "submit_ms_p99": round(1e3 * p(submits, 0.99), 2),
         "list_workers_ms": round(1e3 * list_s, 1),
+        **{f"{key}_{where}_ms_median": round(1e3 * statistics.median(part), 1)
+           for key, path in (("metrics_scrape", "/metrics"), ("status_page_state", "/api/state"))
+           for where, part in zip(("on_loop", "in_thread"), served[path])},
         "restart_s": round(restart_s, 2),
     }))
 

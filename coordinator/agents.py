@@ -9,6 +9,7 @@ return; nothing here touches jobs.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import collections
 import dataclasses
 import logging
@@ -207,7 +208,14 @@ class HeartbeatDelay:
     last ``window_s`` (at most ``samples`` of them): one agent with a clock that jumped
     cannot move it. With none handled lately it keeps its last value (a coordinator that
     hears nothing at all judges on the timeout plus that, capped by the caller). Calls not
-    yet started (a stream opened again, a unary heartbeat) are not seen here."""
+    yet started (a stream opened again, a unary heartbeat) are not seen here.
+
+    Every wait is also counted, since start, into ``counts`` over ``BUCKETS`` (upper bounds,
+    seconds; the last count is beyond them) and ``total``: the histogram
+    ``strata_heartbeat_delay_seconds`` that `/metrics` shows."""
+
+    BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.35, 0.5, 0.75, 1.0, 2.5, 5.0,
+               10.0, 30.0)
 
     def __init__(self, window_s: float = 2.0, samples: int = 512, drift: float = 1e-3):
         self.window_s = window_s
@@ -215,6 +223,8 @@ class HeartbeatDelay:
         self._offset: dict[str, tuple[float, float]] = {}  # name -> (floor, when set)
         self._recent: collections.deque[tuple[float, float]] = collections.deque(maxlen=samples)
         self._estimate = 0.0
+        self.counts = [0] * (len(self.BUCKETS) + 1)
+        self.total = 0.0
 
     def observe(self, name: str, handled_at: float, sent_at: float) -> None:
         if sent_at <= 0:
@@ -224,7 +234,10 @@ class HeartbeatDelay:
         least = offset if floor is None else min(
             offset, floor[0] + self.drift * max(0.0, handled_at - floor[1]))
         self._offset[name] = (least, handled_at)
-        self._recent.append((handled_at, offset - least))
+        wait = offset - least
+        self._recent.append((handled_at, wait))
+        self.counts[bisect.bisect_left(self.BUCKETS, wait)] += 1
+        self.total += wait
 
     def forget(self, name: str) -> None:
         """A new registration: perhaps another process, or host, under the name."""

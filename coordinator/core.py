@@ -208,6 +208,14 @@ def _tasks_of(job_id: str, plan: JobPlan, attempt: int = 0) -> list[Task]:
             for t in plan.tasks]
 
 
+def _worker_state(w: LiveWorker, busy: bool) -> WorkerState:
+    if w.lost:
+        return WorkerState.LOST
+    if w.record.draining:
+        return WorkerState.DRAINING
+    return WorkerState.BUSY if busy else WorkerState.READY
+
+
 class Coordinator:
     def __init__(self, store: Store, state_dir: str, *, heartbeat_timeout_s: float = 10.0,
                  heartbeat_interval_s: float = 1.0, tick_interval_s: float = 0.5,
@@ -1350,6 +1358,17 @@ class Coordinator:
 
     # --- views --------------------------------------------------------------------------------
 
+    def worker_rows(self) -> list[tuple[str, str, WorkerState, int, int, int, int]]:
+        """Each worker's name, device, state, and memory budget, reserved, in use and peak
+        (bytes), in no order: what ``list_workers`` says of each worker but its tasks, at a
+        fraction of its cost. ``/metrics`` reads it at every scrape."""
+        busy = {t.worker for j in self._live.values() for t in j.tasks
+                if t.worker and not t.state.final}
+        reserved = self._reservations
+        return [(w.name, w.record.device, _worker_state(w, w.name in busy), w.record.budget_bytes,
+                 reserved.get(w.name, 0), w.memory.in_use_bytes, w.memory.peak_bytes)
+                for w in self.agents.values()]
+
     def list_workers(self) -> list[WorkerInfo]:
         reserved = self._reservations
         on: dict[str, list[WorkerTask]] = {}
@@ -1363,14 +1382,9 @@ class Coordinator:
         out = []
         for w in sorted(self.agents.values(), key=lambda w: w.name):
             tasks = on.get(w.name, [])
-            if w.lost:
-                state = WorkerState.LOST
-            elif w.record.draining:
-                state = WorkerState.DRAINING
-            else:
-                state = WorkerState.BUSY if tasks else WorkerState.READY
             out.append(WorkerInfo(
-                name=w.name, address=w.record.address, device=w.record.device, state=state,
+                name=w.name, address=w.record.address, device=w.record.device,
+                state=_worker_state(w, bool(tasks)),
                 memory=MemoryStatus(budget_bytes=w.record.budget_bytes,
                                     reserved_bytes=reserved.get(w.name, 0),
                                     in_use_bytes=w.memory.in_use_bytes,

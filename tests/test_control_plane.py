@@ -261,6 +261,24 @@ def test_heartbeat_delay_follows_waits_not_clocks():
     assert HeartbeatDelay().estimate(5.0) == 0.0
 
 
+def test_heartbeat_delay_counts_every_wait_into_its_histogram():
+    """Each heartbeat handled lands in one bucket of ``strata_heartbeat_delay_seconds``: an
+    agent's first is its own floor (no wait), then its waits above it; a heartbeat with no
+    clock is not counted."""
+    from strata.coordinator.agents import HeartbeatDelay
+
+    d = HeartbeatDelay()
+    d.observe("a", 100.0, 100.0 - 7.0)         # the floor: 7 s of clock offset, no wait
+    d.observe("a", 101.0, 101.0 - 7.0 - 0.3)   # 0.3 s: the bucket from 0.25 to 0.35 s
+    d.observe("a", 102.0, 102.0 - 7.0 - 40.0)  # 40 s: beyond the last bound
+    d.observe("b", 102.0, 0.0)                 # not stamped
+    assert sum(d.counts) == 3
+    assert d.counts[0] == 1
+    assert d.counts[HeartbeatDelay.BUCKETS.index(0.35)] == 1
+    assert d.counts[-1] == 1
+    assert d.total == pytest.approx(40.3, abs=0.01)
+
+
 def test_a_silent_agent_is_judged_after_the_wait_heartbeats_see(env):
     """While the heartbeats the coordinator handles had waited 8 s (a registration burst in
     front of them), an agent silent for 12 s is not lost (10 s timeout + 8 s); once they come

@@ -19,7 +19,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from strata.types import JobState, TaskReport, TaskState
+from strata.types import JobState, MemoryStatus, TaskReport, TaskState
 
 GiB = 1 << 30
 JOB = {"name": "web", "workers": 1,
@@ -73,6 +73,7 @@ def test_metrics_follow_prometheus_conventions(env):
     assert samples[("strata_heartbeat_wait_seconds", ())] == 0.0
     assert samples[("strata_call_wait_seconds", ())] == 0.0  # no probe runs in-process
     assert samples[("strata_call_probes_total", (("outcome", "answered"),))] == 0
+    assert samples[("strata_heartbeat_delay_seconds_count", ())] == 0
     for family in text_string_to_metric_families(text):
         assert family.name.startswith("strata_"), family.name
         for s in family.samples:
@@ -80,6 +81,46 @@ def test_metrics_follow_prometheus_conventions(env):
                 assert s.name.endswith(("_total", "_created")), s.name
             if "memory" in s.name:
                 assert s.name.endswith("_bytes"), s.name
+    # two heartbeats, the second handled 0.3 s later than the first was (the first is the floor)
+    coord, clock = env[0], env[1]
+    session = coord.agents.get("w0").session
+    coord.heartbeat("w0", session, MemoryStatus(), [], [5001], sent_at=clock.now - 7.0)
+    clock.now += 1.0
+    coord.heartbeat("w0", session, MemoryStatus(), [], [5001], sent_at=clock.now - 7.3)
+    samples = _samples(Web(coord, None).route("/metrics", {})[2].decode())
+    delay = "strata_heartbeat_delay_seconds"
+    assert samples[(f"{delay}_bucket", (("le", "0.25"),))] == 1
+    assert samples[(f"{delay}_bucket", (("le", "0.5"),))] == 2
+    assert samples[(f"{delay}_count", ())] == 2
+    assert samples[(f"{delay}_sum", ())] == pytest.approx(0.3, abs=0.01)
+
+
+def test_large_bodies_are_written_from_what_was_read_on_the_loop(env):
+    """The listener writes `/metrics` and `/api/state` in a thread, so each must be made of
+    what was read on the loop: state that changes afterwards (a worker registers, a job's
+    step moves) does not show in it, and nothing it reads is the coordinator's own."""
+    from strata.coordinator.web import Web
+
+    coord, job = running(env)
+    web = Web(coord, None)
+    _, _, metrics = web._route("/metrics", {})
+    _, _, state = web._route("/api/state", {})
+    assert callable(metrics) and callable(state)
+    coord.register("w1", "127.0.0.2", "CPU", 2 * GiB, [5002], [], shared_dir="/s")
+    t = job.tasks[0]
+    coord.report("w0", coord.agents.get("w0").session, TaskReport(
+        job.id, t.role, t.index, TaskState.RUNNING, attempt=t.attempt, step=30, total_steps=50))
+    samples = _samples(metrics().decode())
+    assert samples[("strata_workers", (("state", "READY"),))] == 0
+    assert ("strata_worker_memory_budget_bytes", (("device", "CPU"), ("worker", "w1"))) \
+        not in samples
+    assert samples[("strata_job_step", (("job", job.id), ("name", "web")))] == 10
+    shown = json.loads(state())
+    assert [w["name"] for w in shown["workers"]] == ["w0"]
+    assert shown["jobs"][0]["metrics"]["step"] == 10
+    now = _samples(web.route("/metrics", {})[2].decode())
+    assert now[("strata_workers", (("state", "READY"),))] == 1
+    assert now[("strata_job_step", (("job", job.id), ("name", "web")))] == 30
 
 
 def test_state_carries_series_and_tokens_guard_everything_but_the_page(env, tmp_path):
