@@ -33,6 +33,11 @@ loop ran its 50 ms timer in the window and how many ran over 50, 100, 250 and 50
 (`strata_event_loop_late_seconds`, scraped from its `/metrics`); the longest any generator's own event loop
 was late (`generator_late_s_max`); and the agents that failed, by error. Every process shares
 this machine's cores: the generators' own cost and pauses are in the latencies they measure.
+Two views without them: the coordinator's own, how long the window's heartbeats waited from
+sent to handled (`handled_after_ms_p50`/`_p99`, from `strata_heartbeat_delay_seconds`,
+interpolated within its buckets as Prometheus does); and an observer, one more agent
+(registered draining: nothing is placed on it) on a channel of its own in the mostly idle
+parent process, heartbeating ten times a second (`observer_ms_*`: its round trips).
 `--keep` keeps the coordinator's state directory and log.
 """
 
@@ -241,15 +246,39 @@ async def generator(args: argparse.Namespace) -> None:
                                                  "late": late_in_window})
 
 
-def loop_late(url: str) -> dict[float, float]:
-    """The coordinator's ``strata_event_loop_late_seconds`` buckets (cumulative): upper
-    bound in seconds -> wake-ups at most that late."""
+def histograms(url: str) -> dict[str, dict[float, float]]:
+    """The coordinator's histograms ``strata_event_loop_late_seconds`` and
+    ``strata_heartbeat_delay_seconds``, their buckets (cumulative): name -> upper bound in
+    seconds -> how many at most that."""
     from prometheus_client.parser import text_string_to_metric_families
 
     with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
         text = r.read().decode()
-    return {float(s.labels["le"]): s.value for f in text_string_to_metric_families(text)
-            for s in f.samples if s.name == "strata_event_loop_late_seconds_bucket"}
+    out: dict[str, dict[float, float]] = {}
+    for f in text_string_to_metric_families(text):
+        if f.name in ("strata_event_loop_late_seconds", "strata_heartbeat_delay_seconds"):
+            out[f.name] = {float(s.labels["le"]): s.value for s in f.samples
+                           if s.name.endswith("_bucket")}
+    return out
+
+
+def quantile(buckets: dict[float, float], q: float) -> float:
+    """As Prometheus's histogram_quantile: linear within the bucket the quantile falls in
+    (the last finite bound where it falls beyond them)."""
+    bounds = sorted(buckets)
+    if not bounds:
+        return float("nan")  # a coordinator without the histogram
+    total = buckets[bounds[-1]]
+    if total <= 0:
+        return 0.0
+    rank, below, lower = q * total, 0.0, 0.0
+    for b in bounds:
+        if buckets[b] >= rank:
+            if b == float("inf"):
+                return lower
+            return lower + (b - lower) * (rank - below) / max(1e-12, buckets[b] - below)
+        below, lower = buckets[b], b
+    return lower
 
 
 async def run(address: str, args: argparse.Namespace, cpu: Callable[[], float],
@@ -262,6 +291,29 @@ async def run(address: str, args: argparse.Namespace, cpu: Callable[[], float],
         free_ports=[30000, 30001]), timeout=60)
     stop = asyncio.Event()
     sub_lat: list[float] = []
+    # An observer: one more agent, on a channel of its own in this mostly idle process,
+    # heartbeating ten times a second. It registers draining, so nothing is placed on it. Its
+    # round trips see the coordinator's side without the generators' own load.
+    seen: list[float] = []
+    observer = await cluster.RegisterAgent(pb.RegisterAgentRequest(
+        name="observer", host="10.0.0.3", device="CPU", budget_bytes=GiB, draining=True),
+        timeout=60)
+    observer_ch = grpc.aio.insecure_channel(address)
+
+    async def observe() -> None:
+        beats = pb_grpc.ClusterServiceStub(observer_ch).Heartbeats()
+        while not stop.is_set():
+            t0 = time.monotonic()
+            try:
+                await beats.write(pb.HeartbeatRequest(name="observer", session=observer.session,
+                                                      sent_at=time.time()))
+                await asyncio.wait_for(beats.read(), timeout=30)
+                seen.append(time.monotonic() - t0)
+            except (grpc.aio.AioRpcError, asyncio.TimeoutError, asyncio.InvalidStateError):
+                beats.cancel()
+                beats = pb_grpc.ClusterServiceStub(observer_ch).Heartbeats()
+            await asyncio.sleep(0.1)
+        beats.cancel()
 
     async def big_alive() -> None:  # the large agent heartbeats too, as an agent does
         beats = cluster.Heartbeats()
@@ -275,7 +327,7 @@ async def run(address: str, args: argparse.Namespace, cpu: Callable[[], float],
                 beats = cluster.Heartbeats()
             await asyncio.sleep(random.uniform(1 - HEARTBEAT_JITTER, 1 + HEARTBEAT_JITTER))
         beats.cancel()
-    tasks = [asyncio.create_task(big_alive())]
+    tasks = [asyncio.create_task(big_alive()), asyncio.create_task(observe())]
     for _ in range(args.finished):
         j = await jobs.SubmitJob(pb.SubmitJobRequest(spec=JOB), timeout=60)
         await jobs.CancelJob(pb.CancelJobRequest(id=j.id), timeout=60)
@@ -302,11 +354,16 @@ async def run(address: str, args: argparse.Namespace, cpu: Callable[[], float],
         tasks.append(asyncio.create_task(submitter(jobs, stop, sub_lat)))
         # the coordinator's CPU over the measured window only
         cpu0, t0 = cpu(), time.monotonic()
-        late0 = await asyncio.to_thread(loop_late, http_url)
+        hist0 = await asyncio.to_thread(histograms, http_url)
+        seen.clear()
         await asyncio.sleep(args.seconds)
+        observed = list(seen)
         window_cpu, window_s = cpu() - cpu0, time.monotonic() - t0
-        late1 = await asyncio.to_thread(loop_late, http_url)
-        late = {le: late1[le] - late0.get(le, 0.0) for le in late1}
+        hist1 = await asyncio.to_thread(histograms, http_url)
+        late, delay = ({le: n - hist0.get(name, {}).get(le, 0.0)
+                        for le, n in hist1.get(name, {}).items()}
+                       for name in ("strata_event_loop_late_seconds",
+                                    "strata_heartbeat_delay_seconds"))
         workers = await jobs.ListWorkers(pb.ListWorkersRequest(states=[pb.LOST],
                                                                page_size=1000), timeout=60)
         write_json(os.path.join(d, "stop"), {})
@@ -322,6 +379,7 @@ async def run(address: str, args: argparse.Namespace, cpu: Callable[[], float],
     stop.set()
     await asyncio.gather(*tasks, return_exceptions=True)
     await ch.close()
+    await observer_ch.close()
     lat = [x for r in results for x in r["lat"]]
     errors: dict[str, int] = {}
     for r in results:
@@ -351,6 +409,14 @@ async def run(address: str, args: argparse.Namespace, cpu: Callable[[], float],
             "heartbeat_ms_p50": round(1e3 * pct(lat, 0.5), 1),
             "heartbeat_ms_p99": round(1e3 * pct(lat, 0.99), 1),
             "heartbeat_ms_max": round(1e3 * max(lat, default=0.0), 1),
+            # the coordinator's own view: sent to handled, over every heartbeat in the window
+            # (strata_heartbeat_delay_seconds, interpolated within its buckets)
+            "handled_after_ms_p50": round(1e3 * quantile(delay, 0.5), 1),
+            "handled_after_ms_p99": round(1e3 * quantile(delay, 0.99), 1),
+            "observer_heartbeats": len(observed),
+            "observer_ms_p50": round(1e3 * pct(observed, 0.5), 1),
+            "observer_ms_p99": round(1e3 * pct(observed, 0.99), 1),
+            "observer_ms_max": round(1e3 * max(observed, default=0.0), 1),
             "submits": len(sub_lat), "submit_ms_p50": round(1e3 * pct(sub_lat, 0.5), 1),
             "submit_ms_p99": round(1e3 * pct(sub_lat, 0.99), 1),
             "lost_at_end": len(workers.workers), "agents_failed": errors}
