@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/agents_load.py [--agents 1000] [--seconds 30] [--pending 200]
                                           [--finished 800] [--procs 2] [--grid] [--unary]
-                                          [--registering 200] [--keep]
+                                          [--registering 200] [--echo] [--keep]
 
 A real `strata coordinator` process (plain text, loopback, heartbeat timeout 10 s) and
 `--agents` simulated agents on grpc.aio, split over `--procs` generator processes: each
@@ -38,7 +38,10 @@ sent to handled (`handled_after_ms_p50`/`_p99`, from `strata_heartbeat_delay_sec
 interpolated within its buckets as Prometheus does); and an observer, one more agent
 (registered draining: nothing is placed on it) on a channel of its own in the mostly idle
 parent process, heartbeating ten times a second (`observer_ms_*`: its round trips).
-`--keep` keeps the coordinator's state directory and log.
+`--keep` keeps the coordinator's state directory and log. `--echo` runs the same load
+against `bench/echo_coordinator.py`, a grpc.aio server that only answers: what gRPC and
+Python cost on this machine with no coordinator behind them (it judges no agent, so
+`lost_at_end` is 0 there by construction).
 """
 
 from __future__ import annotations
@@ -396,9 +399,10 @@ async def run(address: str, args: argparse.Namespace, cpu: Callable[[], float],
             "coordinator_cpu_per_s": round(window_cpu / window_s, 2),
             "coordinator_cpu_us_per_heartbeat": round(1e6 * window_cpu / max(1, beats)),
             # its loop's 50 ms timer over the window: how many ran, and how many ran late
-            "coordinator_loop_wakeups": int(late[float("inf")]),
+            # (none against --echo: it times nothing)
+            "coordinator_loop_wakeups": int(late.get(float("inf"), 0)),
             "coordinator_loop_late_over_ms": {
-                str(int(1e3 * le)): int(late[float("inf")] - late[le])
+                str(int(1e3 * le)): int(late.get(float("inf"), 0) - late.get(le, 0))
                 for le in (0.05, 0.1, 0.25, 0.5)},
             "generator_cpu_per_s": round(sum(r["cpu"] for r in results) / window_s, 2),
             # the generators' own loops, their 50 ms timer over the window, the same way
@@ -441,6 +445,9 @@ def main() -> None:
     ap.add_argument("--pin", action="store_true",
                     help="the coordinator on CPU 0 and the generators on CPU 1, as if on two "
                          "hosts that each have a core, instead of all free on every CPU")
+    ap.add_argument("--echo", action="store_true",
+                    help="against bench/echo_coordinator.py, a grpc.aio server that only answers, "
+                         "instead of strata coordinator: the floor gRPC and Python set here")
     ap.add_argument("--keep", action="store_true",
                     help="keep the coordinator's state directory (its log) and print where")
     # a generator process (started by this script)
@@ -458,10 +465,12 @@ def main() -> None:
     state = tempfile.mkdtemp(prefix="strata-load-")
     port_file = os.path.join(state, "address")
     http_file = os.path.join(state, "http")
-    proc = subprocess.Popen([sys.executable, "-m", "strata.cli", "coordinator", "--listen",
-                             "127.0.0.1:0", "--state-dir", state, "--port-file", port_file,
-                             "--max-pending-per-user", "100000", "--http-listen",
-                             "127.0.0.1:0", "--http-port-file", http_file],
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "echo_coordinator.py"), "--port-file",
+           port_file, "--http-port-file", http_file] if args.echo else [
+        sys.executable, "-m", "strata.cli", "coordinator", "--listen", "127.0.0.1:0",
+        "--state-dir", state, "--port-file", port_file, "--max-pending-per-user", "100000",
+        "--http-listen", "127.0.0.1:0", "--http-port-file", http_file]
+    proc = subprocess.Popen(cmd,
                             stdout=subprocess.DEVNULL, stderr=open(os.path.join(state, "log"), "w"),
                             env={**os.environ, "PYTHONPATH": ROOT},
                             preexec_fn=(lambda: os.sched_setaffinity(0, {0})) if args.pin else None)
@@ -473,7 +482,8 @@ def main() -> None:
         address = open(port_file).read().strip()
         out = asyncio.run(run(address, args, lambda: _cpu(proc.pid),
                               open(http_file).read().strip()))
-        out = {"agents": args.agents, "jobs_held": args.finished + args.pending + 1, **out}
+        out = {"coordinator": "echo" if args.echo else "strata", "agents": args.agents,
+               "jobs_held": args.finished + args.pending + 1, **out}
         print(json.dumps(out))
         if args.keep:
             print(f"coordinator state and log: {state}", file=sys.stderr)
