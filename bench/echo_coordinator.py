@@ -28,7 +28,7 @@ sys.path.insert(0, ROOT)
 
 import grpc  # noqa: E402
 
-from strata.coordinator.service import MAX_MESSAGE_BYTES, MAX_PENDING_CALLS  # noqa: E402
+from strata.coordinator.service import server_options  # noqa: E402
 from strata.protos import strata_pb2 as pb  # noqa: E402
 from strata.protos import strata_pb2_grpc as pb_grpc  # noqa: E402
 
@@ -73,13 +73,7 @@ class Jobs(pb_grpc.JobServiceServicer):
 
 async def serve(port_file: str, http_port_file: str) -> None:
     stop = asyncio.Event()
-    server = grpc.aio.server(options=[
-        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.so_reuseport", 0),
-        ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
-        ("grpc.server.max_pending_requests_hard_limit", 2 * MAX_PENDING_CALLS),
-    ])
+    server = grpc.aio.server(options=server_options())
     pb_grpc.add_ClusterServiceServicer_to_server(Cluster(stop), server)
     pb_grpc.add_JobServiceServicer_to_server(Jobs(), server)
     port = server.add_insecure_port("127.0.0.1:0")

@@ -617,6 +617,23 @@ def add_service(servicer: Any, service: str, server: grpc.aio.Server) -> None:
 #: new calls that may wait to be matched with a handler before gRPC starts refusing some (at
 #: random, all beyond twice this): above the 5,000 agents this coordinator is measured with
 MAX_PENDING_CALLS = 10_000
+
+
+def server_options() -> list[tuple[str, int]]:
+    """The coordinator's gRPC server options (``bench/echo_coordinator.py`` uses them too)."""
+    return [
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.so_reuseport", 0),
+        # gRPC refuses new calls at random (CANCELLED, at once) once more than 1,000 wait to
+        # be matched with a handler: a cluster's agents registering at once (a restart) then
+        # had their heartbeat streams refused too, for longer than the timeout. They queue
+        # now, and the probe counts refusals beyond these limits as waiting (``CallProbe``).
+        ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
+        ("grpc.server.max_pending_requests_hard_limit", 2 * MAX_PENDING_CALLS),
+    ]
+
+
 #: how often the coordinator times a call to its own server (``CallProbe``)
 PROBE_INTERVAL_S = 0.5
 #: a probe call's own limit; the wait counts on as its age meanwhile (``agents.CallWait``)
@@ -739,17 +756,7 @@ async def serve(listen: str, state_dir: str, *, heartbeat_timeout_s: float = 10.
                         max_upload_bytes=max_upload_bytes, allow_user_code=allow_user_code,
                         max_pending_per_user=max_pending_per_user,
                         max_tasks_per_job=max_tasks_per_job, retention_s=retention_s)
-    server = grpc.aio.server(options=[
-        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.so_reuseport", 0),
-        # gRPC refuses new calls at random (CANCELLED, at once) once more than 1,000 wait to
-        # be matched with a handler: a cluster's agents registering at once (a restart) then
-        # had their heartbeat streams refused too, for longer than the timeout. They queue
-        # now, and the probe counts refusals beyond these limits as waiting (``CallProbe``).
-        ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
-        ("grpc.server.max_pending_requests_hard_limit", 2 * MAX_PENDING_CALLS),
-    ])
+    server = grpc.aio.server(options=server_options())
     auth = Auth(auth_tokens or None)
     add_service(JobServicer(coord, auth), "JobService", server)
     add_service(ClusterServicer(coord, auth, bind_certificates=bool(tls_client_ca)),
