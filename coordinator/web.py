@@ -229,8 +229,8 @@ def state_json(coord: Any) -> dict[str, Any]:
 
 @dataclasses.dataclass
 class Steps:
-    """A body made in steps on the loop (``steps``; the loop runs between them), then written
-    (``write``, in a thread)."""
+    """A body read in steps on the loop (``steps``; the loop runs between them, and there may
+    be none), then written (``write``, in a thread)."""
     steps: Iterator[None]
     write: Callable[[], bytes]
 
@@ -259,14 +259,13 @@ class Web:
         if isinstance(made, Steps):
             for _ in made.steps:
                 pass
-            made = made.write
-        return code, ctype, made() if callable(made) else made
+            made = made.write()
+        return code, ctype, made
 
-    def _route(self, path: str, headers: dict[str, str]
-               ) -> tuple[int, str, bytes | Callable[[], bytes] | Steps]:
-        """The response to a GET of ``path``. A large body comes as a function that writes it
-        from what was read here (the listener runs it in a thread, off the loop), or as
-        ``Steps`` to read first, letting the loop run between them."""
+    def _route(self, path: str, headers: dict[str, str]) -> tuple[int, str, bytes | Steps]:
+        """The response to a GET of ``path``. A large body comes as ``Steps``: what is left
+        to read (the listener lets the loop run between steps), then a function that writes
+        the body from what was read (the listener runs it in a thread, off the loop)."""
         if path in ("/", "/index.html"):
             return 200, "text/html; charset=utf-8", self.page
         if path == "/healthz":
@@ -277,10 +276,10 @@ class Web:
         if refused is not None:
             code, why = refused
             return code, "application/json", json.dumps({"error": why}).encode()
-        if path == "/metrics":
+        if path == "/metrics":  # read here at once: cheap
             snap, rpc = snapshot(self.coord), list(RPC_REGISTRY.collect())
             return (200, "text/plain; version=0.0.4; charset=utf-8",
-                    lambda: metrics_text(snap, rpc))
+                    Steps(iter(()), lambda: metrics_text(snap, rpc)))
         state: dict[str, Any] = {}
         return 200, "application/json", Steps(state_steps(self.coord, state),
                                               lambda: json.dumps(state).encode())
@@ -307,8 +306,8 @@ class Web:
                 if isinstance(made, Steps):
                     for _ in made.steps:
                         await asyncio.sleep(0)  # heartbeats and the rest run in between
-                    made = made.write
-                body = await asyncio.to_thread(made) if callable(made) else made
+                    made = await asyncio.to_thread(made.write)
+                body = made
         except ValueError:
             code, ctype, body = 400, "text/plain; charset=utf-8", b"bad request\n"
         except Exception:  # noqa: BLE001 - never take the coordinator down

@@ -111,7 +111,7 @@ def test_large_bodies_are_written_from_what_was_read_on_the_loop(env, monkeypatc
     web = Web(coord, None)
     _, _, metrics = web._route("/metrics", {})
     _, _, made = web._route("/api/state", {})
-    assert callable(metrics) and isinstance(made, Steps)
+    assert isinstance(metrics, Steps) and isinstance(made, Steps)
     next(made.steps)  # which workers and jobs to show is settled; then one a step
     coord.delete(gone.id)
     for _ in made.steps:
@@ -121,7 +121,8 @@ def test_large_bodies_are_written_from_what_was_read_on_the_loop(env, monkeypatc
     t = job.tasks[0]
     coord.report("w0", coord.agents.get("w0").session, TaskReport(
         job.id, t.role, t.index, TaskState.RUNNING, attempt=t.attempt, step=30, total_steps=50))
-    samples = _samples(metrics().decode())
+    assert list(metrics.steps) == []  # read at once, in _route
+    samples = _samples(metrics.write().decode())
     assert samples[("strata_workers", (("state", "READY"),))] == 0
     assert ("strata_worker_memory_budget_bytes", (("device", "CPU"), ("worker", "w1"))) \
         not in samples
