@@ -722,9 +722,10 @@ LOOP_WATCH_INTERVAL_S = 0.05
 async def watch_loop() -> None:
     """Times the event loop's own lateness into ``strata_event_loop_late_seconds``: a timer
     set every ``LOOP_WATCH_INTERVAL_S`` runs late by as long as the callbacks ready before
-    it took (gRPC's reads and writes, handlers, ticks). A call waits at least that long
-    for its turn; what it waits in gRPC's own threads before that is not seen here
-    (docs/benchmarks.md). Costs 20 wake-ups a second."""
+    it took (gRPC's reads and writes, handlers, ticks). A due timer runs ahead of the
+    completions gRPC still holds, so on a busy loop calls wait longer than this shows:
+    ``strata_heartbeat_delay_seconds`` is the heartbeats' own view (docs/benchmarks.md,
+    "The heartbeat tail, measured leg by leg"). Costs 20 wake-ups a second."""
     loop = asyncio.get_running_loop()
     while True:
         t = loop.time()

@@ -52,7 +52,8 @@ RPC_SECONDS = Histogram("strata_rpc_duration_seconds", "Time to handle a gRPC ca
                         buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                                  2.5, 5.0, 10.0, 30.0, 60.0, float("inf")))
 #: how late the coordinator's event loop ran a timer: how long its ready callbacks (gRPC's
-#: reads and writes, handlers, ticks) kept a call waiting (``service.watch_loop``)
+#: reads and writes, handlers, ticks) held it up (``service.watch_loop``; calls queued in
+#: gRPC behind them wait longer)
 LOOP_LATE_SECONDS = Histogram("strata_event_loop_late_seconds", "How late the coordinator's "
                               "event loop ran a timer set every 50 ms: the time ready work "
                               "kept a call waiting", registry=RPC_REGISTRY,
