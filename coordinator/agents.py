@@ -84,7 +84,11 @@ class LiveWorker:
 
     record: WorkerRecord
     session: str = ""            # empty until the agent (re-)registers after a coordinator start
-    last_seen: float = 0.0
+    last_seen: float = 0.0       # wall clock, for people: when it was last heard
+    #: the coordinator's monotonic clock when it last heard the agent (registered or a
+    #: heartbeat): what an agent is judged lost by. Not the wall clock, which steps (NTP, a
+    #: virtual machine paused and resumed) and would call every agent silent at once.
+    heard: float = 0.0
     lost: bool = False
     memory: MemoryStatus = dataclasses.field(default_factory=MemoryStatus)
     free_ports: list[int] = dataclasses.field(default_factory=list)
@@ -104,12 +108,12 @@ class Agents:
     """The agents by name. Sessions identify registrations: a call with another session is
     refused (``UnknownAgentSession``) and the agent registers again."""
 
-    def __init__(self, records: Iterable[WorkerRecord], now: float):
+    def __init__(self, records: Iterable[WorkerRecord], heard: float):
         # Known from before a restart: not schedulable until the agent registers again, and
-        # declared LOST if it has not done so within one heartbeat timeout.
-        self.workers: dict[str, LiveWorker] = {r.name: LiveWorker(record=r, last_seen=now,
-                                                                  pid=r.pid)
-                                               for r in records}
+        # declared LOST if it has not done so within one heartbeat timeout of ``heard``.
+        self.workers: dict[str, LiveWorker] = {
+            r.name: LiveWorker(record=r, last_seen=r.last_seen, heard=heard, pid=r.pid)
+            for r in records}
 
     def get(self, name: str) -> LiveWorker | None:
         return self.workers.get(name)
@@ -118,11 +122,11 @@ class Agents:
         return self.workers.values()
 
     def register(self, rec: WorkerRecord, pid: int, free_ports: list[int], now: float,
-                 heartbeat_timeout_s: float) -> LiveWorker:
+                 heard: float, heartbeat_timeout_s: float) -> LiveWorker:
         """A (re-)registration: a new session and command queue. A name is one agent: another
         live agent registering under it is refused (``DuplicateAgent``)."""
         live = self.workers.get(rec.name)
-        if (live is not None and live.connected and now - live.last_seen < heartbeat_timeout_s
+        if (live is not None and live.connected and heard - live.heard < heartbeat_timeout_s
                 and (live.record.address, live.pid) != (rec.address, pid)):
             raise DuplicateAgent(rec.name, live.record.address, live.pid)
         if live is None:
@@ -135,7 +139,7 @@ class Agents:
         old_queue = live.queue
         live.session = secrets.token_hex(8)
         live.pid = pid
-        live.last_seen = now
+        live.last_seen, live.heard = now, heard
         live.lost = False
         live.free_ports = list(free_ports)
         live.queue = asyncio.Queue()
@@ -151,9 +155,17 @@ class Agents:
             raise UnknownAgentSession(f"worker {name!r} is not registered with this session")
         return live
 
-    def expired(self, now: float, timeout_s: float) -> list[LiveWorker]:
-        """The agents silent for longer than ``timeout_s`` that are not yet marked lost."""
-        return [w for w in self.workers.values() if not w.lost and now - w.last_seen > timeout_s]
+    def expired(self, heard_now: float, timeout_s: float) -> list[LiveWorker]:
+        """The agents silent for longer than ``timeout_s`` (on the ``heard`` clock) that are
+        not yet marked lost."""
+        return [w for w in self.workers.values() if not w.lost and heard_now - w.heard > timeout_s]
+
+    def excuse(self, seconds: float) -> None:
+        """The coordinator could not listen for ``seconds`` (its loop was held up): that time
+        does not count against any agent's silence."""
+        for w in self.workers.values():
+            if not w.lost:
+                w.heard += seconds
 
     def mark_lost(self, w: LiveWorker) -> None:
         w.lost = True

@@ -220,6 +220,7 @@ class Coordinator:
     def __init__(self, store: Store, state_dir: str, *, heartbeat_timeout_s: float = 10.0,
                  heartbeat_interval_s: float = 1.0, tick_interval_s: float = 0.5,
                  start_timeout_s: float = 300.0, clock: Callable[[], float] = time.time,
+                 monotonic: Callable[[], float] = time.monotonic,
                  max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES, allow_user_code: bool = False,
                  max_pending_per_user: int = DEFAULT_MAX_PENDING_PER_USER,
                  max_tasks_per_job: int = DEFAULT_MAX_TASKS_PER_JOB,
@@ -245,6 +246,8 @@ class Coordinator:
         self.start_timeout_s = start_timeout_s
         self._scheduled_at: dict[str, float] = {}  # job id -> when it was placed (this process)
         self.clock = clock
+        #: what agents' silence is measured on (``LiveWorker.heard``): it never steps
+        self.monotonic = monotonic
         #: every job held: the live ones loaded, finished ones when first looked up
         self.jobs = JobTable(store)
         #: the jobs that are not over: the job or one of its tasks has not ended. The hot paths
@@ -298,7 +301,7 @@ class Coordinator:
         self.measured: dict[str, int] = store.load_measured()
         # agents known from before a restart get their retry backoff on top of the heartbeat
         # timeout to register again before they count as lost
-        self.agents = Agents(store.load_workers(), clock() + REREGISTER_GRACE_S)
+        self.agents = Agents(store.load_workers(), monotonic() + REREGISTER_GRACE_S)
         self.workers = self.agents.workers
         self._signals: dict[str, asyncio.Event] = {}
         self._wake = asyncio.Event()
@@ -696,7 +699,8 @@ class Coordinator:
         rec = WorkerRecord(name=name, address=host, device=device, budget_bytes=budget_bytes,
                            work_dir=work_dir, last_seen=now, shared_dir=shared_dir,
                            data_roots=list(data_roots or []))
-        live = self.agents.register(rec, pid, free_ports, now, self.heartbeat_timeout_s)
+        live = self.agents.register(rec, pid, free_ports, now, self.monotonic(),
+                                    self.heartbeat_timeout_s)
         self.heartbeat_delay.forget(name)
         held = self._ports_held.get(name, set())
         live.free_ports = [p for p in live.free_ports if str(p) not in held]
@@ -731,7 +735,7 @@ class Coordinator:
                   free_ports: list[int], sent_at: float = 0.0) -> None:
         live = self.agents.check_session(name, session)
         was_lost = live.lost
-        live.last_seen = self.clock()
+        live.last_seen, live.heard = self.clock(), self.monotonic()
         self.heartbeat_delay.observe(name, live.last_seen, sent_at)
         live.memory = memory
         # A heartbeat composed before the agent saw its latest start may still offer the port
@@ -1128,9 +1132,10 @@ class Coordinator:
     def tick(self) -> None:
         """One step of the control loop: detect lost agents, then schedule pending jobs."""
         now = self.clock()
-        # After the event loop was held up (a long disk write, a slow plan), heartbeats that
-        # arrived meanwhile still wait to be handled: judging agents now would call healthy
-        # ones lost. The check waits one tick, which comes after those heartbeats.
+        # After the event loop was held up (a long disk write, a slow plan, the whole machine
+        # paused), heartbeats that arrived meanwhile still wait to be handled, and agents had
+        # nobody to talk to: the time the loop did not run is not counted against them. Their
+        # silence is what the coordinator did not hear while it could listen.
         mono = time.monotonic()
         gap = mono - self._last_tick_mono if self._last_tick_mono else 0.0
         self._last_tick_mono = mono
@@ -1146,11 +1151,11 @@ class Coordinator:
             log.warning("calls wait %.1f s before they are handled; agents are judged "
                         "lost after %.1f s", delay, self.heartbeat_timeout_s + delay)
         if gap > max(LOOP_STALL_S, 4 * self.tick_interval_s):
-            log.warning("the control loop was held up %.1f s: lost agents are judged next tick",
-                        gap)
-        else:
-            for w in self.agents.expired(now, self.heartbeat_timeout_s + delay):
-                self._mark_lost(w)
+            log.warning("the control loop was held up %.1f s: not counted against the agents' "
+                        "heartbeats", gap)
+            self.agents.excuse(gap)
+        for w in self.agents.expired(self.monotonic(), self.heartbeat_timeout_s + delay):
+            self._mark_lost(w)
         for job_id in [j.id for j in self._live.values() if _over(j)]:
             del self._live[job_id]
             self._tried.pop(job_id, None)

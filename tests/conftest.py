@@ -105,7 +105,8 @@ def env(tmp_path):
 
     clock = Clock()
     store = SqliteStore(str(tmp_path / "s.db"))
-    coord = Coordinator(store, str(tmp_path), heartbeat_timeout_s=10, clock=clock)
+    coord = Coordinator(store, str(tmp_path), heartbeat_timeout_s=10, clock=clock,
+                        monotonic=clock)
     return coord, clock, store, tmp_path
 
 

@@ -97,7 +97,8 @@ def test_a_restarted_coordinator_rebuilds_its_indexes_from_the_store(env, tmp_pa
     coord.cancel(done.id)
     coord.tick()
     store.close()
-    again = Coordinator(SqliteStore(str(tmp_path / "s.db")), str(tmp_path), clock=clock)
+    again = Coordinator(SqliteStore(str(tmp_path / "s.db")), str(tmp_path), clock=clock,
+                        monotonic=clock)
     assert running.id in again._live and done.id not in again._live
     agree_with_a_full_scan(again)
 
@@ -116,6 +117,56 @@ def test_a_held_up_loop_does_not_call_healthy_agents_lost(env):
     coord.tick()
     assert not coord.workers["a"].lost
     clock.now += 30                      # silent for real, no stall: lost
+    coord.tick()
+    assert coord.workers["a"].lost
+
+
+def test_a_held_up_loop_excuses_its_time_not_a_silence_before_it(env):
+    # an agent silent 8 s, then the loop held up 30 s: the stall is not counted, so a tick
+    # later it is judged on 9 s (not lost), and lost once the coordinator listened for it
+    # 10 s in all. (Judging the tick after a stall on the wall clock called it lost at 39 s.)
+    import time
+
+    coord, clock, store, _ = env
+    coord.register("a", "127.0.0.1", "CPU", GiB, [5000], [], shared_dir="/s")
+    coord.tick()
+    clock.now += 8
+    coord._last_tick_mono = time.monotonic()
+    coord.tick()
+    clock.now += 30
+    coord._last_tick_mono = time.monotonic() - 30
+    coord.tick()
+    assert not coord.workers["a"].lost
+    clock.now += 1
+    coord._last_tick_mono = time.monotonic()
+    coord.tick()
+    assert not coord.workers["a"].lost
+    clock.now += 1.5
+    coord._last_tick_mono = time.monotonic()
+    coord.tick()
+    assert coord.workers["a"].lost
+
+
+def test_a_step_of_the_wall_clock_does_not_call_agents_lost(tmp_path):
+    # Agents are judged on the monotonic clock. The wall clock steps (NTP; a virtual machine
+    # paused and resumed sets it forward while the monotonic one may not count the pause):
+    # judged on it, every agent not heard since the step was called lost at once.
+    from strata.coordinator.core import Coordinator
+    from strata.coordinator.store import SqliteStore
+
+    from conftest import Clock
+
+    wall, mono = Clock(), Clock()
+    coord = Coordinator(SqliteStore(str(tmp_path / "s.db")), str(tmp_path),
+                        heartbeat_timeout_s=10, clock=wall, monotonic=mono)
+    s = coord.register("a", "127.0.0.1", "CPU", GiB, [5000], [], shared_dir="/s")
+    coord.tick()
+    wall.now += 3600
+    coord.tick()
+    assert not coord.workers["a"].lost
+    coord.heartbeat("a", s, coord.workers["a"].memory, [], [5000])
+    assert coord.workers["a"].last_seen == wall.now  # shown to people as wall-clock time
+    mono.now += 11
     coord.tick()
     assert coord.workers["a"].lost
 
@@ -170,7 +221,8 @@ def test_a_restart_loads_the_live_jobs_and_the_history_when_asked(env, tmp_path)
     coord.tick()
     store.close()
 
-    again = Coordinator(SqliteStore(str(tmp_path / "s.db")), str(tmp_path), clock=clock)
+    again = Coordinator(SqliteStore(str(tmp_path / "s.db")), str(tmp_path), clock=clock,
+                        monotonic=clock)
     assert {j.id for j in again.jobs.loaded_jobs()} == {running.id, waiting.id}
     assert len(again.jobs) == 33 and done.id in again.jobs
     # agents coming back (after a coordinator restart, all at once) reconcile against the live
@@ -203,7 +255,8 @@ def test_a_restart_loads_the_live_jobs_and_the_history_when_asked(env, tmp_path)
     assert len({j.id for j in again.jobs.loaded_jobs()}) == 33
 
     # retention deletes a finished job it never loaded
-    again2 = Coordinator(SqliteStore(str(tmp_path / "s.db")), str(tmp_path), clock=clock)
+    again2 = Coordinator(SqliteStore(str(tmp_path / "s.db")), str(tmp_path), clock=clock,
+                         monotonic=clock)
     again2.retention_s = 1
     clock.now += 3600
     again2.tick()
@@ -267,7 +320,8 @@ def test_the_status_page_loads_only_the_finished_jobs_it_shows(env, tmp_path):
         clock.now += 1
     live = coord.submit(SPEC)
     store.close()
-    again = Coordinator(SqliteStore(str(tmp_path / "s.db")), str(tmp_path), clock=clock)
+    again = Coordinator(SqliteStore(str(tmp_path / "s.db")), str(tmp_path), clock=clock,
+                        monotonic=clock)
     shown = [j["id"] for j in state_json(again)["jobs"]]
     assert shown[0] == live.id and len(shown) == 1 + RECENT_JOBS
     assert len(again.jobs.loaded_jobs()) == 1 + RECENT_JOBS

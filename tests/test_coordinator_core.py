@@ -124,7 +124,8 @@ def test_restart_keeps_jobs_and_reconciles(env):
     done = coord.submit({**SPEC, "name": "u"})
     coord.cancel(done.id)
     # A new coordinator over the same store.
-    coord2 = Coordinator(store, str(tmp), heartbeat_timeout_s=10, clock=clock)
+    coord2 = Coordinator(store, str(tmp), heartbeat_timeout_s=10, clock=clock,
+                          monotonic=clock)
     assert {j.id for j in coord2.list_jobs()} == {job.id, done.id}
     j2 = coord2.get(job.id)
     assert j2.state == JobState.RUNNING
@@ -395,7 +396,8 @@ def test_remote_oom_is_blamed_on_the_stage_and_the_next_plan_uses_its_need(env):
     w2 = next(t for t in again.tasks if t.role == "worker")
     assert w2.estimated_memory_bytes >= w.memory_budget_bytes + (2 << 20)
     assert w2.memory_budget_bytes > w2.estimated_memory_bytes
-    restarted = Coordinator(coord.store, coord.state_dir, clock=coord.clock)
+    restarted = Coordinator(coord.store, coord.state_dir, clock=coord.clock,
+                            monotonic=coord.monotonic)
     assert restarted.measured == coord.measured
 
 

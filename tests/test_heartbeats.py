@@ -150,3 +150,110 @@ def test_no_answer_fails_within_the_timeout_and_a_new_stream_follows():
         release.set()
         beats.close()
         s.close()
+
+
+class _Coordinator:
+    """A real gRPC server with the calls an agent's loops make: RegisterAgent (a heartbeat
+    every ``interval_s``), Heartbeats (each one's arrival kept), Connect (no commands) and
+    AppendLogs, which takes ``append_s`` and fails its first ``fail_appends`` calls."""
+
+    def __init__(self, interval_s: float, append_s: float, fail_appends: int = 0):
+        self.beats: list[float] = []
+        self.chunks: list[bytes] = []
+        self.closing = threading.Event()
+        self._fail = fail_appends
+
+        def register(request, context):
+            return pb.RegisterAgentResponse(session="s1", heartbeat_interval_s=interval_s)
+
+        def heartbeats(requests, context):
+            for _ in requests:
+                self.beats.append(time.monotonic())
+                yield pb.HeartbeatResponse()
+
+        def connect(request, context):
+            self.closing.wait(30)
+            return iter(())
+
+        def append(request, context):
+            if self._fail:
+                self._fail -= 1
+                time.sleep(append_s)
+                context.abort(grpc.StatusCode.UNAVAILABLE, "not now")
+            self.chunks.append(request.data)
+            time.sleep(append_s)
+            return pb.AppendLogsResponse()
+
+        def unary(fn, req, resp):
+            return grpc.unary_unary_rpc_method_handler(
+                fn, request_deserializer=req.FromString, response_serializer=resp.SerializeToString)
+        handlers = {
+            "RegisterAgent": unary(register, pb.RegisterAgentRequest, pb.RegisterAgentResponse),
+            "AppendLogs": unary(append, pb.AppendLogsRequest, pb.AppendLogsResponse),
+            "Heartbeats": grpc.stream_stream_rpc_method_handler(
+                heartbeats, request_deserializer=pb.HeartbeatRequest.FromString,
+                response_serializer=pb.HeartbeatResponse.SerializeToString),
+            "Connect": grpc.unary_stream_rpc_method_handler(
+                connect, request_deserializer=pb.ConnectRequest.FromString,
+                response_serializer=pb.AgentCommand.SerializeToString)}
+        self.server = grpc.server(futures.ThreadPoolExecutor(8))
+        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+            "strata.v1.ClusterService", handlers),))
+        self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        self.server.start()
+
+    def close(self):
+        self.closing.set()
+        self.server.stop(0)
+
+
+def _agent_with_logs(address: str, work_dir: str, data: bytes):
+    from strata.worker.agent import Agent, AgentConfig, TaskProcess
+
+    agent = Agent(AgentConfig(coordinator=address, name="w", budget_bytes=GiB,
+                              work_dir=work_dir))
+    task = TaskProcess(agent, pb.StartTask(job_id="j", role="worker", index=0, attempt=1))
+    task._log_buf += data
+    agent.tasks[task.key] = task
+    return agent, task
+
+
+def test_slow_log_sends_do_not_hold_up_the_heartbeats(tmp_path):
+    # AppendLogs answering in 2 s: sent from the heartbeat loop, each flush held the next
+    # heartbeat for 2 s (5 s with a timeout, per task with logs), past the coordinator's
+    # heartbeat timeout with two such tasks. The heartbeats keep their 0.2 s.
+    server = _Coordinator(interval_s=0.2, append_s=2.0)
+    agent, _ = _agent_with_logs(server.address, str(tmp_path), b"a line\n")
+    runner = threading.Thread(target=agent.run, daemon=True)
+    try:
+        runner.start()
+        time.sleep(3.5)
+        beats = list(server.beats)
+        assert server.chunks == [b"a line\n"]  # the logs did go, while the heartbeats went on
+        assert len(beats) >= 8, beats
+        assert max(b - a for a, b in zip(beats, beats[1:])) < 1.0, beats
+    finally:
+        agent.shutdown()
+        runner.join(timeout=10)
+        server.close()
+
+
+def test_a_tasks_logs_arrive_in_order_when_two_threads_send_them(tmp_path):
+    # The log loop's send fails (the chunk goes back to the front) while the task's end
+    # sends too: the second sender waits for the first, so the chunks arrive in order.
+    from strata.worker.agent import MAX_LOG_CHUNK
+
+    server = _Coordinator(interval_s=1.0, append_s=0.5, fail_appends=1)
+    data = b"".join(bytes([65 + i]) * MAX_LOG_CHUNK for i in range(3))
+    agent, task = _agent_with_logs(server.address, str(tmp_path), data)
+    agent.session = "s1"
+    try:
+        first = threading.Thread(target=agent.flush_logs)
+        first.start()
+        time.sleep(0.1)
+        agent.flush_logs(task)
+        first.join(timeout=10)
+        assert b"".join(server.chunks) == data, [c[:1] for c in server.chunks]
+    finally:
+        agent.shutdown()
+        server.close()

@@ -202,7 +202,8 @@ def test_a_retried_submit_returns_the_job_already_created(env):
     again = coord.submit({**SPEC, "workers": 1}, request_id="req-1")
     assert again.id == first.id and len(coord.jobs) == 1
     # and after a coordinator restart
-    coord2 = Coordinator(store, str(tmp_path), heartbeat_timeout_s=10, clock=clock)
+    coord2 = Coordinator(store, str(tmp_path), heartbeat_timeout_s=10, clock=clock,
+                          monotonic=clock)
     assert coord2.submit({**SPEC, "workers": 1}, request_id="req-1").id == first.id
     assert coord2.submit({**SPEC, "workers": 1}, request_id="req-2").id != first.id
 

@@ -108,7 +108,8 @@ class Clock:
 
 def test_a_new_strategy_plugs_in_with_one_module(solo, tmp_path):
     store = SqliteStore(str(tmp_path / "s.db"))
-    coord = Coordinator(store, str(tmp_path), clock=Clock())
+    clock = Clock()
+    coord = Coordinator(store, str(tmp_path), clock=clock, monotonic=clock)
     session = coord.register("a", "127.0.0.1", "CPU", 1 << 30, [5000, 5001], [])
     raw = {"name": "solo", "strategy": Solo.name, "model": MODEL, "training": {"steps": 2}}
     # the spec parser, the planner, placement, the contract and the success rule are generic

@@ -50,6 +50,10 @@ BLOB_TIMEOUT_S = 600.0  # one file a job brings or produces, fetched or sent who
 STOP_GRACE_S = 5.0
 PORT_POOL = 4
 LOG_FLUSH_INTERVAL_S = 0.5
+#: how soon the heartbeat loop, waiting for its next beat, sees it must register again
+REREGISTER_POLL_S = 0.1
+#: a heartbeat this much later than due is logged (nothing in the loop waits that long)
+HELD_UP_S = 2.0
 FINISHED_KEEP_S = 120.0   # finished tasks stay in heartbeats this long, in case a report was lost
 MAX_LOG_CHUNK = 256 * 1024
 #: under --work-dir: the time of the latest heartbeat the coordinator accepted
@@ -187,6 +191,9 @@ class TaskProcess:
         self.error_kind = ""
         self._log_buf = bytearray()
         self._log_lock = threading.Lock()
+        #: held while this task's logs are sent, so that chunks arrive in order whichever
+        #: thread sends them (the log loop, or the task's end)
+        self.sending_logs = threading.Lock()
         self._threads: list[threading.Thread] = []
         self._cmd = cmd
         #: set at the first training step or the end: the warm pool refills then
@@ -657,17 +664,28 @@ class Agent:
         with self.lock:
             tasks = [task] if task is not None else list(self.tasks.values())
         for t in tasks:
-            while True:
-                data = t.take_logs()
-                if not data:
-                    break
-                try:
-                    self.stub.AppendLogs(pb.AppendLogsRequest(
-                        name=self.cfg.name, session=self.session, job_id=t.job_id, role=t.role,
-                        index=t.index, data=data), timeout=RPC_TIMEOUT_S)
-                except grpc.RpcError:
-                    t.return_logs(data)  # sent again after the next (re-)registration
-                    break
+            with t.sending_logs:
+                while True:
+                    data = t.take_logs()
+                    if not data:
+                        break
+                    try:
+                        self.stub.AppendLogs(pb.AppendLogsRequest(
+                            name=self.cfg.name, session=self.session, job_id=t.job_id,
+                            role=t.role, index=t.index, data=data), timeout=RPC_TIMEOUT_S)
+                    except grpc.RpcError:
+                        t.return_logs(data)  # sent again after the next (re-)registration
+                        break
+
+    def _log_loop(self) -> None:
+        """Sends the tasks' logs several times a second, so ``strata logs --follow`` stays
+        live. Apart from the heartbeats: a slow AppendLogs (5 s at most, for each task with
+        logs) in the heartbeat loop spaced heartbeats out past the heartbeat timeout."""
+        while not self.stopping.wait(LOG_FLUSH_INTERVAL_S):
+            try:
+                self.flush_logs()
+            except Exception:  # noqa: BLE001 - the logs of one round; the next round retries
+                log.exception("sending the tasks' logs failed")
 
     # --- commands -----------------------------------------------------------------------------
 
@@ -818,7 +836,8 @@ class Agent:
     def run(self) -> None:
         """Registers (retrying with backoff), then heartbeats until stopped."""
         backoff = 0.2
-        last_flush = 0.0
+        threading.Thread(target=self._log_loop, daemon=True, name="logs").start()
+        due = 0.0  # when the next heartbeat should go
         while not self.stopping.is_set():
             if not self.session or self._reregister.is_set():
                 self._reregister.clear()
@@ -834,9 +853,14 @@ class Agent:
                     self.stopping.wait(wait)
                     backoff = min(backoff * 2, REGISTER_BACKOFF_MAX_S)
                     continue
-                backoff = 0.2
+                backoff, due = 0.2, 0.0
                 threading.Thread(target=self._command_loop, args=(self.session,), daemon=True,
                                  name="commands").start()
+            late = time.monotonic() - due
+            if due and late > HELD_UP_S:
+                # the process, or the machine, was held up: said, so that a coordinator that
+                # calls this agent lost can be told apart from one that stopped hearing it
+                log.warning("a heartbeat went %.1f s late", late)
             try:
                 resp = self.heartbeats.send(pb.HeartbeatRequest(
                     name=self.cfg.name, session=self.session,
@@ -850,19 +874,15 @@ class Agent:
                 log.warning("heartbeat failed (%s)", e.code())
                 if e.code() == grpc.StatusCode.UNAVAILABLE:
                     self._reregister.set()
-            # Logs go out several times per heartbeat so `strata logs --follow` stays live.
             # jittered: agents that registered together (after a coordinator restart, a
             # cluster brought up at once) drift apart instead of beating together for ever
-            deadline = time.monotonic() + self.heartbeat_interval * random.uniform(
+            due = time.monotonic() + self.heartbeat_interval * random.uniform(
                 1 - HEARTBEAT_JITTER, 1 + HEARTBEAT_JITTER)
             while not self.stopping.is_set() and not self._reregister.is_set():
-                now = time.monotonic()
-                if now - last_flush >= LOG_FLUSH_INTERVAL_S:
-                    self.flush_logs()
-                    last_flush = now
-                if now >= deadline:
+                left = due - time.monotonic()
+                if left <= 0:
                     break
-                self.stopping.wait(min(LOG_FLUSH_INTERVAL_S, max(0.0, deadline - now)))
+                self.stopping.wait(min(REREGISTER_POLL_S, left))
 
     def drain(self, timeout_s: float = DRAIN_TIMEOUT_S) -> None:
         """SIGTERM: asks the coordinator to drain this agent (no new tasks; its jobs restart
