@@ -457,6 +457,7 @@ def test_a_silent_agent_is_judged_after_the_wait_new_calls_see(env):
     assert not coord.workers["b"].lost
     coord.call_wait.answered(time.monotonic())
     time.sleep(0.1)
+    clock.now += coord.tick_interval_s  # agents are judged once a tick interval
     coord.tick()
     assert coord.workers["b"].lost and not coord.workers["a"].lost
 
