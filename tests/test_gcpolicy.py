@@ -74,3 +74,32 @@ def test_the_refreeze_reclaims_a_cycle_that_died_frozen(clock):
         assert gc.get_freeze_count() > 0  # what is left is frozen again
     finally:
         p.close()
+
+
+def test_young_collections_run_on_the_clock_whatever_the_count():
+    # CPython's young collections follow a count (allocations minus deallocations) that
+    # objects dying old keep down: with the count out of play (collector off), the policy's
+    # loop still collects the young generations every young_interval_s
+    import asyncio
+
+    p = GcPolicy(young_interval_s=0.01)
+
+    async def main():
+        task = asyncio.create_task(p.run())
+        a = Node()
+        a.me = a  # a cycle: only a collection frees it
+        dead = weakref.ref(a)
+        del a
+        await asyncio.sleep(0.3)
+        task.cancel()
+        return dead
+
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        dead = asyncio.run(main())
+    finally:
+        if was:
+            gc.enable()
+    assert dead() is None
+    assert p.young_collections >= 5
