@@ -23,6 +23,8 @@ Prints JSON with:
   the status page reads every 2 s), median of 5, ms: the part on the coordinator's loop, the
   longest it holds the loop at once (it may read in steps), and the part in a thread;
 - tick_after_change: a tick right after one task ended (room grew: waiting jobs are tried), ms;
+- retention_pass: the tick's look for jobs past `--retention` (once a minute; nothing is old
+  enough here, so this is what the look itself costs), median of 5, ms;
 - restart: a new coordinator loading the store (what a restart costs before listening), s.
 """
 
@@ -148,6 +150,12 @@ def main() -> None:
     s = time.perf_counter()
     coord.list_workers()
     list_s = time.perf_counter() - s
+    retention = []
+    for _ in range(5):
+        coord._next_expiry = 0.0
+        s = time.perf_counter()
+        coord._expire(clock.now)
+        retention.append(time.perf_counter() - s)
     # the long-lived state out of the collector's walks, as the coordinator's GcPolicy keeps
     # it: else a full collection of it (60 ms here) lands in whichever step allocates
     gc.collect()
@@ -195,6 +203,7 @@ def main() -> None:
         "submit_ms_p50": round(1e3 * p(submits, 0.5), 2),
         "submit_ms_p99": round(1e3 * p(submits, 0.99), 2),
         "list_workers_ms": round(1e3 * list_s, 1),
+        "retention_pass_ms_median": round(1e3 * statistics.median(retention), 2),
         **{f"{key}_{where}_ms_median": round(1e3 * statistics.median(part), 1)
            for key, path in (("metrics_scrape", "/metrics"), ("status_page_state", "/api/state"))
            for where, part in zip(("on_loop", "longest_hold", "in_thread"), served[path])},

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
+import heapq
 import json
 import logging
 import math
@@ -190,6 +192,7 @@ def probe_spec(spec: JobSpec) -> JobSpec:
         checkpoint_every_steps=0, max_restarts=0)
 
 
+@functools.lru_cache(maxsize=1024)  # a thousand waiting jobs share a handful of messages
 def _shape(message: str) -> str:
     """A message with its numbers left out: what kind of thing it says."""
     return re.sub(r"[0-9][0-9.,]*", "#", message)
@@ -261,6 +264,11 @@ class Coordinator:
         #: leaves once it and every task have ended, which no state ever undoes.
         self._live: dict[str, Job] = {j.id: j for j in self.jobs.loaded_jobs()
                                       if not _over(j)}
+        #: (finished_at, id) of the jobs that ended, oldest first: what --retention deletes
+        #: is read off its front, not found by a scan of every job held (``_expire``)
+        self._ended: list[tuple[float, str]] = [
+            (s.finished_at, s.id) for s in self.jobs.summaries() if s.state.final]
+        heapq.heapify(self._ended)
         #: worker -> the task ports its unfinished tasks hold (a heartbeat's free ports never
         #: include them): kept as tasks are placed and end
         self._ports_held: dict[str, set[str]] = {}
@@ -361,6 +369,7 @@ class Coordinator:
         if target.final:
             job.finished_at = self.clock()
             self._ending.add(job.id)
+            heapq.heappush(self._ended, (job.finished_at, job.id))
         self.store.put_job(job)
         self._event(job, "state", f"{target.value}: {message}" if message else target.value)
         if target == JobState.SUCCEEDED:
@@ -700,10 +709,17 @@ class Coordinator:
         if not self.retention_s or now < self._next_expiry:
             return
         self._next_expiry = now + EXPIRY_INTERVAL_S
-        # a job is over once it and its tasks have ended: every job not in _live
-        old = [s.id for s in self.jobs.summaries()
-               if s.state.final and s.finished_at and now - s.finished_at > self.retention_s
-               and s.id not in self._live]
+        old, later = [], []
+        while self._ended and now - self._ended[0][0] > self.retention_s:
+            finished_at, job_id = heapq.heappop(self._ended)
+            if job_id not in self.jobs:
+                continue  # deleted meanwhile
+            if job_id in self._live:  # a job is over once its tasks have ended too
+                later.append((finished_at, job_id))
+            else:
+                old.append(job_id)
+        for item in later:
+            heapq.heappush(self._ended, item)
         for job_id in old:
             self.delete(job_id)
         if old:

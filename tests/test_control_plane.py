@@ -672,3 +672,34 @@ def test_without_a_writable_temp_dir_the_coordinator_serves_unprobed(monkeypatch
     probe.start()
     probe.stop()
     assert probe.wait.estimate(1.0) == 0.0
+
+
+def test_retention_reads_the_ended_jobs_oldest_first_and_waits_for_their_tasks(env):
+    """--retention deletes from the jobs that ended, oldest first (no scan of every job): a
+    cancelled job whose task has not stopped yet is kept until it has; one a user deleted
+    first is passed over."""
+    from strata.coordinator.core import EXPIRY_INTERVAL_S
+
+    coord, clock, store, _ = env
+    coord.retention_s = 100
+    s = coord.register("a", "127.0.0.1", "CPU", 4 * GiB, [5000, 5001], [], shared_dir="/s")
+    placed = coord.submit(SPEC)
+    coord.tick()
+    t = placed.tasks[0]
+    assert t.worker == "a"
+    coord.report("a", s, TaskReport(placed.id, t.role, t.index, TaskState.RUNNING,
+                                    attempt=t.attempt))
+    gone = coord.submit(SPEC)
+    coord.cancel(gone.id)
+    coord.delete(gone.id)  # by its user, before the retention
+    coord.cancel(placed.id)  # ended; its task runs until the agent stops it
+    clock.now += 101 + EXPIRY_INTERVAL_S
+    coord.heartbeat("a", s, coord.workers["a"].memory, [], [5001])  # the agent is alive
+    coord.tick()
+    assert placed.id in coord.jobs
+    coord.report("a", s, TaskReport(placed.id, t.role, t.index, TaskState.CANCELLED,
+                                    attempt=t.attempt))
+    clock.now += EXPIRY_INTERVAL_S
+    coord.tick()
+    assert placed.id not in coord.jobs and gone.id not in coord.jobs
+    assert coord._ended == []

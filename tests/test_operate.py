@@ -73,8 +73,8 @@ def test_finished_jobs_are_deleted_after_the_retention(env):
     for job in (old, new):
         coord.cancel(job.id)
         coord.logs.append(job.id, "worker", 0, b"some output\n")
-    old.finished_at = clock.now - 7200
-    clock.now += 1
+        clock.now += 7200  # old ended two hours before new
+    clock.now -= 7199
     coord.tick()
     assert old.id not in coord.jobs and new.id in coord.jobs and live.id in coord.jobs
     assert not os.path.exists(os.path.join(coord.logs.log_dir, old.id))
