@@ -275,3 +275,29 @@ def test_series_keep_one_point_a_second_even_when_reports_come_a_little_faster()
     assert progress[-1][1] == 2 * POINTS          # the newest figures are kept
     s.forget("j")
     assert s.of("j") == {"progress": [], "memory": {}}
+
+
+def test_series_text_is_what_prometheus_client_writes_scrape_after_scrape():
+    """The per-worker and per-job series are written by ``SeriesText``, keeping label text
+    between scrapes: byte for byte what ``generate_latest`` writes for the same families,
+    odd label values, NaN and counters included, as series come, change and go."""
+    from prometheus_client import generate_latest
+
+    from strata.coordinator.web import SeriesText, _Families, series, series_families
+
+    def snap(workers, live):
+        return {"workers": workers, "live": live}
+
+    odd = 'we"ird\\na\nme ü'
+    scrapes = [
+        snap([("w0", "CPU", "READY", GiB, 0, 0, 0), ("w-1", "GPU:0", "BUSY", 2 * GiB, GiB, 5, 7)],
+             [("j1", odd, 3, 10, float("nan"), 12.5, 1), ("j2", "plain", 0, 0, None, 0.0, 0)]),
+        snap([("w-1", "GPU:0", "BUSY", 2 * GiB, 0.5 * GiB, 1e21, 0.1),
+              ("w2", odd, "READY", 3, 0, 0, 0)],
+             [("j2", "plain", 4, 10, 0.25, 1e-7, 2)]),
+        snap([], []),
+    ]
+    writer = SeriesText()
+    for s in scrapes:
+        spec = series(s)
+        assert writer.write(spec).encode() == generate_latest(_Families(list(series_families(spec))))
