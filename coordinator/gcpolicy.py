@@ -25,10 +25,10 @@ such objects: each of 5,000 heartbeat streams holds a pending read (a future, it
 gRPC's operation objects) for the second between heartbeats. So the young list grew to tens
 of thousands of objects while the count stayed under its threshold, and every ~1.4 s one
 automatic young collection walked it all at once: 40-70 ms with the loop stopped, the
-heartbeat tail (docs/benchmarks.md, "The heartbeat tail, measured leg by leg"). Collected
-every 50 ms (generation 1 with 0: what survives goes straight to the old generation, so the
-middle one never builds up either) the same work comes in slices of 1-3 ms, and the total
-collector time did not change (1.07-1.18 s against 1.15-1.25 s in 30 s).
+heartbeat tail (docs/benchmarks.md, "The heartbeat tail, lump by lump"). Collected every
+50 ms (generation 1 with 0: what survives goes straight to the old generation, so the
+middle one never builds up either) the same work comes in slices of 1-3 ms, and the time
+in young collections did not grow (1.07-1.20 s in 30 s, against 1.15-1.19 s).
 """
 
 from __future__ import annotations

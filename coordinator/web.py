@@ -1,6 +1,7 @@
 """The coordinator's HTTP listener (``--http-listen``): Prometheus metrics and a status page.
 
-- ``/metrics``: Prometheus text format (``prometheus_client``). Names follow its conventions:
+- ``/metrics``: Prometheus text format (``prometheus_client``; the per-worker and per-job
+  series written by ``SeriesText``, to the same bytes). Names follow its conventions:
   the ``strata_`` prefix, base units (``_bytes``, ``_seconds``), ``_total`` for counters.
 - ``/``: the status page, one static HTML file with its script inline (``status.html``; no
   build step). It reads ``/api/state`` every two seconds.
