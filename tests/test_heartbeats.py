@@ -82,6 +82,17 @@ def test_a_refused_message_ends_the_stream_and_the_next_send_opens_another(coord
         beats.close()
 
 
+def _cluster_server(handlers: dict, threads: int) -> tuple[grpc.Server, str]:
+    """A real gRPC server started on loopback with ``handlers`` as ClusterService's methods,
+    and its address."""
+    server = grpc.server(futures.ThreadPoolExecutor(threads))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "strata.v1.ClusterService", handlers),))
+    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    server.start()
+    return server, address
+
+
 class _Server:
     """A real gRPC server offering ClusterService's unary Heartbeat and, when ``stream`` is
     given, a Heartbeats handler of the test's own."""
@@ -99,12 +110,8 @@ class _Server:
             handlers["Heartbeats"] = grpc.stream_stream_rpc_method_handler(
                 stream, request_deserializer=pb.HeartbeatRequest.FromString,
                 response_serializer=pb.HeartbeatResponse.SerializeToString)
-        self.server = grpc.server(futures.ThreadPoolExecutor(4))
-        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-            "strata.v1.ClusterService", handlers),))
-        port = self.server.add_insecure_port("127.0.0.1:0")
-        self.server.start()
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        self.server, address = _cluster_server(handlers, 4)
+        self.channel = grpc.insecure_channel(address)
         self.stub = pb_grpc.ClusterServiceStub(self.channel)
 
     def close(self):
@@ -196,11 +203,7 @@ class _Coordinator:
             "Connect": grpc.unary_stream_rpc_method_handler(
                 connect, request_deserializer=pb.ConnectRequest.FromString,
                 response_serializer=pb.AgentCommand.SerializeToString)}
-        self.server = grpc.server(futures.ThreadPoolExecutor(8))
-        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-            "strata.v1.ClusterService", handlers),))
-        self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
-        self.server.start()
+        self.server, self.address = _cluster_server(handlers, 8)
 
     def close(self):
         self.closing.set()
