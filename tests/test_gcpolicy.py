@@ -23,45 +23,51 @@ def clock():
     gc.unfreeze()
 
 
-def test_start_freezes_what_is_loaded_and_a_slow_collection_freezes_what_it_kept(clock):
-    p = GcPolicy(refreeze_s=100, slow_collection_s=0.0, clock=lambda: clock[0])
-    try:
-        p.start()
-        frozen = gc.get_freeze_count()
-        assert frozen > 0 and not p.freeze_due  # its own collection does not count
-        kept = [Node() for _ in range(1000)]
-        gc.collect()  # a full collection the policy did not run: "slow" at a 0 s limit
-        assert p.freeze_due
-        p.step()
-        assert p.freezes == 1 and not p.freeze_due
-        assert gc.get_freeze_count() >= frozen + len(kept)
-        p.step()  # nothing due: nothing frozen
-        assert p.freezes == 1
-    finally:
-        p.close()
-    gc.collect()
-    assert not p.freeze_due  # closed: no longer watching
+def test_start_freezes_what_is_loaded_and_close_gives_it_back(clock):
+    p = GcPolicy(refreeze_s=100, clock=lambda: clock[0])
+    p.start()
+    assert gc.get_freeze_count() > 0
+    p.close()
+    assert gc.get_freeze_count() == 0
 
 
-def test_a_fast_collection_freezes_nothing(clock):
-    p = GcPolicy(refreeze_s=100, slow_collection_s=60.0, clock=lambda: clock[0])
+def test_what_survives_a_young_collection_is_frozen_and_never_walked_again(clock):
+    # a full collection walks only what is not frozen: the old generation stays empty, so
+    # however many objects live a while (here 20,000 in cycles, as a heartbeat stream's
+    # pending reads do) a full collection has next to nothing to walk
+    p = GcPolicy(refreeze_s=100, clock=lambda: clock[0])
     try:
         p.start()
-        gc.collect()
-        assert not p.freeze_due
+        kept = []
+        for _ in range(20_000):
+            a = Node()
+            a.me = a
+            kept.append(a)
+        p.collect_young()
+        assert p.young_collections == 1
+        assert gc.get_freeze_count() >= len(kept)
+        assert sum(len(gc.get_objects(g)) for g in range(3)) < 1000
+        walked = []
+        gc.callbacks.append(cb := lambda phase, info: walked.append(len(gc.get_objects(2)))
+                            if phase == "start" else None)
+        try:
+            gc.collect()
+        finally:
+            gc.callbacks.remove(cb)
+        assert walked and walked[0] < 1000
+        del kept
     finally:
         p.close()
 
 
 def test_the_refreeze_reclaims_a_cycle_that_died_frozen(clock):
-    p = GcPolicy(refreeze_s=100, slow_collection_s=0.0, clock=lambda: clock[0])
+    p = GcPolicy(refreeze_s=100, clock=lambda: clock[0])
     try:
         p.start()
         a = Node()
         a.me = a  # a cycle: reference counting alone never frees it
         dead = weakref.ref(a)
-        p.freeze_due = True
-        p.step()  # frozen while alive
+        p.collect_young()  # frozen while alive
         del a
         gc.collect()
         assert dead() is not None  # frozen objects are not walked, so the cycle stays
@@ -70,7 +76,7 @@ def test_the_refreeze_reclaims_a_cycle_that_died_frozen(clock):
         assert dead() is not None and p.refreezes == 0
         clock[0] = 100.0
         p.step()
-        assert p.refreezes == 1 and dead() is None
+        assert p.refreezes == 1 and dead() is None and p.reclaimed >= 1
         assert gc.get_freeze_count() > 0  # what is left is frozen again
     finally:
         p.close()
