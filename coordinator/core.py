@@ -1420,16 +1420,30 @@ class Coordinator:
 
     # --- views --------------------------------------------------------------------------------
 
-    def worker_rows(self) -> list[tuple[str, str, WorkerState, int, int, int, int]]:
+    def worker_names(self) -> list[str]:
+        """Every worker's name, in no order."""
+        return list(self.agents.workers)
+
+    def busy_workers(self) -> set[str]:
+        """The workers that hold a task not yet ended."""
+        return {t.worker for j in self._live.values() for t in j.tasks
+                if t.worker and not t.state.final}
+
+    def worker_rows(self, names: Iterable[str] | None = None, busy: set[str] | None = None
+                    ) -> list[tuple[str, str, WorkerState, int, int, int, int]]:
         """Each worker's name, device, state, and memory budget, reserved, in use and peak
         (bytes), in no order: what ``list_workers`` says of each worker but its tasks, at a
-        fraction of its cost. ``/metrics`` reads it at every scrape."""
-        busy = {t.worker for j in self._live.values() for t in j.tasks
-                if t.worker and not t.state.final}
+        fraction of its cost. Every worker, or those of ``names`` (a name not known is left
+        out); ``busy``: ``busy_workers()`` as read before, by a view that reads the rows a
+        part at a time (``/metrics``) and finds the busy ones once."""
+        if busy is None:
+            busy = self.busy_workers()
         reserved = self._reservations
+        chosen = self.agents.values() if names is None else \
+            [w for w in map(self.agents.get, names) if w is not None]
         return [(w.name, w.record.device, _worker_state(w, w.name in busy), w.record.budget_bytes,
                  reserved.get(w.name, 0), w.memory.in_use_bytes, w.memory.peak_bytes)
-                for w in self.agents.values()]
+                for w in chosen]
 
     def list_workers(self, names: Iterable[str] | None = None) -> list[WorkerInfo]:
         """Every worker, or those of ``names`` (a name not known is left out), by name. Each

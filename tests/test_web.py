@@ -99,40 +99,50 @@ def test_large_bodies_are_written_from_what_was_read_on_the_loop(env, monkeypatc
     """The listener writes `/metrics` and `/api/state` in a thread, so each must be made of
     what was read on the loop: state that changes afterwards (a worker registers, a job's
     step moves) does not show in it, and nothing it reads is the coordinator's own.
-    `/api/state` is read in steps with the loop running between them: a job deleted
-    meanwhile is left out, not an error."""
+    Both are read in steps with the loop running between them: a job deleted meanwhile is
+    left out, not an error."""
     from strata.coordinator import web as web_module
     from strata.coordinator.web import Steps, Web
 
     monkeypatch.setattr(web_module, "STATE_STEP", 1)
+    monkeypatch.setattr(web_module, "SNAPSHOT_STEP", 1)
     coord, job = running(env)
     gone = coord.submit({**JOB, "name": "gone"})
     coord.cancel(gone.id)
+    later = coord.submit({**JOB, "name": "later"})  # waiting: no tick since
+    coord.register("w2", "127.0.0.3", "CPU", GiB, [5003], [], shared_dir="/s")
     web = Web(coord, None)
     _, _, metrics = web._route("/metrics", {})
     _, _, made = web._route("/api/state", {})
     assert isinstance(metrics, Steps) and isinstance(made, Steps)
     next(made.steps)  # which workers and jobs to show is settled; then one a step
+    next(metrics.steps)  # the job counts, and which unfinished jobs to read
     coord.delete(gone.id)
+    coord.cancel(later.id)
+    coord.delete(later.id)
     for _ in made.steps:
         pass
+    # the loop ran between each unfinished job and each worker read for /metrics: two jobs
+    # (one of them deleted meanwhile) and two workers, a step each
+    assert len(list(metrics.steps)) == 4
     state = made.write
     coord.register("w1", "127.0.0.2", "CPU", 2 * GiB, [5002], [], shared_dir="/s")
     t = job.tasks[0]
     coord.report("w0", coord.agents.get("w0").session, TaskReport(
         job.id, t.role, t.index, TaskState.RUNNING, attempt=t.attempt, step=30, total_steps=50))
-    assert list(metrics.steps) == []  # read at once, in _route
     samples = _samples(metrics.write().decode())
-    assert samples[("strata_workers", (("state", "READY"),))] == 0
+    assert samples[("strata_workers", (("state", "READY"),))] == 1  # w2
+    assert samples[("strata_workers", (("state", "BUSY"),))] == 1  # w0
     assert ("strata_worker_memory_budget_bytes", (("device", "CPU"), ("worker", "w1"))) \
         not in samples
     assert samples[("strata_job_step", (("job", job.id), ("name", "web")))] == 10
+    assert not [k for k in samples if ("job", later.id) in k[1]]
     shown = json.loads(state())
-    assert [w["name"] for w in shown["workers"]] == ["w0"]
+    assert [w["name"] for w in shown["workers"]] == ["w0", "w2"]
     assert [j["id"] for j in shown["jobs"]] == [job.id]
     assert shown["jobs"][0]["metrics"]["step"] == 10
     now = _samples(web.route("/metrics", {})[2].decode())
-    assert now[("strata_workers", (("state", "READY"),))] == 1
+    assert now[("strata_workers", (("state", "READY"),))] == 2
     assert now[("strata_job_step", (("job", job.id), ("name", "web")))] == 30
 
 
