@@ -2,8 +2,8 @@
 
     .venv/bin/python bench/agents_load.py [--agents 1000] [--seconds 30] [--pending 200]
                                           [--finished 800] [--procs 2] [--grid] [--unary]
-                                          [--registering 200] [--scrape-every 15] [--echo]
-                                          [--keep]
+                                          [--registering 200] [--scrape-every 15]
+                                          [--status-page] [--echo] [--keep]
 
 A real `strata coordinator` process (plain text, loopback, heartbeat timeout 10 s) and
 `--agents` simulated agents on grpc.aio, split over `--procs` generator processes: each
@@ -25,6 +25,7 @@ room on the 1 GiB agents. While the agents heartbeat, one client submits a job e
 and cancels it. Heartbeats, submits and the observer's round trips (below) count when they
 started within the window; the window opens with a scrape of the coordinator's `/metrics`,
 and another comes every `--scrape-every` seconds (15) within it, as Prometheus's would.
+`--status-page`: a status page is open too, reading `/api/state` every 2 s.
 
 Prints JSON: heartbeat latency p50/p99/max (ms) over every generator's heartbeats, those
 sent per second and failed, the scrapes in the window, submit latency p50/p99 (ms), the
@@ -256,11 +257,22 @@ async def generator(args: argparse.Namespace) -> None:
                                                  "late": late_in_window})
 
 
-def scrape(url: str) -> str:
-    """One scrape of the coordinator's ``/metrics``, as Prometheus's."""
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+def scrape(url: str, path: str = "/metrics") -> str:
+    """One read of ``path`` on the coordinator's HTTP listener: a scrape of ``/metrics`` as
+    Prometheus's, or ``/api/state`` as the status page's (read, not parsed: the parse would
+    be this process's cost, not the coordinator's)."""
+    with urllib.request.urlopen(url + path, timeout=30) as r:
         body: bytes = r.read()
     return body.decode()
+
+
+async def status_page(url: str, stop: asyncio.Event, reads: list[float]) -> None:
+    """An open status page: ``/api/state`` every 2 s, as status.html reads it."""
+    while not stop.is_set():
+        t0 = time.monotonic()
+        await asyncio.to_thread(scrape, url, "/api/state")
+        reads.append(time.monotonic() - t0)
+        await asyncio.sleep(2.0)
 
 
 def histograms(url: str) -> dict[str, dict[float, float]]:
@@ -375,6 +387,9 @@ async def run(address: str, args: argparse.Namespace, cpu: Callable[[], float],
         await asyncio.sleep(start - time.monotonic())
         end = start + args.seconds
         tasks.append(asyncio.create_task(submitter(jobs, stop, (start, end), sub_lat)))
+        page_reads: list[float] = []
+        if args.status_page:
+            tasks.append(asyncio.create_task(status_page(http_url, stop, page_reads)))
         # the coordinator's CPU over the measured window only; its scrapes of /metrics are in
         # the window, as Prometheus's would be
         cpu0, t0 = cpu(), time.monotonic()
@@ -446,7 +461,9 @@ async def run(address: str, args: argparse.Namespace, cpu: Callable[[], float],
             "observer_ms_p50": round(1e3 * pct(observed, 0.5), 1),
             "observer_ms_p99": round(1e3 * pct(observed, 0.99), 1),
             "observer_ms_max": round(1e3 * max(observed, default=0.0), 1),
-            "scrapes": scrapes, "submits": len(sub_lat), "submit_ms_p50": round(1e3 * pct(sub_lat, 0.5), 1),
+            "scrapes": scrapes, "status_page_reads": len(page_reads),
+            "status_page_read_ms_max": round(1e3 * max(page_reads, default=0.0), 1),
+            "submits": len(sub_lat), "submit_ms_p50": round(1e3 * pct(sub_lat, 0.5), 1),
             "submit_ms_p99": round(1e3 * pct(sub_lat, 0.99), 1),
             "lost_at_end": len(workers.workers), "agents_failed": errors}
 
@@ -458,6 +475,8 @@ def main() -> None:
     ap.add_argument("--pending", type=int, default=200)
     ap.add_argument("--finished", type=int, default=800)
     ap.add_argument("--agents-per-channel", type=int, default=50)
+    ap.add_argument("--status-page", action="store_true",
+                    help="an open status page too: /api/state read every 2 s in the window")
     ap.add_argument("--scrape-every", type=float, default=15.0,
                     help="seconds between scrapes of /metrics in the window, as Prometheus's "
                          "scrape_interval (0: only the one as the window opens)")
