@@ -67,8 +67,12 @@ RECENT_JOBS = 20
 #: workers or jobs ``/api/state`` reads between two turns of the loop (about 5 ms of work),
 #: and unfinished jobs ``/metrics`` reads
 STATE_STEP = 200
-#: workers whose rows ``/metrics`` reads between two turns of the loop (about 2 ms of work)
+#: workers whose rows ``/metrics`` and ``/api/state`` read between two turns of the loop
+#: (about 2 ms of work)
 SNAPSHOT_STEP = 1000
+#: workers and unfinished jobs the status page shows at most (``state_steps``)
+SHOWN_WORKERS = 200
+SHOWN_JOBS = 100
 MAX_REQUEST_BYTES = 8192
 REQUEST_TIMEOUT_S = 10.0
 PAGE = os.path.join(os.path.dirname(__file__), "status.html")
@@ -260,22 +264,49 @@ def metrics_text(snap: dict[str, Any], rpc: list[Any], writer: SeriesText) -> by
 
 
 def state_steps(coord: Any, out: dict[str, Any]) -> Iterator[None]:
-    """Fills ``out`` with what the status page shows: every worker, every unfinished job and
-    the latest finished ones, each job with its recent progress and per-task memory. It
-    yields after every ``STATE_STEP`` workers or jobs, and the listener lets the loop run
-    there: at 5,000 agents and 3,000 live jobs the whole is 170 ms of Python, which would
-    otherwise hold every heartbeat each time the page refreshes (every 2 s). Each worker and
-    job is as it was at its step; one that went away meanwhile is left out."""
+    """Fills ``out`` with what the status page shows: how many workers and jobs there are in
+    each state (``worker_states``, ``job_states``); up to ``SHOWN_WORKERS`` workers, the busy,
+    draining and lost ones first, then the ready ones, each part by name; up to
+    ``SHOWN_JOBS`` unfinished jobs, the ones not waiting first, then the waiting, each part
+    newest first; and the ``RECENT_JOBS`` latest finished ones, each job with its recent
+    progress and per-task memory (``jobs_unfinished``: how many are not finished). It yields after the jobs are counted, after every
+    ``SNAPSHOT_STEP`` workers counted and after every ``STATE_STEP`` workers or jobs read,
+    and the listener lets the loop run there. Each worker and job is as it was at its step;
+    one that went away meanwhile is left out.
+
+    Why the bounds: every worker and unfinished job at 5,000 agents and 1,000 waiting jobs
+    was 120 ms of Python on the loop and 50 ms in a thread, every 2 s while a page was open,
+    and the objects it built kept the young collections busy: heartbeat p99 went from
+    15-21 ms to 126-348 ms with one page open (docs/benchmarks.md, "An open status page").
+    No page shows 5,000 rows usefully either; ``strata workers`` and ``strata jobs`` list
+    them all."""
     jobs = sorted(coord.jobs.summaries(), key=lambda s: (s.created_at, s.id), reverse=True)
+    job_states: dict[str, int] = {}
+    for s in jobs:
+        job_states[s.state.value] = job_states.get(s.state.value, 0) + 1
+    unfinished = sorted((s for s in jobs if not s.state.final),
+                        key=lambda s: s.state == JobState.PENDING)  # stable: newest first
     # sliced before loading: every finished job beyond these stays on disk
-    ids = [s.id for s in jobs if not s.state.final] + \
+    ids = [s.id for s in unfinished[:SHOWN_JOBS]] + \
         [s.id for s in jobs if s.state.final][:RECENT_JOBS]
-    names = sorted(row[0] for row in coord.worker_rows())
-    out.update(time=time.time(), workers=[], jobs=[])
+    out.update(time=time.time(), workers=[], jobs=[], job_states=job_states,
+               jobs_unfinished=len(unfinished), worker_states={}, workers_total=0)
     yield
+    rows = []
+    busy, all_names = coord.busy_workers(), coord.worker_names()
+    for i in range(0, len(all_names), SNAPSHOT_STEP):
+        rows += coord.worker_rows(all_names[i:i + SNAPSHOT_STEP], busy)
+        yield
+    worker_states: dict[str, int] = {}
+    for row in rows:
+        worker_states[row[2].value] = worker_states.get(row[2].value, 0) + 1
+    out.update(worker_states=worker_states, workers_total=len(rows))
+    chosen = sorted(rows, key=lambda row: (row[2] == WorkerState.READY, row[0]))[:SHOWN_WORKERS]
+    names = [row[0] for row in chosen]
     for i in range(0, len(names), STATE_STEP):
-        out["workers"] += [worker_to_json(w)
-                           for w in coord.list_workers(names[i:i + STATE_STEP])]
+        part = {w.name: w for w in coord.list_workers(names[i:i + STATE_STEP])}
+        out["workers"] += [worker_to_json(part[n]) for n in names[i:i + STATE_STEP]
+                           if n in part]
         yield
     for i in range(0, len(ids), STATE_STEP):
         for job_id in ids[i:i + STATE_STEP]:

@@ -168,6 +168,33 @@ def test_state_carries_series_and_tokens_guard_everything_but_the_page(env, tmp_
     assert web.route("/nope", {})[0] == 404
 
 
+def test_the_state_shows_a_bounded_part_busy_workers_and_jobs_not_waiting_first(
+        env, monkeypatch):
+    """At thousands of workers the page gets a part: the busy, draining and lost workers
+    first, the jobs not waiting before the waiting ones, and how many there are of each."""
+    from strata.coordinator import web as web_module
+    from strata.coordinator.web import state_json
+
+    monkeypatch.setattr(web_module, "SHOWN_WORKERS", 2)
+    monkeypatch.setattr(web_module, "SHOWN_JOBS", 1)
+    monkeypatch.setattr(web_module, "SNAPSHOT_STEP", 1)  # counted over several steps
+    coord, job = running(env)  # w0 busy with it
+    for i, name in enumerate(("a", "b", "c")):
+        coord.register(name, f"127.0.0.{10 + i}", "CPU", GiB, [6000 + i], [], shared_dir="/s")
+    coord.drain("c")
+    waiting = coord.submit({**JOB, "name": "waiting"})  # newer, and waiting: no tick since
+    state = state_json(coord)
+    assert [w["name"] for w in state["workers"]] == ["c", "w0"]
+    assert [w["state"] for w in state["workers"]] == ["DRAINING", "BUSY"]
+    assert state["workers_total"] == 4
+    assert state["worker_states"] == {"BUSY": 1, "READY": 2, "DRAINING": 1}
+    assert [j["id"] for j in state["jobs"]] == [job.id]
+    assert state["job_states"] == {"RUNNING": 1, "PENDING": 1}
+    assert state["jobs_unfinished"] == 2
+    monkeypatch.setattr(web_module, "SHOWN_JOBS", 2)
+    assert [j["id"] for j in state_json(coord)["jobs"]] == [job.id, waiting.id]
+
+
 # --------------------------------------------------------------------------------------------
 # a real coordinator, a real job, a real browser
 
@@ -241,6 +268,7 @@ def test_status_page_in_headless_chromium_shows_a_running_job(tmp_path):
     finally:
         c.stop()
     assert 'data-loaded="1"' in dom, dom[:2000]
+    assert "2 worker(s), 1 job(s) running, 0 waiting<" in dom
     assert f'data-job="{job.id}"' in dom and "RUNNING" in dom
     assert dom.count("<polyline") >= 2  # the loss curve and per-task memory
     rows = {m.group(1): m.group(0) for m in re.finditer(r'<tr data-worker="([^"]+)"[^>]*>', dom)}
