@@ -31,11 +31,13 @@ Prints JSON: heartbeat latency p50/p99/max (ms) over every generator's heartbeat
 sent per second and failed, the scrapes in the window, submit latency p50/p99 (ms), the
 agents the coordinator counts LOST at the end (must be 0), and the coordinator's CPU over
 the measured window: seconds per wall second and microseconds per heartbeat (everything it
-did in the window, divided by the heartbeats); the generators' own CPU, summed; how many agents registered, how long that
-took and how often a registration was tried again; how many times the coordinator's event
-loop ran its 50 ms timer in the window and how many ran over 50, 100, 250 and 500 ms late
-(`strata_event_loop_late_seconds`, scraped from its `/metrics`); the longest any generator's own event loop
-was late (`generator_late_s_max`); and the agents that failed, by error. Every process shares
+did in the window, divided by the heartbeats); the generators' own CPU, summed; how many
+agents registered, how long that took and how often a registration was tried again; how
+many times the coordinator's event loop ran its 50 ms timer in the window and how many ran
+over 50, 100, 250 and 500 ms late (`strata_event_loop_late_seconds`, scraped from its
+`/metrics`); the longest any generator's own event loop was late
+(`generator_late_s_max`); the status page's reads (`--status-page`) and the longest; and
+the agents that failed, by error. Every process shares
 this machine's cores: the generators' own cost and pauses are in the latencies they measure.
 Two views without them: the coordinator's own, how long the window's heartbeats waited from
 sent to handled (`handled_after_ms_p50`/`_p99`, from `strata_heartbeat_delay_seconds`,

@@ -62,7 +62,7 @@ LOOP_LATE_SECONDS = Histogram("strata_event_loop_late_seconds", "How late the co
                               buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                                        float("inf")))
 QUEUE_BUCKETS = (1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 3600.0, 4 * 3600.0, 24 * 3600.0)
-#: finished jobs shown on the page (newest first), besides every job not yet finished
+#: finished jobs shown on the page (newest first), besides the unfinished ones it shows
 RECENT_JOBS = 20
 #: workers or jobs ``/api/state`` reads between two turns of the loop (about 5 ms of work),
 #: and unfinished jobs ``/metrics`` reads
@@ -108,9 +108,15 @@ def snapshot_steps(coord: Any, out: dict[str, Any]) -> Iterator[None]:
             out["live"].append((j.id, j.name, j.metrics.step, j.metrics.total_steps,
                                 j.metrics.loss, j.metrics.examples_per_sec or 0.0, j.restarts))
         yield
+    yield from worker_rows_steps(coord, out["workers"])
+
+
+def worker_rows_steps(coord: Any, rows: list[Any]) -> Iterator[None]:
+    """Every worker's row (``Coordinator.worker_rows``) added to ``rows``, ``SNAPSHOT_STEP``
+    workers at a time, yielding after each part; busy or ready as at the first part."""
     busy, names = coord.busy_workers(), coord.worker_names()
     for i in range(0, len(names), SNAPSHOT_STEP):
-        out["workers"] += coord.worker_rows(names[i:i + SNAPSHOT_STEP], busy)
+        rows += coord.worker_rows(names[i:i + SNAPSHOT_STEP], busy)
         yield
 
 
@@ -269,10 +275,11 @@ def state_steps(coord: Any, out: dict[str, Any]) -> Iterator[None]:
     draining and lost ones first, then the ready ones, each part by name; up to
     ``SHOWN_JOBS`` unfinished jobs, the ones not waiting first, then the waiting, each part
     newest first; and the ``RECENT_JOBS`` latest finished ones, each job with its recent
-    progress and per-task memory (``jobs_unfinished``: how many are not finished). It yields after the jobs are counted, after every
-    ``SNAPSHOT_STEP`` workers counted and after every ``STATE_STEP`` workers or jobs read,
-    and the listener lets the loop run there. Each worker and job is as it was at its step;
-    one that went away meanwhile is left out.
+    progress and per-task memory (``jobs_unfinished``: how many are not finished). It
+    yields after the jobs are counted, after every ``SNAPSHOT_STEP`` workers counted and
+    after every ``STATE_STEP`` workers or jobs read, and the listener lets the loop run
+    there. Each worker and job is as it was at its step; one that went away meanwhile is
+    left out.
 
     Why the bounds: every worker and unfinished job at 5,000 agents and 1,000 waiting jobs
     was 120 ms of Python on the loop and 50 ms in a thread, every 2 s while a page was open,
@@ -292,11 +299,8 @@ def state_steps(coord: Any, out: dict[str, Any]) -> Iterator[None]:
     out.update(time=time.time(), workers=[], jobs=[], job_states=job_states,
                jobs_unfinished=len(unfinished), worker_states={}, workers_total=0)
     yield
-    rows = []
-    busy, all_names = coord.busy_workers(), coord.worker_names()
-    for i in range(0, len(all_names), SNAPSHOT_STEP):
-        rows += coord.worker_rows(all_names[i:i + SNAPSHOT_STEP], busy)
-        yield
+    rows: list[Any] = []
+    yield from worker_rows_steps(coord, rows)
     worker_states: dict[str, int] = {}
     for row in rows:
         worker_states[row[2].value] = worker_states.get(row[2].value, 0) + 1
