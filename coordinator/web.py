@@ -99,16 +99,23 @@ def snapshot_steps(coord: Any, out: dict[str, Any]) -> Iterator[None]:
                delay_counts=list(delay.counts), delay_total=delay.total,
                call_wait=calls.estimate(time.monotonic()), probes=(calls.answers, calls.refusals))
     yield
-    for i in range(0, len(live_ids), STATE_STEP):
-        for job_id in live_ids[i:i + STATE_STEP]:
+    yield from jobs_steps(coord, live_ids, lambda j: out["live"].append(
+        (j.id, j.name, j.metrics.step, j.metrics.total_steps, j.metrics.loss,
+         j.metrics.examples_per_sec or 0.0, j.restarts)))
+    yield from worker_rows_steps(coord, out["workers"])
+
+
+def jobs_steps(coord: Any, ids: list[str], each: Callable[[Any], None]) -> Iterator[None]:
+    """``each`` called with every job of ``ids`` still held (one deleted meanwhile is left
+    out), ``STATE_STEP`` jobs at a time, yielding after each part."""
+    for i in range(0, len(ids), STATE_STEP):
+        for job_id in ids[i:i + STATE_STEP]:
             try:
                 j = coord.get(job_id)
             except NotFoundError:  # deleted since
                 continue
-            out["live"].append((j.id, j.name, j.metrics.step, j.metrics.total_steps,
-                                j.metrics.loss, j.metrics.examples_per_sec or 0.0, j.restarts))
+            each(j)
         yield
-    yield from worker_rows_steps(coord, out["workers"])
 
 
 def worker_rows_steps(coord: Any, rows: list[Any]) -> Iterator[None]:
@@ -312,16 +319,8 @@ def state_steps(coord: Any, out: dict[str, Any]) -> Iterator[None]:
         out["workers"] += [worker_to_json(part[n]) for n in names[i:i + STATE_STEP]
                            if n in part]
         yield
-    for i in range(0, len(ids), STATE_STEP):
-        for job_id in ids[i:i + STATE_STEP]:
-            try:
-                j = coord.get(job_id)
-            except NotFoundError:  # deleted since
-                continue
-            d = job_to_json(j)
-            d.update(coord.series.of(j.id))
-            out["jobs"].append(d)
-        yield
+    yield from jobs_steps(coord, ids, lambda j: out["jobs"].append(
+        {**job_to_json(j), **coord.series.of(j.id)}))
 
 
 def state_json(coord: Any) -> dict[str, Any]:
