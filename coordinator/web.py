@@ -128,8 +128,8 @@ def worker_rows_steps(coord: Any, rows: list[Any]) -> Iterator[None]:
 
 
 def families(snap: dict[str, Any]) -> Iterator[Any]:
-    """The coordinator's state as metric families, from a ``snapshot``: pure, run off the
-    loop."""
+    """The coordinator's state as metric families, from what ``snapshot_steps`` read: pure,
+    run off the loop."""
     by_state = GaugeMetricFamily("strata_jobs", "Jobs held, by state", labels=["state"])
     for s in JobState:
         by_state.add_metric([s.value], snap["job_states"].get(s, 0))
@@ -185,7 +185,8 @@ Series = tuple[str, str, str, tuple[str, ...], list[tuple[tuple[str, ...], float
 
 
 def series(snap: dict[str, Any]) -> list[Series]:
-    """The per-worker and per-job families of a ``snapshot``: pure, run off the loop."""
+    """The per-worker and per-job families of what ``snapshot_steps`` read: pure, run off
+    the loop."""
     live, workers = snap["live"], snap["workers"]
     job = ("job", "name")
     out: list[Series] = [
@@ -271,7 +272,8 @@ class _Families(Collector):
 
 
 def metrics_text(snap: dict[str, Any], rpc: list[Any], writer: SeriesText) -> bytes:
-    """``/metrics``' body from a ``snapshot`` and the RPC registry's families: off the loop."""
+    """``/metrics``' body from what ``snapshot_steps`` read and the RPC registry's families:
+    off the loop."""
     return generate_latest(_Families([*families(snap), *rpc])) + \
         writer.write(series(snap)).encode()
 
