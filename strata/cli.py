@@ -279,6 +279,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     import tempfile
 
+    _check_job(DEMO_SPEC, args.set)  # a bad --set is refused before a cluster starts
     if args.state_dir is None:
         args.state_dir = tempfile.mkdtemp(prefix="strata-demo-")
     print("starting a local cluster: a coordinator and 2 worker agents ...", flush=True)
@@ -385,7 +386,51 @@ def _follow(client, job_id: str):
     return client.get(job_id) if job is None or not job.state.final else job
 
 
+#: seconds a job file and its --set flags may take to parse; a real one takes milliseconds
+PARSE_LIMIT_S = 10.0
+
+
+class _ParseTimeout(BaseException):
+    """The parse's time is up. Not an Exception: no ``except Exception`` inside may keep it."""
+
+
+def _check_job(job: Any, overrides: list[str] | None) -> None:
+    """Parses the job file (or mapping) and the --set flags under a time bound before the
+    client parses them again to send: the parser bounds what it knows of (aliases, depth,
+    size), and this bounds what it does not, so a command never hangs on a file."""
+    import threading
+
+    from strata.errors import SpecError
+    from strata.spec import apply_overrides, load_spec_file
+
+    def parse() -> None:
+        raw = load_spec_file(job) if isinstance(job, str) else dict(job)
+        if overrides:
+            apply_overrides(raw, overrides)
+
+    if threading.current_thread() is not threading.main_thread():
+        return parse()  # a timer's signal reaches the main thread only
+
+    def expire(signum: int, frame: Any) -> None:
+        raise _ParseTimeout
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    try:
+        timer = signal.setitimer(signal.ITIMER_REAL, PARSE_LIMIT_S)
+        try:
+            parse()
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, *timer)  # the caller's timer, if it had one
+    except _ParseTimeout:
+        raise SpecError("JOB", f"{job if isinstance(job, str) else 'the job'}: still parsing "
+                               f"after {PARSE_LIMIT_S:g} s; a job file takes milliseconds, so "
+                               "this one is refused") from None
+    finally:
+        signal.signal(signal.SIGALRM, signal.SIG_DFL if previous is None else previous)
+
+
 def cmd_submit(args: argparse.Namespace) -> int:
+    _check_job(args.job, args.set)
     with _client(args) as c:
         job = c.submit(args.job, overrides=args.set)
         print(job.id, flush=True)
@@ -516,6 +561,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from strata.client import local_spec
     from strata.coordinator.core import prepare
 
+    _check_job(args.job, args.set)
     spec = local_spec(args.job, args.set)
     plan = prepare(spec).plan  # the model profiled, the strategy's plan without workers
     if not plan.tasks:  # stages are cut to fit the workers' budgets
@@ -651,6 +697,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     if (args.workers is None) != (args.memory_budget is None):
         raise UsageError("--workers and --memory-budget go together (offline planning)")
+    _check_job(args.job, args.set)
     if args.workers is not None:
         plan = _offline_plan(args)
     else:

@@ -8,6 +8,7 @@ dotted field to fix. ``JobSpec.to_dict()`` is the normalized mapping that task p
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import os
 import re
@@ -303,12 +304,25 @@ def _profile(value: Any) -> str:
 MAX_STRING_CHARS = 4096
 
 
+def _not_text(field: str, value: Any) -> SpecError:
+    """A text field given as something else. YAML reads ``123``, ``yes`` and (from a Python
+    caller) dates as such, so the message says what it read and to quote it."""
+    kinds = ((bool, "boolean"), (int, "number"), (float, "number"),
+             (datetime.date, "date"))  # bool before int: it is one
+    kind = next((k for t, k in kinds if isinstance(value, t)), "")
+    if not kind:
+        return SpecError(field, f"must be text, got {type(value).__name__}")
+    shown = (str(value).lower() if isinstance(value, bool) else str(value))[:64]
+    return SpecError(field, f"must be text, got the {kind} {shown}: quote it in YAML, e.g. "
+                            f"{field.rsplit('.', 1)[-1]}: \"{shown}\"")
+
+
 def _str(d: Mapping[str, Any], key: str, field: str, default: str = "") -> str:
     value = d.get(key)
     if value is None:
         return default
     if not isinstance(value, str):
-        raise SpecError(field, f"must be a string, got {type(value).__name__}")
+        raise _not_text(field, value)
     if len(value) > MAX_STRING_CHARS:
         raise SpecError(field, f"at most {MAX_STRING_CHARS} characters, got {len(value)}")
     if "\0" in value:
@@ -330,7 +344,9 @@ def parse_job_spec(raw: Any) -> JobSpec:
             raise SpecError(str(k), f"unknown field (known: {', '.join(sorted(_TOP_KEYS))})")
 
     name = raw.get("name")
-    if not isinstance(name, str) or not name:
+    if name is not None and not isinstance(name, str):
+        raise _not_text("name", name)  # e.g. `name: 2024` or `name: no`: never "required"
+    if not name:
         raise SpecError("name", "is required: a lowercase name like 'digits-mlp'")
     if not NAME_RE.match(name):
         raise SpecError("name", f"{name[:64]!r} must be 1-40 characters of a-z, 0-9 and '-', "
@@ -712,22 +728,60 @@ def _check_model(spec: JobSpec) -> None:
                                    f"last layer has {profile.layers[-1].output_elems} outputs")
 
 
-def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Applies ``--set KEY=VALUE`` overrides (dotted keys, YAML-typed values) to a spec mapping."""
-    import yaml
+#: ``--set`` flags one call takes, and the size of one value: a model goes in a file
+MAX_OVERRIDES = 1000
+MAX_OVERRIDE_VALUE_BYTES = 64 << 10
+_FIELD_PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
-    out: dict[str, Any] = json.loads(json.dumps(raw))
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Applies ``--set KEY=VALUE`` overrides (dotted keys, YAML-typed values) to a spec mapping.
+
+    Values are read by the job files' loader (``strata.safeyaml``): aliases, equal keys and
+    dates behave as in a file. A path or value that does not parse is refused naming ``--set``,
+    never kept as text or cut to what parses, so a typo cannot change what a job means."""
+    from strata import safeyaml
+
+    if len(overrides) > MAX_OVERRIDES:
+        raise SpecError("--set", f"{len(overrides):,} flags; at most {MAX_OVERRIDES:,}")
+    try:
+        out: dict[str, Any] = json.loads(json.dumps(raw))
+    except (TypeError, ValueError, RecursionError) as e:
+        raise SpecError("spec", f"is not plain data (what JSON holds): {str(e)[:200]}") from None
+    nodes = 0
     for item in overrides:
-        if "=" not in item:
-            raise SpecError(item, "--set takes KEY=VALUE, e.g. --set training.epochs=3")
-        key, _, text = item.partition("=")
-        parts = [p for p in key.strip().split(".") if p]
-        if not parts:
-            raise SpecError(item, "--set needs a field name before '='")
-        try:
-            value = yaml.safe_load(text) if text.strip() else ""
-        except yaml.YAMLError:
-            value = text
+        key, eq, text = item.partition("=")
+        if not eq:
+            raise SpecError("--set", f"{safeyaml.quote(item)}: takes KEY=VALUE, e.g. "
+                                     "--set training.epochs=3")
+        if not _FIELD_PATH.fullmatch(key):
+            raise SpecError("--set", f"{safeyaml.quote(item)}: a field path is names joined by "
+                                     "single dots, e.g. training.epochs")
+        parts = key.split(".")
+        if len(parts) >= MAX_SPEC_DEPTH:
+            raise SpecError("--set", f"{safeyaml.quote(key)}: {len(parts)} names deep; a job "
+                                     f"file is at most {MAX_SPEC_DEPTH} levels")
+        size = len(text.encode("utf-8", "surrogatepass"))
+        if size > MAX_OVERRIDE_VALUE_BYTES:
+            raise SpecError("--set", f"{key}: the value is {size:,} bytes; at most "
+                                     f"{MAX_OVERRIDE_VALUE_BYTES >> 10} KiB (a model goes in "
+                                     "model.keras_file)")
+        value: Any = ""
+        if text.strip():
+            try:
+                # the value sits len(parts) levels down: the file's depth bound holds with it
+                value = safeyaml.load(text, f"--set {key}",
+                                      max_depth=MAX_SPEC_DEPTH - len(parts))
+            except safeyaml.YamlRefused as e:
+                plain = len(text) <= 40 and text.isprintable() and not set(text) & set("'\"")
+                example = text if plain else "..."
+                raise SpecError("--set", f"{key}: {e.problem}; to give text, quote it: "
+                                         f"--set '{key}=\"{example}\"'") from None
+            nodes += _expanded_nodes(value, {})
+            if nodes > safeyaml.MAX_NODES:
+                raise SpecError("--set", f"{key}: the values of --set come to more than "
+                                         f"{safeyaml.MAX_NODES:,} nodes with aliases expanded")
+            value = json.loads(json.dumps(value))  # aliases made copies: one edit, one place
         node = out
         for i, p in enumerate(parts[:-1]):
             nxt = node.get(p)
@@ -740,9 +794,22 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     return out
 
 
+def _expanded_nodes(value: Any, memo: dict[int, int]) -> int:
+    """Nodes in ``value`` with a list or mapping that it holds more than once counted each time
+    (``memo``: by object, so that counting is linear in the distinct ones)."""
+    if not isinstance(value, (dict, list)):
+        return 1
+    known = memo.get(id(value))
+    if known is None:
+        items = [*value.keys(), *value.values()] if isinstance(value, dict) else value
+        known = memo[id(value)] = 1 + sum(_expanded_nodes(v, memo) for v in items)
+    return known
+
+
 def load_spec_file(path: str) -> dict[str, Any]:
-    """Reads a YAML or JSON job file into a mapping (validation is parse_job_spec's job)."""
-    import yaml
+    """Reads a YAML or JSON job file into a mapping (validation is parse_job_spec's job), with
+    the loader that bounds aliases, depth and equal keys (``strata.safeyaml``)."""
+    from strata import safeyaml
 
     try:
         if os.path.getsize(path) > MAX_SPEC_FILE_BYTES:
@@ -759,30 +826,14 @@ def load_spec_file(path: str) -> dict[str, Any]:
         raise SpecError("JOB", f"{path} line {line}: not UTF-8 text (byte "
                                f"0x{raw[e.start]:02x})") from None
     try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise SpecError("JOB", f"{path} is not valid YAML or JSON: {str(e)[:300]}") from None
-    except RecursionError:
-        raise SpecError("JOB", f"{path} is nested too deeply to be a job file") from None
-    except ValueError as e:  # e.g. an integer of thousands of digits
-        raise SpecError("JOB", f"{path}: {str(e)[:200]}") from None
+        data = safeyaml.load(text, path, max_depth=MAX_SPEC_DEPTH)
+    except safeyaml.YamlRefused as e:  # its message names the file and the line
+        raise SpecError("JOB", e.message) from None
     if not isinstance(data, dict):
         raise SpecError("JOB", f"{path} must hold a mapping of job fields")
-    depth = _depth(data)
-    if depth > MAX_SPEC_DEPTH:
-        raise SpecError("JOB", f"{path} is nested {depth} levels deep; a job file needs at most "
-                               f"{MAX_SPEC_DEPTH}")
     return data
 
 
 #: a job file is a few KiB (a keras_json model a few hundred); gRPC takes at most 16 MiB
 MAX_SPEC_FILE_BYTES = 16 << 20
 MAX_SPEC_DEPTH = 32
-
-
-def _depth(value: Any, level: int = 1) -> int:
-    """How deeply mappings and lists nest in ``value`` (stops counting past the limit)."""
-    if level > MAX_SPEC_DEPTH or not isinstance(value, (dict, list)):
-        return level
-    items = value.values() if isinstance(value, dict) else value
-    return max((_depth(v, level + 1) for v in items), default=level)
