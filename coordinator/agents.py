@@ -24,7 +24,8 @@ from strata.errors import DuplicateAgent, UnknownAgentSession
 from strata.memory import format_size
 from strata.taskconfig import TaskConfig
 from strata.spec import JobSpec
-from strata.types import Job, JobState, MemoryStatus, Task, TaskReport, TaskState
+from strata.auth import Caller
+from strata.types import DiskStatus, Job, JobState, MemoryStatus, Task, TaskReport, TaskState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +74,14 @@ class StopTaskCommand:
     attempt: int = 0  # only this attempt (a stale one); 0: whichever runs
 
 
-AgentCommand = StartTaskCommand | StopTaskCommand
+@dataclasses.dataclass
+class PurgeJobCommand:
+    """The job was deleted: the agent removes its files (``jobs/JOB_ID/``)."""
+
+    job_id: str
+
+
+AgentCommand = StartTaskCommand | StopTaskCommand | PurgeJobCommand
 
 
 # --- live agents -----------------------------------------------------------------------------
@@ -94,6 +102,10 @@ class LiveWorker:
     free_ports: list[int] = dataclasses.field(default_factory=list)
     queue: asyncio.Queue[AgentCommand | None] | None = None
     pid: int = 0
+    #: the credential it registered with (None without authentication): what revoking closes
+    caller: Caller | None = None
+    #: its work directory's disk, as its last heartbeat said
+    disk: DiskStatus = DiskStatus()
 
     @property
     def name(self) -> str:
@@ -177,6 +189,12 @@ class Agents:
         live = self.workers.get(name)
         if live is not None and live.queue is not None:
             live.queue.put_nowait(cmd)
+
+    def broadcast(self, cmd: AgentCommand) -> None:
+        """``cmd`` to every connected agent."""
+        for w in self.workers.values():
+            if w.connected and w.queue is not None:
+                w.queue.put_nowait(cmd)
 
     async def commands(self, name: str, session: str) -> AsyncIterator[AgentCommand]:
         live = self.check_session(name, session)

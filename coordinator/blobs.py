@@ -1,35 +1,62 @@
-"""Files the coordinator keeps for jobs: uploaded blobs and jobs' outputs.
+"""Files the coordinator keeps for jobs: uploaded blobs and jobs' outputs, accounted and bounded.
 
 Blobs (``STATE_DIR/blobs/SHA256``) are what clients upload for a job before submitting it: a
 ``.keras`` model file (``model.keras_file``) or a packed ``code.dir``. They are stored by the
-SHA-256 of their bytes, so a second upload of the same file costs nothing and a job names its
+SHA-256 of their bytes, so a second upload of the same file costs no disk and a job names its
 file by digest; agents fetch them by digest and check it. Outputs
-(``STATE_DIR/outputs/JOB_ID/...``) are what a job's lead task produced (``model.keras``) and the
-coordinator's ``metrics.json``, uploaded by the agent that ran the task, so ``strata download``
-needs no shared file system.
+(``STATE_DIR/outputs/JOB_ID/...``) are what a job's lead task produced (``model.keras``,
+``tensorboard/``) and the coordinator's ``metrics.json``, uploaded by the agent that ran the
+task, so ``strata download`` needs no shared file system.
 
-Limits are the coordinator's (``--max-upload``): an upload over it is refused while it streams
-and leaves nothing behind. Paths from the wire are checked: an output path is relative, without
-``..``; a digest is 64 hex digits.
+Every byte has an owner and a bound:
+
+- **Who holds a blob.** Each user who uploaded a blob, or submitted a job that names it, holds
+  it (a row ``(sha, owner, size, time)``, kept in the store) and is charged its size, once
+  however often it is uploaded. A holding ends when none of that owner's jobs names the blob
+  and it is older than ``blob_grace_s`` (the time between an upload and its submit); a blob
+  nobody holds and no job names is deleted (``collect``).
+- **Quotas.** A user's stored bytes are the blobs it holds plus its jobs' outputs; past
+  ``user_quota`` (``--user-quota``) uploads are refused with ``QuotaExceeded``
+  (RESOURCE_EXHAUSTED). One job's outputs are at most ``max_job_outputs``
+  (``--max-job-outputs``). Refused while the bytes stream, and nothing is left behind.
+- **The disk.** Every chunk is checked against the disk's reserve (``coordinator.disk``):
+  a full disk is ``DiskFull`` (UNAVAILABLE), never a half-written file.
+
+Paths from the wire are checked: an output path is relative, without ``..``; a digest is 64
+hex digits.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
+import logging
 import os
 import shutil
 import tempfile
-from typing import AsyncIterator, Iterable, Iterator
+import time
+from typing import AsyncIterator, Callable, Iterable, Iterator
 
-from strata.errors import NotFoundError, SpecError, UploadError
+from strata.coordinator.disk import DiskGuard
+from strata.errors import NotFoundError, QuotaExceeded, SpecError, UploadError
+from strata.memory import format_size
 from strata.uploads import (  # noqa: F401 (re-exported)
     CHUNK_BYTES, MAX_KERAS_CONFIG_BYTES, SHA256_RE, file_chunks, keras_config, safe_relpath,
 )
 
+log = logging.getLogger("strata.coordinator")
+
 DEFAULT_MAX_UPLOAD_BYTES = 2 << 30       # a .keras file or a code archive
 MAX_OUTPUT_FILE_BYTES = 64 << 30
-
+#: a user's uploads and outputs together (``--user-quota``; 0: no quota): a hundred trained
+#: ResNet50s (~100 MB each) with their code, the week of results --retention keeps by default
+DEFAULT_USER_QUOTA_BYTES = 20 << 30
+#: one job's outputs (``--max-job-outputs``): a model of a few GiB and its TensorBoard logs
+DEFAULT_MAX_JOB_OUTPUTS_BYTES = 8 << 30
+#: how long an upload is held before a job names it (a client uploads, then submits at once;
+#: a job refused at submit leaves its upload for this long so a corrected submit reuses it)
+DEFAULT_BLOB_GRACE_S = 3600.0
 
 
 def check_sha(sha: str, field: str = "sha256") -> str:
@@ -39,13 +66,174 @@ def check_sha(sha: str, field: str = "sha256") -> str:
     return sha
 
 
+@dataclasses.dataclass(frozen=True)
+class Holding:
+    """One owner's hold on one blob: charged ``size`` bytes since ``since``."""
+
+    size: int
+    since: float
+
+
 class BlobStore:
-    def __init__(self, state_dir: str, max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES):
+    def __init__(self, state_dir: str, max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES, *,
+                 disk: DiskGuard | None = None, user_quota: int = 0,
+                 max_job_outputs: int = DEFAULT_MAX_JOB_OUTPUTS_BYTES,
+                 blob_grace_s: float = DEFAULT_BLOB_GRACE_S,
+                 on_hold: Callable[[str, str, int, float], None] | None = None,
+                 on_release: Callable[[str, str], None] | None = None,
+                 clock: Callable[[], float] = time.time):
         self.root = os.path.join(state_dir, "blobs")
         self.outputs_root = os.path.join(state_dir, "outputs")
         self.max_upload_bytes = int(max_upload_bytes)
+        self.disk = disk
+        self.user_quota = int(user_quota)
+        self.max_job_outputs = int(max_job_outputs)
+        self.blob_grace_s = blob_grace_s
+        #: write-through of holdings (the coordinator's store)
+        self._on_hold = on_hold
+        self._on_release = on_release
+        self.clock = clock
         os.makedirs(self.root, exist_ok=True)
         os.makedirs(self.outputs_root, exist_ok=True)
+        #: sha -> owner -> its holding; sha -> job id -> the job's owner (the jobs naming it)
+        self._held: dict[str, dict[str, Holding]] = {}
+        self._refs: dict[str, dict[str, str]] = {}
+        #: job id -> relative path -> bytes, and each job's owner (the outputs on disk)
+        self._outputs: dict[str, dict[str, int]] = {}
+        self._output_owner: dict[str, str] = {}
+        #: owner -> bytes charged (blobs held + outputs): kept as the two above change
+        self._usage: dict[str, int] = {}
+        #: sha -> its file's size, for every blob on disk
+        self._sizes: dict[str, int] = {}
+
+    def load(self, holdings: Iterable[tuple[str, str, int, float]],
+             refs: Iterable[tuple[str, str, str]], owners: dict[str, str]) -> None:
+        """The accounts as the store and the disk have them, at a coordinator's start:
+        ``holdings`` (sha, owner, size, time), ``refs`` (job id, owner, sha) of the jobs held,
+        ``owners`` job id -> owner. Blobs on disk nobody holds are given to no one (collected
+        after the grace unless a job names them); holdings of a blob no longer on disk end;
+        outputs of jobs no longer held and unfinished uploads are deleted."""
+        now = self.clock()
+        for name in os.listdir(self.root):
+            path = os.path.join(self.root, name)
+            if name.startswith(".upload-"):
+                _unlink(path)  # an upload cut short by a stop
+            elif SHA256_RE.match(name) and os.path.isfile(path):
+                self._sizes[name] = os.path.getsize(path)
+        for sha, owner, _size, since in holdings:
+            if sha in self._sizes:
+                self._hold(sha, owner, since, write=False)
+            elif self._on_release is not None:
+                self._on_release(sha, owner)
+        for sha in self._sizes:
+            if sha not in self._held:
+                self._hold(sha, "", now)
+        for job_id, owner, sha in refs:
+            self._refs.setdefault(sha, {})[job_id] = owner
+        for job_id in os.listdir(self.outputs_root):
+            root = os.path.join(self.outputs_root, job_id)
+            if job_id not in owners:
+                shutil.rmtree(root, ignore_errors=True)  # its job was deleted meanwhile
+                continue
+            for rel in self._files(root):
+                try:
+                    self._count_output(job_id, owners[job_id], rel,
+                                       os.path.getsize(os.path.join(root, rel)))
+                except OSError:
+                    pass
+
+    # -- accounts
+
+    def usage(self, owner: str) -> int:
+        """Bytes charged to ``owner``: the blobs it holds and its jobs' outputs."""
+        return self._usage.get(owner, 0)
+
+    def totals(self) -> tuple[int, int]:
+        """Bytes on disk of blobs and of outputs."""
+        return sum(self._sizes.values()), sum(sum(f.values()) for f in self._outputs.values())
+
+    def _charge(self, owner: str, delta: int) -> None:
+        left = self._usage.get(owner, 0) + delta
+        if left > 0:
+            self._usage[owner] = left
+        else:
+            self._usage.pop(owner, None)
+
+    def _hold(self, sha: str, owner: str, since: float, write: bool = True) -> None:
+        held = self._held.setdefault(sha, {})
+        size = self._sizes.get(sha, 0)
+        old = held.get(owner)
+        if old is not None:
+            self._charge(owner, -old.size)
+        held[owner] = Holding(size, since)
+        self._charge(owner, size)
+        if write and self._on_hold is not None:
+            self._on_hold(sha, owner, size, since)
+
+    def _check_quota(self, owner: str, more: int, what: str) -> None:
+        if self.user_quota and self.usage(owner) + more > self.user_quota:
+            who = f"user {owner}" if owner else "the cluster's one user (no authentication)"
+            raise QuotaExceeded(
+                f"{what} would take {who} past the stored-bytes quota of "
+                f"{format_size(self.user_quota)} (--user-quota): {format_size(self.usage(owner))} "
+                "held in uploads and outputs; delete finished jobs (strata delete) to make room")
+
+    def _check_disk(self, more: int, what: str) -> None:
+        if self.disk is not None:
+            self.disk.check(more, what)
+
+    def attach(self, job_id: str, owner: str, shas: Iterable[str]) -> None:
+        """A job names these blobs: its owner holds each (charged once per blob), and the
+        blob is kept while the job is."""
+        now = self.clock()
+        for sha in shas:
+            self._refs.setdefault(sha, {})[job_id] = owner
+            held = self._held.get(sha, {})
+            if owner not in held:
+                self._hold(sha, owner, now)
+
+    def detach(self, job_id: str, shas: Iterable[str]) -> None:
+        """A job is deleted: it names its blobs no more (``collect`` deletes what nobody
+        holds)."""
+        for sha in shas:
+            refs = self._refs.get(sha)
+            if refs is not None:
+                refs.pop(job_id, None)
+                if not refs:
+                    del self._refs[sha]
+
+    def collect(self) -> tuple[int, int]:
+        """Ends the holdings no job of their owner names and older than the grace, and deletes
+        the blobs nobody holds and no job names. Returns (files deleted, bytes freed)."""
+        now = self.clock()
+        files = freed = 0
+        for sha in list(self._held):
+            named_by = set(self._refs.get(sha, {}).values())
+            held = self._held[sha]
+            for owner, h in list(held.items()):
+                if owner not in named_by and now - h.since >= self.blob_grace_s:
+                    del held[owner]
+                    self._charge(owner, -h.size)
+                    if self._on_release is not None:
+                        self._on_release(sha, owner)
+            if not held and sha not in self._refs:
+                del self._held[sha]
+                size = self._sizes.pop(sha, 0)
+                _unlink(os.path.join(self.root, sha))
+                files += 1
+                freed += size
+        return files, freed
+
+    def check(self) -> None:
+        """Asserts that the kept usage equals a recount of holdings and outputs (tests)."""
+        want: dict[str, int] = {}
+        for held in self._held.values():
+            for owner, h in held.items():
+                want[owner] = want.get(owner, 0) + h.size
+        for job_id, files in self._outputs.items():
+            owner = self._output_owner[job_id]
+            want[owner] = want.get(owner, 0) + sum(files.values())
+        assert {k: v for k, v in want.items() if v} == self._usage, (want, self._usage)
 
     # -- blobs
 
@@ -55,9 +243,10 @@ class BlobStore:
     def exists(self, sha: str) -> bool:
         return os.path.isfile(self.path(sha))
 
-    async def put(self, chunks: AsyncIterator[bytes]) -> tuple[str, int]:
-        """Stores the streamed bytes; returns ``(sha256, size)``. Refuses more than
-        ``max_upload_bytes`` as it streams."""
+    async def put(self, chunks: AsyncIterator[bytes], owner: str = "") -> tuple[str, int]:
+        """Stores the streamed bytes for ``owner``; returns ``(sha256, size)``. Refuses, as it
+        streams, more than ``max_upload_bytes`` and more than the disk's reserve leaves; once
+        whole, a file the owner does not hold yet that its quota has no room for."""
         h = hashlib.sha256()
         size = 0
         fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".upload-")
@@ -68,10 +257,17 @@ class BlobStore:
                     if size > self.max_upload_bytes:
                         raise UploadError(f"upload is over the coordinator's limit of "
                                           f"{self.max_upload_bytes:,} bytes (--max-upload)")
+                    if self.user_quota and size > self.user_quota:
+                        self._check_quota(owner, size, "the upload")
+                    self._check_disk(len(data), "the upload")
                     h.update(data)
                     await asyncio.to_thread(f.write, data)  # a slow disk never stalls the loop
             sha = h.hexdigest()
+            if owner not in self._held.get(sha, {}):  # a file it holds already costs nothing
+                self._check_quota(owner, size, "the upload")
             os.replace(tmp, os.path.join(self.root, sha))
+            self._sizes[sha] = size
+            self._hold(sha, owner, self.clock())  # held anew: the grace starts again
             return sha, size
         finally:
             if os.path.exists(tmp):
@@ -111,11 +307,16 @@ class BlobStore:
         return path
 
     async def put_output(self, job_id: str, relpath: str, chunks: AsyncIterator[bytes],
-                         limit: int) -> int:
-        """Stores one output file from its streamed chunks; returns its size. Written under a
-        temporary name and renamed when whole, so a broken upload leaves no partial file."""
+                         limit: int = MAX_OUTPUT_FILE_BYTES, owner: str = "") -> int:
+        """Stores one output file of ``owner``'s job from its streamed chunks; returns its
+        size. Refused as it streams past ``limit``, the job's outputs cap, the owner's quota
+        or the disk's reserve. Written under a temporary name and renamed when whole, so a
+        broken upload leaves no partial file; a file uploaded again replaces the first."""
         path = self.output_path(job_id, relpath)
+        rel = os.path.relpath(path, self.output_dir(job_id))
         tmp = f"{path}.part"
+        before = self._outputs.get(job_id, {}).get(rel, 0)
+        job_bytes = sum(self._outputs.get(job_id, {}).values()) - before
         size = 0
         try:
             with open(tmp, "wb") as f:
@@ -123,22 +324,43 @@ class BlobStore:
                     size += len(data)
                     if size > limit:
                         raise UploadError(f"output file {relpath!r} is over {limit:,} bytes")
+                    if job_bytes + size > self.max_job_outputs:
+                        raise QuotaExceeded(
+                            f"output {relpath[:64]!r} would take job {job_id}'s outputs past "
+                            f"{format_size(self.max_job_outputs)} (--max-job-outputs)")
+                    self._check_quota(owner, size - before, f"output {relpath[:64]!r} of job "
+                                                            f"{job_id}")
+                    self._check_disk(len(data), f"output {relpath[:64]!r} of job {job_id}")
                     await asyncio.to_thread(f.write, data)
             os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
+        self._count_output(job_id, owner, rel, size)
         return size
 
-    def write_output(self, job_id: str, relpath: str, data: bytes) -> None:
+    def _count_output(self, job_id: str, owner: str, rel: str, size: int) -> None:
+        files = self._outputs.setdefault(job_id, {})
+        self._output_owner[job_id] = owner
+        self._charge(owner, size - files.get(rel, 0))
+        files[rel] = size
+
+    def write_output(self, job_id: str, relpath: str, data: bytes, owner: str = "") -> None:
+        """A small output the coordinator writes itself (``metrics.json``): not refused by
+        quota or reserve, counted all the same."""
         path = self.output_path(job_id, relpath)
         with open(f"{path}.part", "wb") as f:
             f.write(data)
         os.replace(f"{path}.part", path)
+        self._count_output(job_id, owner, os.path.relpath(path, self.output_dir(job_id)),
+                           len(data))
 
     def outputs(self, job_id: str) -> list[str]:
         """The job's output files, relative paths, sorted."""
-        root = self.output_dir(job_id)
+        return self._files(self.output_dir(job_id))
+
+    @staticmethod
+    def _files(root: str) -> list[str]:
         out = []
         for base, _dirs, files in os.walk(root):
             for name in files:
@@ -165,3 +387,15 @@ class BlobStore:
 
     def delete_outputs(self, job_id: str) -> None:
         shutil.rmtree(self.output_dir(job_id), ignore_errors=True)
+        files = self._outputs.pop(job_id, {})
+        owner = self._output_owner.pop(job_id, "")
+        self._charge(owner, -sum(files.values()))
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        log.warning("cannot delete %s: %s", path, e.strerror)

@@ -27,16 +27,21 @@ from typing import Any, AsyncIterator, Callable, Iterable, Mapping, Sequence
 from strata import strategies
 from strata.coordinator.agents import (
     AgentCommand, Agents, CallWait, HeartbeatDelay, LiveWorker, Needs, NO_NEEDS, StartTaskCommand,
-    StopTaskCommand, reconcile,
+    PurgeJobCommand, StopTaskCommand, reconcile,
 )
-from strata.coordinator.blobs import DEFAULT_MAX_UPLOAD_BYTES, BlobStore
+from strata.coordinator.blobs import (
+    DEFAULT_BLOB_GRACE_S, DEFAULT_MAX_JOB_OUTPUTS_BYTES, DEFAULT_MAX_UPLOAD_BYTES, BlobStore,
+)
+from strata.coordinator.confine import check_report, job_blobs
 from strata.coordinator.jobtable import JobTable
 from strata.coordinator.logs import JobLogs
 from strata.coordinator.placement import Capacity, Placement, Room, TaskDemand, place
 from strata.coordinator.series import Series
-from strata.coordinator.store import Store, WorkerRecord
+from strata.coordinator.disk import DEFAULT_RESERVE_BYTES, DiskGuard
+from strata.coordinator.logs import DEFAULT_MAX_JOB_LOG_BYTES
+from strata.coordinator.store import SqliteStore, Store, WorkerRecord
 from strata.errors import (
-    InfeasibleError, InvalidTransition, NotFoundError, NotYours, QuotaExceeded, SpecError,
+    DiskFull, InfeasibleError, InvalidTransition, NotFoundError, NotYours, QuotaExceeded, SpecError,
 )
 from strata.dataroots import outside_message, under_roots
 from strata.limits import (
@@ -51,8 +56,9 @@ from strata.spec import JobSpec, parse_job_spec
 from strata.strategies import FailureAction, describe_failure
 from strata.taskconfig import REPORT_INTERVAL_S, TaskConfig
 from strata.tfconfig import build_tf_config
+from strata.auth import Caller
 from strata.types import (
-    FailureKind, Job, JobEvent, JobPlan, JobState, MemoryStatus, Plan, Task,
+    CoordinatorDisk, DiskStatus, FailureKind, Job, JobEvent, JobPlan, JobState, MemoryStatus, Plan, Task,
     TaskReport, TaskState, WorkerInfo, WorkerOffer, WorkerState, WorkerTask, can_transition,
 )
 
@@ -232,7 +238,12 @@ class Coordinator:
                  max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES, allow_user_code: bool = False,
                  max_pending_per_user: int = DEFAULT_MAX_PENDING_PER_USER,
                  max_tasks_per_job: int = DEFAULT_MAX_TASKS_PER_JOB,
-                 retention_s: float = DEFAULT_RETENTION_S):
+                 retention_s: float = DEFAULT_RETENTION_S, user_quota: int = 0,
+                 max_job_outputs: int = DEFAULT_MAX_JOB_OUTPUTS_BYTES,
+                 max_job_logs: int = DEFAULT_MAX_JOB_LOG_BYTES,
+                 disk_reserve: int = DEFAULT_RESERVE_BYTES,
+                 disk_ballast: int | None = None,
+                 blob_grace_s: float = DEFAULT_BLOB_GRACE_S):
         self.store = store
         #: finished jobs are deleted this long after they ended (``--retention``; 0: kept)
         self.retention_s = retention_s
@@ -246,8 +257,20 @@ class Coordinator:
         #: jobs may run their own Python (``code:``) on the agents: ``--allow-user-code``
         self.allow_user_code = allow_user_code
         self.state_dir = state_dir
-        self.logs = JobLogs(os.path.join(state_dir, "logs"))
-        self.blobs = BlobStore(state_dir, max_upload_bytes)
+        #: the state directory's room: bulk writes stop at the reserve, the ballast is what a
+        #: write that finds no room at all can free (``coordinator.disk``)
+        self.disk = DiskGuard(state_dir, disk_reserve, disk_ballast)
+        if isinstance(store, SqliteStore):
+            store.on_full = self.disk.release
+        self.logs = JobLogs(os.path.join(state_dir, "logs"), max_job_logs, self.disk)
+        self.blobs = BlobStore(state_dir, max_upload_bytes, disk=self.disk,
+                               user_quota=user_quota, max_job_outputs=max_job_outputs,
+                               blob_grace_s=blob_grace_s, on_hold=store.put_blob_owner,
+                               on_release=store.delete_blob_owner, clock=clock)
+        owners = store.job_owners()
+        self.blobs.load(store.load_blob_owners(), store.blob_refs(), owners)
+        self.logs.load(owners)
+        self._next_collection = 0.0
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.heartbeat_interval_s = heartbeat_interval_s
         self.tick_interval_s = tick_interval_s
@@ -328,6 +351,8 @@ class Coordinator:
         self._wake = asyncio.Event()
         self._metrics_saved: dict[str, float] = {}
         self._stops_sent: dict[tuple[str, str, str, int], float] = {}
+        self._implausible_said: dict[str, float] = {}
+        self._disk_full_said = 0.0
         self._stopping = False
         #: job id -> its memory probe's job id (``memory.profile``), while the job waits for it.
         #: Not persisted: after a coordinator restart a waiting job runs on its estimates.
@@ -372,7 +397,7 @@ class Coordinator:
             heapq.heappush(self._ended, (job.finished_at, job.id))
         self.store.put_job(job)
         self._event(job, "state", f"{target.value}: {message}" if message else target.value)
-        if target == JobState.SUCCEEDED:
+        if target == JobState.SUCCEEDED and not job.recovery.probe_of:  # a probe keeps no files
             self._write_metrics(job)
         if target.final:
             self.wake()  # its reservations are free once its processes are gone
@@ -394,7 +419,7 @@ class Coordinator:
                            "weights_sha256": t.weights_sha256} for t in job.tasks]}
         try:
             self.blobs.write_output(job.id, "metrics.json",
-                                    (json.dumps(body, indent=1) + "\n").encode())
+                                    (json.dumps(body, indent=1) + "\n").encode(), job.owner)
         except OSError as e:
             log.warning("cannot write metrics.json of %s: %s", job.id, e)
 
@@ -534,8 +559,10 @@ class Coordinator:
         # waits for it, then is planned with what it measured (``_after_probe``)
         probing = probe_spec(spec)
         probe = self._add_job(probing, plan, note=f"memory probe of job {spec.name!r}",
-                              owner=owner)
+                              owner=owner, probe_of=spec.name)
         job = self._add_job(spec, plan, request_id=request_id, owner=owner)
+        probe.recovery.probe_of = job.id
+        self.store.put_job(probe)
         self._probe_of[job.id] = probe.id
         job.message = f"waiting for its memory probe {probe.id}"
         self.store.put_job(job)
@@ -545,7 +572,7 @@ class Coordinator:
         return job
 
     def _add_job(self, spec: JobSpec, plan: JobPlan, note: str = "",
-                 request_id: str = "", owner: str = "") -> Job:
+                 request_id: str = "", owner: str = "", probe_of: str = "") -> Job:
         now = self.clock()
         job_id = f"{spec.name}-{secrets.token_hex(3)}"
         while job_id in self.jobs:
@@ -554,10 +581,12 @@ class Coordinator:
                   spec=spec, created_at=now, estimated_memory_bytes=plan.largest_estimate,
                   message="waiting for workers")
         job.recovery.request_id = request_id
+        job.recovery.probe_of = probe_of
         job.owner = owner
         job.tasks = _tasks_of(job_id, plan)
         self.store.put_job(job)
         self.store.put_tasks(job.tasks)
+        self.blobs.attach(job_id, owner, job_blobs(spec))
         self.jobs[job_id] = job  # only once stored: a failed write leaves no phantom job
         self._live[job_id] = job
         if self._order is not None:
@@ -663,13 +692,57 @@ class Coordinator:
     def log_path(self, job_id: str, role: str, index: int) -> str:
         return self.logs.path(job_id, role, index)
 
-    def append_logs(self, worker: str, session: str, job_id: str, role: str, index: int,
-                    data: bytes) -> None:
+    def live_task(self, worker: str, session: str, job_id: str, role: str, index: int,
+                  attempt: int) -> tuple[Job, Task]:
+        """The task an agent's call names, if that agent runs it now: assigned to ``worker``,
+        of this ``attempt``, not ended. Anything else is ``NotYours`` (PERMISSION_DENIED):
+        another agent's task, an attempt that moved on, a task or job that has ended."""
         self.agents.check_session(worker, session)
         job = self.jobs.get(job_id)
-        if job is None or not any(t.role == role and t.index == index for t in job.tasks):
-            return
+        task = self._task(job_id, role, index) if job is not None else None
+        what = f"task {role[:32]}:{index} of job {job_id[:64]!r}"
+        if job is None or task is None or task.worker != worker:
+            raise NotYours(f"{what} is not assigned to worker {worker[:64]!r}")
+        if attempt != task.attempt:
+            raise NotYours(f"{what}: attempt {attempt} is not its current attempt "
+                           f"{task.attempt}")
+        if task.state.final:
+            raise NotYours(f"{what} has ended ({task.state.value})")
+        return job, task
+
+    def append_logs(self, worker: str, session: str, job_id: str, role: str, index: int,
+                    data: bytes, attempt: int) -> None:
+        """A chunk of a task's output, from the agent that runs it (``live_task``)."""
+        self.live_task(worker, session, job_id, role, index, attempt)
         self.logs.append(job_id, role, index, data)
+
+    def may_fetch(self, worker: str, session: str, sha: str) -> None:
+        """An agent fetches only the files that the jobs of the tasks it runs name."""
+        self.agents.check_session(worker, session)
+        for job in self._live.values():
+            if sha in job_blobs(job.spec) and any(
+                    t.worker == worker and not t.state.final for t in job.tasks):
+                return
+        raise NotYours(f"no task on worker {worker[:64]!r} needs blob {sha[:12]}")
+
+    def output_task(self, worker: str, session: str, job_id: str, role: str, index: int,
+                    attempt: int, path: str) -> Job:
+        """The job an agent may upload output ``path`` of: its lead task runs on that agent
+        (``live_task``), the job has not ended (a finished job's outputs never change), and
+        it is not a memory probe (which keeps figures, no files). ``metrics.json`` is the
+        coordinator's own."""
+        job, task = self.live_task(worker, session, job_id, role, index, attempt)
+        if job.state.final:
+            raise NotYours(f"job {job.id} has ended ({job.state.value}): its outputs are kept "
+                           "as they are")
+        if not strategies.get(job.strategy).is_lead(task):
+            raise NotYours(f"task {role[:32]}:{index} of job {job.id} is not the task whose "
+                           "outputs the job keeps")
+        if job.recovery.probe_of:
+            raise NotYours(f"job {job.id} is a memory probe: it keeps figures, no outputs")
+        if path.replace("\\", "/").strip("/") == "metrics.json":
+            raise NotYours("metrics.json is written by the coordinator")
+        return job
 
     def read_logs(self, job_id: str, tasks: list[tuple[str, int]], follow: bool,
                   tail_lines: int = 0) -> AsyncIterator[tuple[str, int, bytes]]:
@@ -701,8 +774,21 @@ class Coordinator:
         self.series.forget(job.id)
         self.logs.delete(job.id)
         self.blobs.delete_outputs(job.id)
+        self.blobs.detach(job.id, job_blobs(job.spec))
+        self.agents.broadcast(PurgeJobCommand(job_id=job.id))
         self._notify(job.id)
         return job
+
+    def _collect(self, now: float) -> None:
+        """Deletes the uploaded files nobody holds any more (``BlobStore.collect``) and makes
+        the disk's ballast again once there is room, every ``EXPIRY_INTERVAL_S``."""
+        if now < self._next_collection:
+            return
+        self._next_collection = now + EXPIRY_INTERVAL_S
+        files, freed = self.blobs.collect()
+        if files:
+            log.info("deleted %d uploaded file(s) no job names (%s)", files, format_size(freed))
+        self.disk.restore()
 
     def _expire(self, now: float) -> None:
         """Deletes jobs that ended more than ``retention_s`` ago (``--retention``)."""
@@ -731,13 +817,14 @@ class Coordinator:
     def register(self, name: str, host: str, device: str, budget_bytes: int, free_ports: list[int],
                  reports: list[TaskReport], work_dir: str = "", pid: int = 0,
                  shared_dir: str = "", draining: bool = False,
-                 data_roots: list[str] | None = None) -> str:
+                 data_roots: list[str] | None = None, caller: Caller | None = None) -> str:
         now = self.clock()
         rec = WorkerRecord(name=name, address=host, device=device, budget_bytes=budget_bytes,
                            work_dir=work_dir, last_seen=now, shared_dir=shared_dir,
                            data_roots=list(data_roots or []))
         live = self.agents.register(rec, pid, free_ports, now, self.monotonic(),
                                     self.heartbeat_timeout_s)
+        live.caller = caller
         self.heartbeat_delay.forget(name)
         held = self._ports_held.get(name, set())
         live.free_ports = [p for p in live.free_ports if str(p) not in held]
@@ -769,12 +856,15 @@ class Coordinator:
                             "the agent restarted and no longer runs this task")
 
     def heartbeat(self, name: str, session: str, memory: MemoryStatus, reports: list[TaskReport],
-                  free_ports: list[int], sent_at: float = 0.0) -> None:
+                  free_ports: list[int], sent_at: float = 0.0,
+                  disk: DiskStatus | None = None) -> None:
         live = self.agents.check_session(name, session)
         was_lost = live.lost
         live.last_seen, live.heard = self.clock(), self.monotonic()
         self.heartbeat_delay.observe(name, live.last_seen, sent_at)
         live.memory = memory
+        if disk is not None:
+            live.disk = disk
         # A heartbeat composed before the agent saw its latest start may still offer the port
         # that start took: never hand out a port a live task of this worker holds.
         in_use = self._ports_held.get(name, set())
@@ -812,6 +902,14 @@ class Coordinator:
                                                         index=r.index, reason="its job has ended",
                                                         attempt=r.attempt))
 
+    def _implausible(self, worker: str, e: SpecError) -> None:
+        """A heartbeat's report that claims the impossible is not applied; said once a minute
+        per agent (the heartbeat itself goes on: it is how the agent is known alive)."""
+        now = self.clock()
+        if now - self._implausible_said.get(worker, 0.0) >= 60.0:
+            self._implausible_said[worker] = now
+            log.warning("worker %s: a report was refused: %s", worker, e)
+
     def tasks_on(self, name: str) -> int:
         """Tasks assigned to the worker that have not ended."""
         return sum(1 for j in self._live.values() for t in j.tasks
@@ -848,19 +946,26 @@ class Coordinator:
         return next((t for t in job.tasks if t.role == role and t.index == index), None)
 
     def report(self, worker: str, session: str, r: TaskReport, strict: bool = False) -> None:
-        """An agent's report of one task. Reports of tasks the agent does not run for the
-        coordinator are ignored (a heartbeat repeats what an agent still runs of an attempt
-        that moved on); ``strict`` (a ``ReportTask`` call) refuses a report of a task that is
-        not assigned to that agent at all (``NotYours``)."""
-        self.agents.check_session(worker, session)
-        job = self.jobs.get(r.job_id)
-        task = self._task(*r.key)
-        if strict and (job is None or task is None or task.worker != worker):
-            raise NotYours(f"task {r.role[:32]}:{r.index} of job {r.job_id[:64]!r} is not "
-                           f"assigned to worker {worker[:64]!r}")
-        if job is None or task is None or task.worker != worker or r.attempt != task.attempt:
-            return
-        if task.state.final:
+        """An agent's report of one task. ``strict`` (a ``ReportTask`` call) refuses a report
+        of a task the agent does not run now (``live_task``: ``NotYours``) or whose figures
+        are impossible (``confine.check_report``: ``SpecError`` naming the field). A
+        heartbeat's reports are not refused but such ones are not applied: a heartbeat
+        repeats what an agent still runs of an attempt that moved on."""
+        live = self.agents.check_session(worker, session)
+        if strict:
+            job, task = self.live_task(worker, session, *r.key, r.attempt)
+        else:
+            found, mine = self.jobs.get(r.job_id), self._task(*r.key)
+            if found is None or mine is None or mine.worker != worker \
+                    or r.attempt != mine.attempt or mine.state.final:
+                return
+            job, task = found, mine
+        try:
+            check_report(r, job.spec, live.record.budget_bytes, self.clock())
+        except SpecError as e:
+            if strict:
+                raise
+            self._implausible(worker, e)
             return
         strategy = strategies.get(job.strategy)
         # Heartbeats repeat the last report of every task: only a change wakes watchers.
@@ -1215,6 +1320,7 @@ class Coordinator:
         if over and self._order is not None:
             self._order = [j for j in self._order if j.id not in over]
         self._expire(now)  # (after: it takes the jobs out of _live as over)
+        self._collect(now)
         self._tick_cache, self._tick_failed = {}, {}
         self._tick_version = self._room_version
         try:
@@ -1312,17 +1418,51 @@ class Coordinator:
                                        if changes else "kept"))
         return True
 
-    def _mark_lost(self, w: LiveWorker) -> None:
-        log.warning("worker %s lost: no heartbeat for %.1f s", w.name, self.heartbeat_timeout_s)
+    def _mark_lost(self, w: LiveWorker, why: str = "") -> None:
+        why = why or f"no heartbeat for {self.heartbeat_timeout_s:g} s"
+        log.warning("worker %s lost: %s", w.name, why)
         self.agents.mark_lost(w)
         self._standing_version += 1
         self._refresh(w.name)
         for job in list(self._live.values()):
             for t in job.tasks:
                 if t.worker == w.name and not t.state.final:
-                    self._fail_task(job, t, FailureKind.LOST,
-                                    f"worker {w.name} lost (no heartbeat for "
-                                    f"{self.heartbeat_timeout_s:g} s)")
+                    self._fail_task(job, t, FailureKind.LOST, f"worker {w.name} lost ({why})")
+
+    def revoke_agents(self, match: Callable[[Caller], bool], why: str) -> list[str]:
+        """The connected agents whose credential ``match``es are LOST at once: their
+        sessions end, their tasks fail as a lost agent's do (their jobs restart elsewhere
+        from their checkpoints), nothing more is placed on them. Returns their names."""
+        lost = []
+        for w in list(self.agents.values()):
+            if w.connected and w.caller is not None and match(w.caller):
+                self._mark_lost(w, f"its credentials were revoked: {why}")
+                lost.append(w.name)
+        if lost:
+            self.wake()
+        return lost
+
+    def output_refused(self, job: Job, path: str, why: str) -> None:
+        """An output the job's agent could not store (a quota, a cap, the disk): the job
+        says so, as its outputs will lack it."""
+        self._event(job, "message", f"output {path[:64]!r} not kept: {why}")
+
+    def disk_status(self) -> CoordinatorDisk:
+        """What ``--state-dir`` holds by kind, and what its file system has left."""
+        use = self.disk.use()
+        blobs, outputs = self.blobs.totals()
+        logs = self.logs.total()
+        db = 0
+        for suffix in ("", "-wal", "-shm"):
+            try:
+                db += os.path.getsize(os.path.join(self.state_dir, "strata.db" + suffix))
+            except OSError:
+                pass
+        return CoordinatorDisk(
+            disk=DiskStatus(used_bytes=blobs + outputs + logs + db, free_bytes=use.free_bytes,
+                            total_bytes=use.total_bytes),
+            blobs_bytes=blobs, outputs_bytes=outputs, logs_bytes=logs,
+            reserve_bytes=self.disk.reserve_bytes)
 
     def _try_schedule(self, job: Job) -> None:
         assert job.spec is not None
@@ -1382,6 +1522,7 @@ class Coordinator:
         return TaskConfig(job_id=job.id, role=t.role, index=t.index, spec=job.spec,
                           memory_budget_bytes=t.memory_budget_bytes,
                           report_interval_s=REPORT_INTERVAL_S, restart=job.restarts,
+                          probe=bool(job.recovery.probe_of),
                           section=strategies.get(job.strategy).task_section(job, t))
 
     def _send_start(self, job: Job, t: Task, cluster: dict[str, list[str]] | None = None) -> None:
@@ -1404,6 +1545,11 @@ class Coordinator:
             self._wake.clear()
             try:
                 self.tick()
+            except DiskFull as e:  # said once a minute, never a traceback a tick
+                now = self.clock()
+                if now - self._disk_full_said >= 60.0:
+                    self._disk_full_said = now
+                    log.error("control loop tick: %s", e)
             except Exception:  # a bug in one tick must not stop the control plane
                 log.exception("control loop tick failed")
                 if self._check_room:
@@ -1472,5 +1618,5 @@ class Coordinator:
                                     in_use_bytes=w.memory.in_use_bytes,
                                     peak_bytes=w.memory.peak_bytes),
                 tasks=tasks, last_seen=w.last_seen, shared_dir=w.record.shared_dir,
-                data_roots=list(w.record.data_roots)))
+                data_roots=list(w.record.data_roots), disk=w.disk))
         return out

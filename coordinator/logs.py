@@ -3,6 +3,10 @@
 One file per task, ``STATE_DIR/logs/JOB_ID/ROLE-INDEX.log``, so logs outlive the agents. Readers
 follow them through an ``asyncio.Event`` per job, kept apart from the job watchers' signals so
 that log traffic never wakes a job watcher (each wake-up sends it a snapshot).
+
+A job's logs, all its tasks together, are at most ``max_job_bytes`` (``--max-job-logs``): what
+comes after is dropped, and one line in the log says so. Logs are not refused (the agent would
+only send them again); a disk below its reserve is (``DiskFull``: the agent keeps them a while).
 """
 
 from __future__ import annotations
@@ -10,32 +14,77 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-from typing import AsyncIterator, Callable, Sequence
+from typing import TYPE_CHECKING, AsyncIterator, Callable, Collection, Sequence
 
+from strata.memory import format_size
+
+if TYPE_CHECKING:
+    from strata.coordinator.disk import DiskGuard
+
+#: one job's logs, all tasks (``--max-job-logs``): a week of a chatty task (a line a second)
+DEFAULT_MAX_JOB_LOG_BYTES = 256 << 20
 READ_CHUNK_BYTES = 1 << 20
 TAIL_BLOCK_BYTES = 64 * 1024
 FOLLOW_POLL_S = 1.0
 
 
 class JobLogs:
-    def __init__(self, log_dir: str):
+    def __init__(self, log_dir: str, max_job_bytes: int = DEFAULT_MAX_JOB_LOG_BYTES,
+                 disk: DiskGuard | None = None):
         self.log_dir = log_dir
+        self.max_job_bytes = max_job_bytes
+        self.disk = disk
         self._signals: dict[str, asyncio.Event] = {}
+        #: job id -> bytes of its logs on disk
+        self._bytes: dict[str, int] = {}
+
+    def load(self, jobs: Collection[str]) -> None:
+        """Counts the logs on disk at a coordinator's start; deletes those of jobs not held
+        (deleted while the coordinator stopped)."""
+        if not os.path.isdir(self.log_dir):
+            return
+        for job_id in os.listdir(self.log_dir):
+            root = os.path.join(self.log_dir, job_id)
+            if job_id not in jobs:
+                shutil.rmtree(root, ignore_errors=True)
+                continue
+            total = 0
+            for name in os.listdir(root):
+                try:
+                    total += os.path.getsize(os.path.join(root, name))
+                except OSError:
+                    pass
+            self._bytes[job_id] = total
+
+    def total(self) -> int:
+        return sum(self._bytes.values())
 
     def path(self, job_id: str, role: str, index: int) -> str:
         return os.path.join(self.log_dir, job_id, f"{role}-{index}.log")
 
     def append(self, job_id: str, role: str, index: int, data: bytes) -> None:
+        used = self._bytes.get(job_id, 0)
+        if used >= self.max_job_bytes:
+            return  # past the cap: dropped (the line that says so is in the log)
+        if used + len(data) > self.max_job_bytes:
+            cut = self.max_job_bytes - used
+            data = data[:cut] + (f"\n[strata] this job's logs reached "
+                                 f"{format_size(self.max_job_bytes)} (--max-job-logs); "
+                                 "what the tasks print from here on is not kept\n").encode()
+        if self.disk is not None:
+            self.disk.check(len(data), f"logs of job {job_id}")
         path = self.path(job_id, role, index)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "ab") as f:
             f.write(data)
+        self._bytes[job_id] = used + len(data)
         ev = self._signals.pop(job_id, None)
         if ev is not None:
             ev.set()
 
     def delete(self, job_id: str) -> None:
         shutil.rmtree(os.path.join(self.log_dir, job_id), ignore_errors=True)
+        self._bytes.pop(job_id, None)
 
     def tail_offset(self, job_id: str, role: str, index: int, lines: int) -> int:
         """Where the last ``lines`` lines of a task's log start (read backwards in blocks)."""

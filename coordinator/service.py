@@ -29,7 +29,7 @@ from google.protobuf.message import Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from strata.auth import CLUSTER, Auth, AuthFileError, Caller, Denied
+from strata.auth import _NAME_RE, CLUSTER, Auth, AuthFileError, Caller, Denied
 from strata.coordinator.bounds import Undecodable, check_request
 from strata.coordinator.agents import CallWait
 from strata.coordinator.core import Coordinator, prepare
@@ -44,11 +44,16 @@ from strata.protos import strata_pb2 as pb
 from strata.protos import strata_pb2_grpc as pb_grpc
 from strata import convert
 from strata.errors import (
-    DuplicateAgent, InfeasibleError, InvalidTransition, NotFoundError, NotYours, QuotaExceeded,
+    DiskFull, DuplicateAgent, InfeasibleError, InvalidTransition, NotFoundError, NotYours, QuotaExceeded,
     SpecError, StrataError,
     UnknownAgentSession, UploadError, UserCodeRefused,
 )
-from strata.coordinator.blobs import DEFAULT_MAX_UPLOAD_BYTES, MAX_OUTPUT_FILE_BYTES, check_sha
+from strata.coordinator.blobs import (
+    DEFAULT_BLOB_GRACE_S, DEFAULT_MAX_JOB_OUTPUTS_BYTES, DEFAULT_MAX_UPLOAD_BYTES,
+    DEFAULT_USER_QUOTA_BYTES, MAX_OUTPUT_FILE_BYTES, check_sha,
+)
+from strata.coordinator.disk import DEFAULT_RESERVE_BYTES, is_full
+from strata.coordinator.logs import DEFAULT_MAX_JOB_LOG_BYTES
 from strata.types import JobState, TaskReport, WorkerState
 
 log = logging.getLogger("strata.coordinator")
@@ -58,6 +63,8 @@ log = logging.getLogger("strata.coordinator")
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 #: Trailing metadata key that carries a SpecError's field, so clients get it as data.
 FIELD_METADATA_KEY = "strata-field"
+#: trailing metadata that says why a call was refused where the code alone does not
+REASON_METADATA_KEY = "strata-reason"
 
 
 class PermissionDenied(StrataError):
@@ -66,6 +73,10 @@ class PermissionDenied(StrataError):
 
 class MalformedRequest(StrataError):
     """A message that parses but carries values no Strata client sends (e.g. unknown enums)."""
+
+
+class NotConfigured(StrataError):
+    """The call needs something this coordinator was not started with (authentication)."""
 
 
 # The one table from domain errors to gRPC status codes (most specific first).
@@ -82,12 +93,18 @@ STATUS_CODES: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
     (NotYours, grpc.StatusCode.PERMISSION_DENIED),
     (QuotaExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (DiskFull, grpc.StatusCode.UNAVAILABLE),
+    (NotConfigured, grpc.StatusCode.FAILED_PRECONDITION),
     (StrataError, grpc.StatusCode.INTERNAL),
 )
 
 
 def status_for(err: Exception) -> tuple[grpc.StatusCode, str]:
-    """The gRPC status for an error raised by a handler."""
+    """The gRPC status for an error raised by a handler. A write that found the disk full,
+    wherever it was, is UNAVAILABLE (``DiskFull``), never INTERNAL."""
+    if is_full(err):
+        err = DiskFull("the coordinator's disk is full: free room on the file system of its "
+                       "--state-dir")
     for cls, code in STATUS_CODES:
         if isinstance(err, cls):
             return code, str(err)
@@ -100,6 +117,9 @@ async def _abort(context: grpc.aio.ServicerContext, err: Exception) -> NoReturn:
         log.error("internal error", exc_info=err)
     if isinstance(err, SpecError):
         context.set_trailing_metadata(((FIELD_METADATA_KEY, err.field),))
+    elif isinstance(err, DiskFull) or is_full(err):
+        # UNAVAILABLE that is not "unreachable": clients say it as it is and do not retry
+        context.set_trailing_metadata(((REASON_METADATA_KEY, "disk-full"),))
     await context.abort(code, message)
     raise AssertionError("unreachable")  # context.abort raises
 
@@ -112,36 +132,19 @@ CALLER: contextvars.ContextVar[Caller | None] = contextvars.ContextVar("caller",
 PROBED: contextvars.ContextVar[bool] = contextvars.ContextVar("probed", default=False)
 
 
-#: the common name of a client certificate that may act as any agent (``strata certs`` makes
-#: one by default); any other certificate acts on the cluster API only as the agent it names
-ANY_AGENT_CN = "agent"
-
-
-def _certificate_name(context: Any) -> str | None:
-    """The common name of the caller's client certificate (mutual TLS), else None."""
+def _peer_certificate(context: Any) -> bytes | None:
+    """The caller's client certificate, PEM (mutual TLS), else None."""
     try:
-        names = context.auth_context().get("x509_common_name") or ()
+        pems = context.auth_context().get("x509_pem_cert") or ()
     except Exception:  # noqa: BLE001 - no auth context on a plain-text channel
         return None
-    return names[0].decode("utf-8", "replace") if names else None
-
-
-def check_certificate(self: Any, method: str, agent: Any, context: Any) -> None:
-    """Under mutual TLS without tokens, a client certificate binds an agent to its name: a
-    certificate whose common name is not ``agent`` may call the cluster API only as the agent
-    of that name. Raises PermissionDenied."""
-    if not getattr(self, "bind_certificates", False) or method not in CLUSTER:
-        return
-    cn = _certificate_name(context)
-    if cn is not None and cn != ANY_AGENT_CN and isinstance(agent, str) and agent != cn:
-        raise PermissionDenied(f"the certificate of {cn[:64]!r} cannot act as agent "
-                               f"{agent[:64]!r}")
+    return pems[0] if pems else None
 
 
 async def _authorize(self: Any, name: str, request: Any, context: Any) -> None:
-    """The token check of every RPC (``strata.auth``): who calls, and whether that role may
-    call ``name`` (agents: only as the agent their token names). Without tokens, under mutual
-    TLS, the client certificate names the agent (``check_certificate``)."""
+    """The check of every RPC (``strata.auth``): who calls (its token, or without tokens under
+    mutual TLS its certificate), and whether that role may call ``name`` (agents: only as the
+    agent they are)."""
     if context.peer().startswith("unix:"):  # the coordinator's own probe (``CallProbe``)
         PROBED.set(True)
         await context.abort(grpc.StatusCode.PERMISSION_DENIED,
@@ -149,13 +152,10 @@ async def _authorize(self: Any, name: str, request: Any, context: Any) -> None:
     auth: Auth | None = getattr(self, "auth", None)
     if auth is None or not auth.enabled:
         CALLER.set(None)
-        try:
-            check_certificate(self, name, getattr(request, "name", None), context)
-        except PermissionDenied as e:
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
         return
     try:
-        caller = auth.caller(context.invocation_metadata())
+        caller = (auth.caller(context.invocation_metadata()) if auth.tokens
+                  else auth.certificate(_peer_certificate(context)))
         agent = getattr(request, "name", None) if name in CLUSTER else None
         auth.check(caller, name, agent if isinstance(agent, str) else None)
     except Denied as e:
@@ -201,9 +201,59 @@ def _checked_message(self: Any, name: str, msg: Any, context: Any) -> Any:
             auth.check(CALLER.get(), name, agent)
         except Denied as e:
             raise PermissionDenied(e.message) from None
-    else:
-        check_certificate(self, name, agent, context)
     return msg
+
+
+class OpenCalls:
+    """The calls in flight, by the credential that made them, so that revoking a credential
+    ends its calls at once: a stream open for hours (heartbeats, commands, a followed log)
+    is closed with PERMISSION_DENIED the moment its credential goes, as a new call is
+    refused. Each call is its handler's asyncio task; revoking cancels the task, and the
+    handler's wrapper (``rpc``) turns that cancellation into the refusal."""
+
+    def __init__(self) -> None:
+        self._calls: dict[asyncio.Task[Any], Caller] = {}
+        self._revoked: dict[asyncio.Task[Any], str] = {}
+
+    def enter(self, caller: Caller | None) -> asyncio.Task[Any] | None:
+        task = asyncio.current_task() if caller is not None else None
+        if task is not None and caller is not None:
+            self._calls[task] = caller
+        return task
+
+    def leave(self, task: asyncio.Task[Any] | None) -> None:
+        if task is not None:
+            self._calls.pop(task, None)
+            self._revoked.pop(task, None)
+
+    def __len__(self) -> int:
+        return len(self._calls)
+
+    def revoke(self, match: Callable[[Caller], bool], why: str) -> int:
+        """Ends every call whose caller ``match``es; returns how many."""
+        n = 0
+        for task, caller in list(self._calls.items()):
+            if task not in self._revoked and match(caller):
+                self._revoked[task] = f"the credentials of {caller.name} were revoked ({why})"
+                task.cancel()
+                n += 1
+        return n
+
+    async def refuse_if_revoked(self, task: asyncio.Task[Any] | None, context: Any) -> None:
+        """Called on a handler's cancellation: a revoked call answers PERMISSION_DENIED (its
+        cancellation was ours, and is taken back); any other passes on."""
+        why = self._revoked.get(task) if task is not None else None
+        if why is None:
+            return
+        uncancel = getattr(task, "uncancel", None)  # (Python 3.11+)
+        if uncancel is not None:
+            uncancel()
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
+
+
+def _enter(self: Any) -> tuple[OpenCalls | None, asyncio.Task[Any] | None]:
+    calls: OpenCalls | None = getattr(self, "calls", None)
+    return calls, calls.enter(CALLER.get()) if calls is not None else None
 
 
 def rpc(method: F) -> F:
@@ -211,39 +261,56 @@ def rpc(method: F) -> F:
     (a coroutine) or server streaming (an async generator). A bidirectional handler written
     with ``context.read()``/``write()`` is a coroutine too, and checks each message it reads
     with ``_checked_message``. ``context.abort``'s own exception
-    (and cancellation, a BaseException) passes through untouched."""
+    (and cancellation, a BaseException) passes through untouched, but for a call whose
+    credential was revoked (``OpenCalls``), which ends PERMISSION_DENIED."""
     name = method.__name__
     if inspect.isasyncgenfunction(method):
         @functools.wraps(method)
         async def stream(self: Any, request: Any, context: Any) -> AsyncIterator[Any]:
             start = time.perf_counter()
+            calls = task = None
             try:
                 await _authorize(self, name, request, context)
+                calls, task = _enter(self)
                 try:
                     request = _checked(self, name, request, context)
                     async for item in method(self, request, context):
                         yield item
                 except grpc.aio.AbortError:
                     raise
+                except asyncio.CancelledError:
+                    if calls is not None:
+                        await calls.refuse_if_revoked(task, context)
+                    raise
                 except Exception as e:  # noqa: BLE001 - mapped to a status code
                     await _abort(context, e)
             finally:
+                if calls is not None:
+                    calls.leave(task)
                 _observe(name, start, context)
         return stream  # type: ignore[return-value]
 
     @functools.wraps(method)
     async def unary(self: Any, request: Any, context: Any) -> Any:
         start = time.perf_counter()
+        calls = task = None
         try:
             await _authorize(self, name, request, context)
+            calls, task = _enter(self)
             try:
                 request = _checked(self, name, request, context)
                 return await method(self, request, context)
             except grpc.aio.AbortError:
                 raise
+            except asyncio.CancelledError:
+                if calls is not None:
+                    await calls.refuse_if_revoked(task, context)
+                raise
             except Exception as e:  # noqa: BLE001 - mapped to a status code
                 await _abort(context, e)
         finally:
+            if calls is not None:
+                calls.leave(task)
             _observe(name, start, context)
     return unary  # type: ignore[return-value]
 
@@ -353,10 +420,44 @@ def _reports(statuses: Iterable[pb.TaskStatus]) -> list[TaskReport]:
         raise MalformedRequest(f"malformed task status: {e}") from None
 
 
+class Revocations:
+    """Revoking credentials, at once: the calls they have open end (``OpenCalls``) and the
+    agents registered with them are LOST, their tasks restarted elsewhere as a lost agent's
+    are. By key (a token removed from ``--auth-tokens``, SIGHUP) or by NAME (``strata admin
+    revoke``, every token and certificate of the name, kept in the store across restarts)."""
+
+    def __init__(self, auth: Auth, calls: OpenCalls, coord: Coordinator):
+        self.auth, self.calls, self.coord = auth, calls, coord
+        auth.set_revoked(coord.store.load_revoked())
+
+    def _close(self, match: Callable[[Caller], bool], why: str) -> tuple[int, list[str]]:
+        closed = self.calls.revoke(match, why)
+        lost = self.coord.revoke_agents(match, why)
+        if closed or lost:
+            log.warning("revoked (%s): %d open call(s) closed, agent(s) lost: %s", why, closed,
+                        ", ".join(lost) or "none")
+        return closed, lost
+
+    def keys(self, keys: set[str], why: str) -> tuple[int, list[str]]:
+        return self._close(lambda c: c.key in keys, why) if keys else (0, [])
+
+    def name(self, name: str) -> tuple[int, list[str]]:
+        self.coord.store.put_revoked(name, self.coord.clock())
+        self.auth.revoked.add(name)
+        return self._close(lambda c: c.name == name, "strata admin revoke")
+
+    def restore(self, name: str) -> None:
+        self.coord.store.delete_revoked(name)
+        self.auth.revoked.discard(name)
+
+
 class JobServicer(pb_grpc.JobServiceServicer):
-    def __init__(self, coord: Coordinator, auth: Auth | None = None):
+    def __init__(self, coord: Coordinator, auth: Auth | None = None,
+                 calls: OpenCalls | None = None, revocations: Revocations | None = None):
         self.coord = coord
         self.auth = auth
+        self.calls = calls
+        self.revocations = revocations
 
     def _stored_files(self, msg: pb.JobSpec) -> pb.JobSpec:
         """The spec with what the coordinator itself holds of its uploaded files: a
@@ -391,6 +492,7 @@ class JobServicer(pb_grpc.JobServiceServicer):
         done = self.coord.job_for_request(request_id, owner)
         if done is not None:  # a retry whose first reply was lost
             return convert.job_to_proto(done, with_spec=False)
+        self.coord.disk.check(0, "new jobs")
         spec = convert.spec_from_proto(await asyncio.to_thread(self._stored_files, request.spec))
         # Planning profiles the model and may run the stage planner: kept off the event loop.
         offers = self.coord.offers_for(spec, free=False)
@@ -401,6 +503,27 @@ class JobServicer(pb_grpc.JobServiceServicer):
     @rpc
     async def DrainWorker(self, request: pb.DrainWorkerRequest, context: Any) -> pb.Worker:
         return convert.worker_to_proto(self.coord.drain(request.name))
+
+    @rpc
+    async def Revoke(self, request: pb.RevokeRequest, context: Any) -> pb.RevokeResponse:
+        r = self.revocations
+        if r is None or not r.auth.enabled:
+            raise NotConfigured("this coordinator has no authentication (--auth-tokens, or "
+                                "--tls-client-ca): there are no credentials to revoke")
+        name, closed, lost = request.name, 0, list[str]()
+        if name and not _NAME_RE.match(name):
+            raise SpecError("name", f"{name[:64]!r} is not a caller's NAME (letters, digits "
+                                    "and ._@-, at most 128)")
+        caller = CALLER.get()
+        if name and request.restore:
+            r.restore(name)
+        elif name:
+            if caller is not None and caller.name == name:
+                raise NotConfigured(f"{name} is the name this call was made with: revoke it "
+                                    "with another admin's credentials")
+            closed, lost = r.name(name)
+        return pb.RevokeResponse(revoked=sorted(r.auth.revoked), streams_closed=closed,
+                                 agents_lost=lost)
 
     @rpc
     async def GetJob(self, request: pb.GetJobRequest, context: Any) -> pb.Job:
@@ -467,7 +590,8 @@ class JobServicer(pb_grpc.JobServiceServicer):
         chosen, token = page(names, lambda n: (n,), request.page_size, request.page_token)
         return pb.ListWorkersResponse(
             workers=[convert.worker_to_proto(w) for w in self.coord.list_workers(chosen)],
-            next_page_token=token)
+            next_page_token=token,
+            coordinator_disk=convert.coordinator_disk_to_proto(self.coord.disk_status()))
 
     @rpc
     async def UploadBlob(self, request_iterator: AsyncIterator[pb.FileChunk],
@@ -475,7 +599,8 @@ class JobServicer(pb_grpc.JobServiceServicer):
         async def chunks() -> AsyncIterator[bytes]:
             async for chunk in request_iterator:
                 yield chunk.data
-        sha, size = await self.coord.blobs.put(chunks())
+        caller = CALLER.get()
+        sha, size = await self.coord.blobs.put(chunks(), caller.name if caller else "")
         return pb.BlobRef(sha256=sha, size=size)
 
     @rpc
@@ -491,11 +616,10 @@ class JobServicer(pb_grpc.JobServiceServicer):
 
 class ClusterServicer(pb_grpc.ClusterServiceServicer):
     def __init__(self, coord: Coordinator, auth: Auth | None = None,
-                 bind_certificates: bool = False):
+                 calls: OpenCalls | None = None):
         self.coord = coord
         self.auth = auth
-        #: mutual TLS: a client certificate names the one agent it may act as
-        self.bind_certificates = bind_certificates
+        self.calls = calls
 
     @rpc
     async def RegisterAgent(self, request: pb.RegisterAgentRequest,
@@ -507,7 +631,7 @@ class ClusterServicer(pb_grpc.ClusterServiceServicer):
             request.name, request.host, request.device or "CPU", request.budget_bytes,
             list(request.free_ports), _reports(request.tasks), work_dir=request.work_dir,
             pid=request.pid, shared_dir=request.shared_dir, draining=request.draining,
-            data_roots=check_roots(request.data_roots))
+            data_roots=check_roots(request.data_roots), caller=CALLER.get())
         return pb.RegisterAgentResponse(session=session,
                                         heartbeat_interval_s=self.coord.heartbeat_interval_s)
 
@@ -516,7 +640,8 @@ class ClusterServicer(pb_grpc.ClusterServiceServicer):
         try:
             self.coord.heartbeat(request.name, request.session,
                                  convert.memory_from_proto(request.memory), _reports(request.tasks),
-                                 list(request.free_ports), sent_at=request.sent_at)
+                                 list(request.free_ports), sent_at=request.sent_at,
+                                 disk=convert.disk_from_proto(request.disk))
         except UnknownAgentSession:
             return pb.HeartbeatResponse(reregister=True)
         return pb.HeartbeatResponse()
@@ -558,13 +683,13 @@ class ClusterServicer(pb_grpc.ClusterServiceServicer):
     @rpc
     async def AppendLogs(self, request: pb.AppendLogsRequest, context: Any) -> pb.AppendLogsResponse:
         self.coord.append_logs(request.name, request.session, request.job_id, request.role,
-                               request.index, request.data)
+                               request.index, request.data, request.attempt)
         return pb.AppendLogsResponse()
 
     @rpc
     async def FetchBlob(self, request: pb.FetchBlobRequest,
                         context: Any) -> AsyncIterator[pb.FileChunk]:
-        self.coord.agents.check_session(request.name, request.session)
+        self.coord.may_fetch(request.name, request.session, check_sha(request.sha256))
         size = self.coord.blobs.size(request.sha256)
         offset = 0
         chunks = self.coord.blobs.read(request.sha256)
@@ -580,15 +705,21 @@ class ClusterServicer(pb_grpc.ClusterServiceServicer):
             first = await it.__anext__()
         except StopAsyncIteration:
             raise MalformedRequest("an output upload with no chunk") from None
-        self.coord.agents.check_session(first.name, first.session)
-        job = self.coord.get(first.job_id)
+        job = self.coord.output_task(first.name, first.session, first.job_id, first.role,
+                                     first.index, first.attempt, first.chunk.path)
 
         async def chunks() -> AsyncIterator[bytes]:
             yield first.chunk.data
             async for msg in it:
+                if msg.job_id != first.job_id:
+                    raise MalformedRequest("an output upload names one job in every chunk")
                 yield msg.chunk.data
-        size = await self.coord.blobs.put_output(job.id, first.chunk.path, chunks(),
-                                                 MAX_OUTPUT_FILE_BYTES)
+        try:
+            size = await self.coord.blobs.put_output(job.id, first.chunk.path, chunks(),
+                                                     MAX_OUTPUT_FILE_BYTES, owner=job.owner)
+        except (QuotaExceeded, DiskFull, UploadError) as e:
+            self.coord.output_refused(job, first.chunk.path, str(e))
+            raise
         return pb.UploadOutputResponse(size=size)
 
 
@@ -742,10 +873,17 @@ async def serve(listen: str, state_dir: str, *, heartbeat_timeout_s: float = 10.
                 max_pending_per_user: int = DEFAULT_MAX_PENDING_PER_USER,
                 max_tasks_per_job: int = DEFAULT_MAX_TASKS_PER_JOB,
                 retention_s: float = DEFAULT_RETENTION_S, http_listen: str = "",
-                http_port_file: str | None = None) -> None:
+                http_port_file: str | None = None,
+                user_quota: int = DEFAULT_USER_QUOTA_BYTES,
+                max_job_outputs: int = DEFAULT_MAX_JOB_OUTPUTS_BYTES,
+                max_job_logs: int = DEFAULT_MAX_JOB_LOG_BYTES,
+                disk_reserve: int = DEFAULT_RESERVE_BYTES,
+                disk_ballast: int | None = None,
+                blob_grace_s: float = DEFAULT_BLOB_GRACE_S) -> None:
     """Runs the coordinator until SIGINT/SIGTERM. Prints (and optionally writes) the bound
     address. With ``tls_cert``/``tls_key`` it serves TLS only; with ``tls_client_ca`` clients
-    and agents must present a certificate that CA signed (``strata.tls``)."""
+    and agents must present a certificate that CA signed (``strata.tls``), and without
+    ``auth_tokens`` that certificate names the caller and its role (``strata.auth``)."""
     from strata.tls import server_credentials
 
     credentials = server_credentials(tls_cert, tls_key, tls_client_ca) if tls_cert else None
@@ -756,12 +894,20 @@ async def serve(listen: str, state_dir: str, *, heartbeat_timeout_s: float = 10.
                         heartbeat_interval_s=heartbeat_interval_s, start_timeout_s=start_timeout_s,
                         max_upload_bytes=max_upload_bytes, allow_user_code=allow_user_code,
                         max_pending_per_user=max_pending_per_user,
-                        max_tasks_per_job=max_tasks_per_job, retention_s=retention_s)
+                        max_tasks_per_job=max_tasks_per_job, retention_s=retention_s,
+                        user_quota=user_quota, max_job_outputs=max_job_outputs,
+                        max_job_logs=max_job_logs, disk_reserve=disk_reserve,
+                        disk_ballast=disk_ballast, blob_grace_s=blob_grace_s)
     server = grpc.aio.server(options=server_options())
-    auth = Auth(auth_tokens or None)
-    add_service(JobServicer(coord, auth), "JobService", server)
-    add_service(ClusterServicer(coord, auth, bind_certificates=bool(tls_client_ca)),
-                "ClusterService", server)
+    auth = Auth(auth_tokens or None, certificates=bool(tls_client_ca))
+    if auth.certificates:
+        log.info("mutual TLS without --auth-tokens: each caller is the common name of its "
+                 "certificate, with the role its organizational unit names (strata certs "
+                 "--client NAME:ROLE); a certificate without a role may call nothing")
+    calls = OpenCalls()
+    revocations = Revocations(auth, calls, coord)
+    add_service(JobServicer(coord, auth, calls, revocations), "JobService", server)
+    add_service(ClusterServicer(coord, auth, calls), "ClusterService", server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     services = (
@@ -796,7 +942,8 @@ async def serve(listen: str, state_dir: str, *, heartbeat_timeout_s: float = 10.
         from strata.coordinator import web
 
         try:
-            http, url = await web.start(http_listen, coord, auth, tls_cert, tls_key)
+            http, url = await web.start(http_listen, coord, auth, tls_cert, tls_key,
+                                        tls_client_ca)
         except OSError as e:
             probe.stop()
             raise SystemExit(f"--http-listen {http_listen}: cannot bind that address "
@@ -816,10 +963,13 @@ async def serve(listen: str, state_dir: str, *, heartbeat_timeout_s: float = 10.
 
     def reload_tokens() -> None:
         try:
-            log.info("SIGHUP: %d token(s) from %s", auth.reload(), auth.path)
+            gone = auth.reload()
         except AuthFileError as e:
             log.error("SIGHUP: kept the tokens in force: %s", e)
-    if auth.enabled:
+            return
+        log.info("SIGHUP: %d token(s) from %s, %d gone", len(auth), auth.path, len(gone))
+        revocations.keys(gone, "removed from --auth-tokens")
+    if auth.tokens:
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(signal.SIGHUP, reload_tokens)
     if port_file:

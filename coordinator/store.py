@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 import json
 import os
 import sqlite3
 import threading
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, TypeVar
 
+from strata.coordinator.disk import is_full
 from strata.coordinator.jobtable import JobSummary
+from strata.errors import DiskFull
 from strata.spec import JobSpec
 from strata.types import FailureKind, Job, JobMetrics, JobRecovery, JobState, Task, TaskState
 
@@ -108,6 +111,39 @@ class Store(abc.ABC):
     def load_measured(self) -> dict[str, int]:
         return {}
 
+    # Files users uploaded and who holds each (``coordinator.blobs``), and names revoked
+    # (``strata admin revoke``). These defaults keep nothing: a store that keeps none forgets
+    # them at a restart.
+
+    def put_blob_owner(self, sha: str, owner: str, size: int, time: float) -> None:
+        """``owner`` holds uploaded file ``sha`` (charged ``size`` bytes) since ``time``."""
+
+    def delete_blob_owner(self, sha: str, owner: str) -> None:
+        pass
+
+    def load_blob_owners(self) -> list[tuple[str, str, int, float]]:
+        """Every (sha, owner, size, time) row."""
+        return []
+
+    def blob_refs(self) -> list[tuple[str, str, str]]:
+        """(job id, its owner, sha) of every file a held job names."""
+        from strata.coordinator.confine import job_blobs
+
+        return [(j.id, j.owner, sha) for j in self.load_jobs() for sha in job_blobs(j.spec)]
+
+    def job_owners(self) -> dict[str, str]:
+        """Job id -> its owner, for every job held."""
+        return {j.id: j.owner for j in self.load_jobs()}
+
+    def put_revoked(self, name: str, time: float) -> None:
+        pass
+
+    def delete_revoked(self, name: str) -> None:
+        pass
+
+    def load_revoked(self) -> list[str]:
+        return []
+
     def close(self) -> None:
         pass
 
@@ -138,6 +174,11 @@ CREATE TABLE IF NOT EXISTS job_recovery (
   job_id TEXT PRIMARY KEY, request_id TEXT NOT NULL, body TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS job_recovery_request ON job_recovery (request_id);
+CREATE TABLE IF NOT EXISTS blob_owners (
+  sha TEXT NOT NULL, owner TEXT NOT NULL, size INTEGER NOT NULL, time REAL NOT NULL,
+  PRIMARY KEY (sha, owner)
+);
+CREATE TABLE IF NOT EXISTS revoked (name TEXT PRIMARY KEY, time REAL NOT NULL);
 """
 SCHEMA_VERSION = "1"
 
@@ -147,8 +188,34 @@ _LIVE_IDS = (f"SELECT id FROM jobs WHERE state NOT IN {_FINAL} UNION "
              f"SELECT job_id FROM tasks WHERE json_extract(body, '$.state') NOT IN {_FINAL}")
 
 
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _writes(method: F) -> F:
+    """A write that finds the disk full: once the store's ``on_full`` has made room (the
+    coordinator releases its ballast, ``coordinator.disk``) it is tried once more; else, or
+    if it fails again, ``DiskFull`` (UNAVAILABLE), never an ``OperationalError``."""
+    @functools.wraps(method)
+    def write(self: "SqliteStore", *args: Any, **kwargs: Any) -> Any:
+        for again in (True, False):
+            try:
+                return method(self, *args, **kwargs)
+            except (sqlite3.OperationalError, OSError) as e:
+                if not is_full(e):
+                    raise
+                if not (again and self.on_full is not None and self.on_full()):
+                    raise DiskFull(f"the coordinator's disk is full: cannot write to "
+                                   f"{self.path}; free room on its file system",
+                                   self.path) from None
+        raise AssertionError("unreachable")
+    return write  # type: ignore[return-value]
+
+
 class SqliteStore(Store):
     """One SQLite file; a single connection behind a lock (writes are small and short)."""
+
+    #: called when a write finds the disk full; returns whether it made room (``_writes``)
+    on_full: Callable[[], bool] | None = None
 
     def __init__(self, path: str):
         if path != ":memory:":
@@ -167,6 +234,7 @@ class SqliteStore(Store):
                                "use a new --state-dir")
         self._next_seq: dict[str, int] = {}
 
+    @_writes
     def put_job(self, job: Job) -> None:
         m = dataclasses.asdict(job.metrics)
         spec = json.dumps(job.spec.to_dict() if job.spec is not None else None)
@@ -182,6 +250,7 @@ class SqliteStore(Store):
                     **dataclasses.asdict(r), "checkpoint_step": job.checkpoint_step,
                     "steps_repeated": job.steps_repeated, "owner": job.owner})))
 
+    @_writes
     def replace_tasks(self, job_id: str, tasks: Iterable[Task]) -> None:
         rows = [_task_row(t) for t in tasks]
         with self._lock:
@@ -202,6 +271,7 @@ class SqliteStore(Store):
                                    (request_id,)).fetchone()
         return str(row[0]) if row else None
 
+    @_writes
     def put_tasks(self, tasks: Iterable[Task]) -> None:
         rows = [_task_row(t) for t in tasks]
         with self._lock:
@@ -269,6 +339,7 @@ class SqliteStore(Store):
                 recovery=JobRecovery(**{k: v for k, v in rec.items() if k in names})))
         return out
 
+    @_writes
     def add_event(self, job_id: str, time: float, kind: str, message: str) -> int:
         with self._lock:
             seq = self._next_seq.get(job_id)
@@ -286,12 +357,14 @@ class SqliteStore(Store):
                 "ORDER BY seq", (job_id, after_seq)).fetchall()
         return [EventRecord(*r) for r in rows]
 
+    @_writes
     def delete_job(self, job_id: str) -> None:
         with self._lock, self._db:
             for table in ("tasks", "events", "job_recovery"):
                 self._db.execute(f"DELETE FROM {table} WHERE job_id = ?", (job_id,))
             self._db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
 
+    @_writes
     def put_worker(self, worker: WorkerRecord) -> None:
         with self._lock:
             self._db.execute("INSERT OR REPLACE INTO workers VALUES (?,?)",
@@ -302,6 +375,7 @@ class SqliteStore(Store):
             rows = self._db.execute("SELECT body FROM workers ORDER BY name").fetchall()
         return [WorkerRecord(**json.loads(b)) for (b,) in rows]
 
+    @_writes
     def put_measured(self, kind: str, needed_bytes: int, job_id: str, time: float) -> None:
         with self._lock:
             self._db.execute(
@@ -314,6 +388,57 @@ class SqliteStore(Store):
         with self._lock:
             rows = self._db.execute("SELECT kind, bytes FROM measured_memory").fetchall()
         return {str(k): int(b) for k, b in rows}
+
+    @_writes
+    def put_blob_owner(self, sha: str, owner: str, size: int, time: float) -> None:
+        with self._lock:
+            self._db.execute("INSERT OR REPLACE INTO blob_owners VALUES (?,?,?,?)",
+                             (sha, owner, int(size), time))
+
+    @_writes
+    def delete_blob_owner(self, sha: str, owner: str) -> None:
+        with self._lock:
+            self._db.execute("DELETE FROM blob_owners WHERE sha=? AND owner=?", (sha, owner))
+
+    def load_blob_owners(self) -> list[tuple[str, str, int, float]]:
+        with self._lock:
+            rows = self._db.execute("SELECT sha, owner, size, time FROM blob_owners").fetchall()
+        return [(str(a), str(b), int(c), float(d)) for a, b, c, d in rows]
+
+    def blob_refs(self) -> list[tuple[str, str, str]]:
+        out = []
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT j.id, json_extract(r.body, '$.owner'), "
+                "json_extract(j.spec, '$.model.keras_file.sha256'), "
+                "json_extract(j.spec, '$.code.sha256') "
+                "FROM jobs j LEFT JOIN job_recovery r ON r.job_id = j.id").fetchall()
+        for job_id, owner, keras, code in rows:
+            for sha in (keras, code):
+                if sha:
+                    out.append((str(job_id), str(owner or ""), str(sha)))
+        return out
+
+    def job_owners(self) -> dict[str, str]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT job_id, json_extract(body, '$.owner') FROM job_recovery").fetchall()
+        return {str(j): str(o or "") for j, o in rows}
+
+    @_writes
+    def put_revoked(self, name: str, time: float) -> None:
+        with self._lock:
+            self._db.execute("INSERT OR REPLACE INTO revoked VALUES (?,?)", (name, time))
+
+    @_writes
+    def delete_revoked(self, name: str) -> None:
+        with self._lock:
+            self._db.execute("DELETE FROM revoked WHERE name=?", (name,))
+
+    def load_revoked(self) -> list[str]:
+        with self._lock:
+            rows = self._db.execute("SELECT name FROM revoked ORDER BY name").fetchall()
+        return [str(n) for (n,) in rows]
 
     def close(self) -> None:
         with self._lock:

@@ -12,7 +12,9 @@
 Read only. With ``--auth-tokens`` every path but ``/`` and ``/healthz`` needs a token of a
 role that may read jobs (``Authorization: Bearer TOKEN``; Prometheus' ``authorization``
 setting sends it); the page asks for one and keeps it in the browser tab's session storage.
-Served with the coordinator's TLS certificate when it has one. A tiny HTTP/1.1 server on the
+Served with the coordinator's TLS certificate when it has one; under ``--tls-client-ca``
+every connection must show a client certificate that CA signed (without tokens, the
+certificate is the caller, as on gRPC). A tiny HTTP/1.1 server on the
 coordinator's own event loop: it reads the coordinator's state there, without locks, into plain
 values, and writes the large bodies (``/metrics``, ``/api/state``) from them in a thread, so a
 scrape of thousands of agents does not hold heartbeats up. Both are read in steps with the
@@ -350,27 +352,32 @@ class Web:
         with open(PAGE, "rb") as f:
             self.page = f.read()
 
-    def _check(self, headers: dict[str, str]) -> tuple[int, str] | None:
-        """None when the caller may read; else the HTTP status and why."""
+    def _check(self, headers: dict[str, str], cert: bytes | None = None) -> tuple[int, str] | None:
+        """None when the caller may read; else the HTTP status and why. The caller is its
+        token, or without tokens (mutual TLS) its client certificate (``cert``, DER)."""
         if self.auth is None or not self.auth.enabled:
             return None
         value = headers.get("authorization", "")
         try:  # the page and the metrics read what ListJobs and ListWorkers do
-            self.auth.check(self.auth.caller((("authorization", value),)), "ListJobs")
+            caller = (self.auth.caller((("authorization", value),)) if self.auth.tokens
+                      else self.auth.certificate(cert))
+            self.auth.check(caller, "ListJobs")
         except Denied as e:
             return (401 if e.code == grpc.StatusCode.UNAUTHENTICATED else 403, e.message)
         return None
 
-    def route(self, path: str, headers: dict[str, str]) -> tuple[int, str, bytes]:
+    def route(self, path: str, headers: dict[str, str],
+              cert: bytes | None = None) -> tuple[int, str, bytes]:
         """The response to a GET of ``path``, made here and now."""
-        code, ctype, made = self._route(path, headers)
+        code, ctype, made = self._route(path, headers, cert)
         if isinstance(made, Steps):
             for _ in made.steps:
                 pass
             made = made.write()
         return code, ctype, made
 
-    def _route(self, path: str, headers: dict[str, str]) -> tuple[int, str, bytes | Steps]:
+    def _route(self, path: str, headers: dict[str, str],
+               cert: bytes | None = None) -> tuple[int, str, bytes | Steps]:
         """The response to a GET of ``path``. A large body comes as ``Steps``: what is left
         to read (the listener lets the loop run between steps), then a function that writes
         the body from what was read (the listener runs it in a thread, off the loop)."""
@@ -380,7 +387,7 @@ class Web:
             return 200, "text/plain; charset=utf-8", b"ok\n"
         if path not in ("/metrics", "/api/state"):
             return 404, "text/plain; charset=utf-8", b"not found\n"
-        refused = self._check(headers)
+        refused = self._check(headers, cert)
         if refused is not None:
             code, why = refused
             return code, "application/json", json.dumps({"error": why}).encode()
@@ -413,7 +420,9 @@ class Web:
             if method not in ("GET", "HEAD"):
                 code, ctype, body = 405, "text/plain; charset=utf-8", b"GET only\n"
             else:
-                code, ctype, made = self._route(urlsplit(target).path, headers)
+                tls = writer.get_extra_info("ssl_object")
+                cert = tls.getpeercert(binary_form=True) if tls is not None else None
+                code, ctype, made = self._route(urlsplit(target).path, headers, cert)
                 if isinstance(made, Steps):
                     for _ in made.steps:
                         await asyncio.sleep(0)  # heartbeats and the rest run in between
@@ -441,14 +450,19 @@ class Web:
 
 
 async def start(listen: str, coord: Any, auth: Auth | None, tls_cert: str = "",
-                tls_key: str = "") -> tuple[asyncio.Server, str]:
-    """Starts the listener; returns it and the bound ``scheme://host:port``."""
+                tls_key: str = "", tls_client_ca: str = "") -> tuple[asyncio.Server, str]:
+    """Starts the listener; returns it and the bound ``scheme://host:port``. With
+    ``tls_client_ca`` every connection must show a certificate that CA signed, as gRPC
+    callers must: the page is not a way around mutual TLS."""
     host, _, port = listen.rpartition(":")
     host = host.strip("[]")
     context = None
     if tls_cert:
         context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         context.load_cert_chain(tls_cert, tls_key)
+        if tls_client_ca:
+            context.load_verify_locations(tls_client_ca)
+            context.verify_mode = ssl.CERT_REQUIRED
     web = Web(coord, auth)
     server = await asyncio.start_server(web.handle, host or None, int(port), ssl=context,
                                         limit=MAX_REQUEST_BYTES)

@@ -435,7 +435,7 @@ class WorkerTask(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., role: _Optional[str] = ..., index: _Optional[int] = ..., state: _Optional[_Union[TaskState, str]] = ..., memory_budget_bytes: _Optional[int] = ..., in_use_bytes: _Optional[int] = ..., peak_bytes: _Optional[int] = ...) -> None: ...
 
 class Worker(_message.Message):
-    __slots__ = ("name", "address", "state", "device", "memory", "tasks", "last_seen", "shared_dir", "data_roots")
+    __slots__ = ("name", "address", "state", "device", "memory", "tasks", "last_seen", "shared_dir", "data_roots", "disk")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -445,6 +445,7 @@ class Worker(_message.Message):
     LAST_SEEN_FIELD_NUMBER: _ClassVar[int]
     SHARED_DIR_FIELD_NUMBER: _ClassVar[int]
     DATA_ROOTS_FIELD_NUMBER: _ClassVar[int]
+    DISK_FIELD_NUMBER: _ClassVar[int]
     name: str
     address: str
     state: WorkerState
@@ -454,7 +455,18 @@ class Worker(_message.Message):
     last_seen: float
     shared_dir: str
     data_roots: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[_Union[WorkerState, str]] = ..., device: _Optional[str] = ..., memory: _Optional[_Union[MemoryStatus, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[WorkerTask, _Mapping]]] = ..., last_seen: _Optional[float] = ..., shared_dir: _Optional[str] = ..., data_roots: _Optional[_Iterable[str]] = ...) -> None: ...
+    disk: DiskStatus
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[_Union[WorkerState, str]] = ..., device: _Optional[str] = ..., memory: _Optional[_Union[MemoryStatus, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[WorkerTask, _Mapping]]] = ..., last_seen: _Optional[float] = ..., shared_dir: _Optional[str] = ..., data_roots: _Optional[_Iterable[str]] = ..., disk: _Optional[_Union[DiskStatus, _Mapping]] = ...) -> None: ...
+
+class DiskStatus(_message.Message):
+    __slots__ = ("used_bytes", "free_bytes", "total_bytes")
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    used_bytes: int
+    free_bytes: int
+    total_bytes: int
+    def __init__(self, used_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
 
 class SubmitJobRequest(_message.Message):
     __slots__ = ("spec", "request_id")
@@ -576,6 +588,38 @@ class DownloadOutputRequest(_message.Message):
     job_id: str
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
+class CoordinatorDisk(_message.Message):
+    __slots__ = ("disk", "blobs_bytes", "outputs_bytes", "logs_bytes", "reserve_bytes")
+    DISK_FIELD_NUMBER: _ClassVar[int]
+    BLOBS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOGS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    disk: DiskStatus
+    blobs_bytes: int
+    outputs_bytes: int
+    logs_bytes: int
+    reserve_bytes: int
+    def __init__(self, disk: _Optional[_Union[DiskStatus, _Mapping]] = ..., blobs_bytes: _Optional[int] = ..., outputs_bytes: _Optional[int] = ..., logs_bytes: _Optional[int] = ..., reserve_bytes: _Optional[int] = ...) -> None: ...
+
+class RevokeRequest(_message.Message):
+    __slots__ = ("name", "restore")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    restore: bool
+    def __init__(self, name: _Optional[str] = ..., restore: _Optional[bool] = ...) -> None: ...
+
+class RevokeResponse(_message.Message):
+    __slots__ = ("revoked", "streams_closed", "agents_lost")
+    REVOKED_FIELD_NUMBER: _ClassVar[int]
+    STREAMS_CLOSED_FIELD_NUMBER: _ClassVar[int]
+    AGENTS_LOST_FIELD_NUMBER: _ClassVar[int]
+    revoked: _containers.RepeatedScalarFieldContainer[str]
+    streams_closed: int
+    agents_lost: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, revoked: _Optional[_Iterable[str]] = ..., streams_closed: _Optional[int] = ..., agents_lost: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class ListWorkersRequest(_message.Message):
     __slots__ = ("page_size", "page_token", "states")
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -587,12 +631,14 @@ class ListWorkersRequest(_message.Message):
     def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., states: _Optional[_Iterable[_Union[WorkerState, str]]] = ...) -> None: ...
 
 class ListWorkersResponse(_message.Message):
-    __slots__ = ("workers", "next_page_token")
+    __slots__ = ("workers", "next_page_token", "coordinator_disk")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_DISK_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[Worker]
     next_page_token: str
-    def __init__(self, workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+    coordinator_disk: CoordinatorDisk
+    def __init__(self, workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., coordinator_disk: _Optional[_Union[CoordinatorDisk, _Mapping]] = ...) -> None: ...
 
 class TaskStatus(_message.Message):
     __slots__ = ("job_id", "role", "index", "state", "failure", "exit_code", "message", "in_use_bytes", "peak_bytes", "step", "total_steps", "loss", "examples_per_sec", "has_result", "test_accuracy", "test_loss", "weights_sha256", "model_path", "first_step_time", "attempt", "replica_weights_sha256", "oom", "checkpoint_step", "resumed_step")
@@ -695,20 +741,22 @@ class RegisterAgentResponse(_message.Message):
     def __init__(self, session: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("name", "session", "memory", "tasks", "free_ports", "sent_at")
+    __slots__ = ("name", "session", "memory", "tasks", "free_ports", "sent_at", "disk")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     MEMORY_FIELD_NUMBER: _ClassVar[int]
     TASKS_FIELD_NUMBER: _ClassVar[int]
     FREE_PORTS_FIELD_NUMBER: _ClassVar[int]
     SENT_AT_FIELD_NUMBER: _ClassVar[int]
+    DISK_FIELD_NUMBER: _ClassVar[int]
     name: str
     session: str
     memory: MemoryStatus
     tasks: _containers.RepeatedCompositeFieldContainer[TaskStatus]
     free_ports: _containers.RepeatedScalarFieldContainer[int]
     sent_at: float
-    def __init__(self, name: _Optional[str] = ..., session: _Optional[str] = ..., memory: _Optional[_Union[MemoryStatus, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[TaskStatus, _Mapping]]] = ..., free_ports: _Optional[_Iterable[int]] = ..., sent_at: _Optional[float] = ...) -> None: ...
+    disk: DiskStatus
+    def __init__(self, name: _Optional[str] = ..., session: _Optional[str] = ..., memory: _Optional[_Union[MemoryStatus, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[TaskStatus, _Mapping]]] = ..., free_ports: _Optional[_Iterable[int]] = ..., sent_at: _Optional[float] = ..., disk: _Optional[_Union[DiskStatus, _Mapping]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("reregister",)
@@ -784,7 +832,7 @@ class AgentSettings(_message.Message):
     def __init__(self, output_dir: _Optional[str] = ..., threads: _Optional[int] = ..., device: _Optional[str] = ..., blob_dir: _Optional[str] = ..., shared_dir: _Optional[str] = ..., data_roots: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TaskConfig(_message.Message):
-    __slots__ = ("version", "job_id", "role", "index", "spec", "memory_budget_bytes", "report_interval_s", "ps_placement", "stage_layout", "agent", "restart")
+    __slots__ = ("version", "job_id", "role", "index", "spec", "memory_budget_bytes", "report_interval_s", "ps_placement", "stage_layout", "agent", "restart", "probe")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -796,6 +844,7 @@ class TaskConfig(_message.Message):
     STAGE_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     AGENT_FIELD_NUMBER: _ClassVar[int]
     RESTART_FIELD_NUMBER: _ClassVar[int]
+    PROBE_FIELD_NUMBER: _ClassVar[int]
     version: int
     job_id: str
     role: str
@@ -807,7 +856,8 @@ class TaskConfig(_message.Message):
     stage_layout: PipelineConfig
     agent: AgentSettings
     restart: int
-    def __init__(self, version: _Optional[int] = ..., job_id: _Optional[str] = ..., role: _Optional[str] = ..., index: _Optional[int] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., memory_budget_bytes: _Optional[int] = ..., report_interval_s: _Optional[float] = ..., ps_placement: _Optional[_Union[ParameterServerConfig, _Mapping]] = ..., stage_layout: _Optional[_Union[PipelineConfig, _Mapping]] = ..., agent: _Optional[_Union[AgentSettings, _Mapping]] = ..., restart: _Optional[int] = ...) -> None: ...
+    probe: bool
+    def __init__(self, version: _Optional[int] = ..., job_id: _Optional[str] = ..., role: _Optional[str] = ..., index: _Optional[int] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., memory_budget_bytes: _Optional[int] = ..., report_interval_s: _Optional[float] = ..., ps_placement: _Optional[_Union[ParameterServerConfig, _Mapping]] = ..., stage_layout: _Optional[_Union[PipelineConfig, _Mapping]] = ..., agent: _Optional[_Union[AgentSettings, _Mapping]] = ..., restart: _Optional[int] = ..., probe: _Optional[bool] = ...) -> None: ...
 
 class StartTask(_message.Message):
     __slots__ = ("job_id", "role", "index", "tf_config", "memory_budget_bytes", "attempt", "config")
@@ -841,13 +891,21 @@ class StopTask(_message.Message):
     attempt: int
     def __init__(self, job_id: _Optional[str] = ..., role: _Optional[str] = ..., index: _Optional[int] = ..., reason: _Optional[str] = ..., attempt: _Optional[int] = ...) -> None: ...
 
+class PurgeJob(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
 class AgentCommand(_message.Message):
-    __slots__ = ("start", "stop")
+    __slots__ = ("start", "stop", "purge")
     START_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
+    PURGE_FIELD_NUMBER: _ClassVar[int]
     start: StartTask
     stop: StopTask
-    def __init__(self, start: _Optional[_Union[StartTask, _Mapping]] = ..., stop: _Optional[_Union[StopTask, _Mapping]] = ...) -> None: ...
+    purge: PurgeJob
+    def __init__(self, start: _Optional[_Union[StartTask, _Mapping]] = ..., stop: _Optional[_Union[StopTask, _Mapping]] = ..., purge: _Optional[_Union[PurgeJob, _Mapping]] = ...) -> None: ...
 
 class ConnectRequest(_message.Message):
     __slots__ = ("name", "session")
@@ -872,20 +930,22 @@ class ReportTaskResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class AppendLogsRequest(_message.Message):
-    __slots__ = ("name", "session", "job_id", "role", "index", "data")
+    __slots__ = ("name", "session", "job_id", "role", "index", "data", "attempt")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     name: str
     session: str
     job_id: str
     role: str
     index: int
     data: bytes
-    def __init__(self, name: _Optional[str] = ..., session: _Optional[str] = ..., job_id: _Optional[str] = ..., role: _Optional[str] = ..., index: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+    attempt: int
+    def __init__(self, name: _Optional[str] = ..., session: _Optional[str] = ..., job_id: _Optional[str] = ..., role: _Optional[str] = ..., index: _Optional[int] = ..., data: _Optional[bytes] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class AppendLogsResponse(_message.Message):
     __slots__ = ()
@@ -902,16 +962,22 @@ class FetchBlobRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., session: _Optional[str] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class OutputChunk(_message.Message):
-    __slots__ = ("name", "session", "job_id", "chunk")
+    __slots__ = ("name", "session", "job_id", "chunk", "role", "index", "attempt")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     name: str
     session: str
     job_id: str
     chunk: FileChunk
-    def __init__(self, name: _Optional[str] = ..., session: _Optional[str] = ..., job_id: _Optional[str] = ..., chunk: _Optional[_Union[FileChunk, _Mapping]] = ...) -> None: ...
+    role: str
+    index: int
+    attempt: int
+    def __init__(self, name: _Optional[str] = ..., session: _Optional[str] = ..., job_id: _Optional[str] = ..., chunk: _Optional[_Union[FileChunk, _Mapping]] = ..., role: _Optional[str] = ..., index: _Optional[int] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class UploadOutputResponse(_message.Message):
     __slots__ = ("size",)

@@ -5,7 +5,7 @@ import warnings
 
 from strata.protos import strata_pb2 as strata_dot_protos_dot_strata__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.85.4'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -94,6 +94,11 @@ class JobServiceStub:
                 request_serializer=strata_dot_protos_dot_strata__pb2.DeleteJobRequest.SerializeToString,
                 response_deserializer=strata_dot_protos_dot_strata__pb2.DeleteJobResponse.FromString,
                 _registered_method=True)
+        self.Revoke = channel.unary_unary(
+                '/strata.v1.JobService/Revoke',
+                request_serializer=strata_dot_protos_dot_strata__pb2.RevokeRequest.SerializeToString,
+                response_deserializer=strata_dot_protos_dot_strata__pb2.RevokeResponse.FromString,
+                _registered_method=True)
 
 
 class JobServiceServicer:
@@ -176,6 +181,14 @@ class JobServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Revoke(self, request, context):
+        """Admin: revoke (or restore) a caller by name; its open streams close, its agents are LOST.
+        An empty name changes nothing and lists the names revoked.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_JobServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -238,6 +251,11 @@ def add_JobServiceServicer_to_server(servicer, server):
                     servicer.DeleteJob,
                     request_deserializer=strata_dot_protos_dot_strata__pb2.DeleteJobRequest.FromString,
                     response_serializer=strata_dot_protos_dot_strata__pb2.DeleteJobResponse.SerializeToString,
+            ),
+            'Revoke': grpc.unary_unary_rpc_method_handler(
+                    servicer.Revoke,
+                    request_deserializer=strata_dot_protos_dot_strata__pb2.RevokeRequest.FromString,
+                    response_serializer=strata_dot_protos_dot_strata__pb2.RevokeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -564,6 +582,33 @@ class JobService:
             '/strata.v1.JobService/DeleteJob',
             strata_dot_protos_dot_strata__pb2.DeleteJobRequest.SerializeToString,
             strata_dot_protos_dot_strata__pb2.DeleteJobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Revoke(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/strata.v1.JobService/Revoke',
+            strata_dot_protos_dot_strata__pb2.RevokeRequest.SerializeToString,
+            strata_dot_protos_dot_strata__pb2.RevokeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -17,15 +17,25 @@ No token, or an unknown one: UNAUTHENTICATED. A known token whose role may not c
 or that acts on another owner's job or another agent's name: PERMISSION_DENIED. Tokens are
 never logged or echoed: the coordinator keeps only their SHA-256, and messages name the
 caller by its NAME.
+
+Without tokens, under mutual TLS, certificates name callers instead (``certificate_caller``):
+the subject's common name is the NAME and its organizational unit the role, as ``strata certs
+--client NAME:ROLE`` makes them. A certificate that carries no role may call nothing: no
+certificate a CA signed for something else gets an agent's powers by accident.
+
+A NAME may be revoked (``strata admin revoke``): every token and certificate of that name is
+refused from then on, and the coordinator closes the calls they have open.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import hmac
 import os
 import re
+from typing import Iterable
 
 import grpc
 
@@ -41,7 +51,7 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,127}$")
 READ = frozenset({"GetJob", "ListJobs", "WatchJob", "ListWorkers"})
 SUBMIT = frozenset({"SubmitJob", "PlanJob", "UploadBlob"})
 OWN_JOB = frozenset({"CancelJob", "GetLogs", "DownloadOutput", "DeleteJob"})
-ADMIN_ONLY = frozenset({"DrainWorker"})
+ADMIN_ONLY = frozenset({"DrainWorker", "Revoke"})
 CLUSTER = frozenset({"RegisterAgent", "Heartbeat", "Heartbeats", "Connect", "ReportTask",
                      "AppendLogs", "FetchBlob", "UploadOutput", "DrainAgent"})
 ALLOWED: dict[str, frozenset[str]] = {
@@ -56,12 +66,22 @@ class AuthFileError(ValueError):
     pass
 
 
+#: the common name of a certificate (role ``agent``) that may act as any agent: the cluster-wide
+#: agent certificate ``strata certs`` makes by default
+ANY_AGENT_CN = "agent"
+
+
 @dataclasses.dataclass(frozen=True)
 class Caller:
-    """Who made a call: the role and NAME of the token it carried."""
+    """Who made a call: the role and NAME of the token (or certificate) it carried, and
+    ``key``, what identifies that credential (a token's digest, a certificate's fingerprint):
+    what revoking it closes."""
 
     role: str
     name: str
+    key: str = dataclasses.field(default="", compare=False)
+    #: an agent credential that may act under any agent name (``ANY_AGENT_CN``)
+    any_agent: bool = dataclasses.field(default=False, compare=False)
 
     def owns(self, owner: str) -> bool:
         return self.role == "admin" or (bool(owner) and owner == self.name)
@@ -102,33 +122,90 @@ def parse_tokens(text: str, source: str = "--auth-tokens") -> dict[bytes, Caller
         d = _digest(token)
         if d in out:
             raise AuthFileError(f"{source} line {n}: the same token appears twice")
-        out[d] = Caller(role, name)
+        out[d] = Caller(role, name, key="token:" + d.hex()[:32])
     return out
 
 
-class Auth:
-    """The coordinator's tokens (``None`` path: no authentication, everything open)."""
+@functools.lru_cache(maxsize=4096)
+def certificate_caller(cert: bytes) -> Caller:
+    """The caller a client certificate (PEM or DER) names: its common name, the role in its
+    organizational unit (``""`` when it carries none of ``ROLES``), and its SHA-256
+    fingerprint as the key. Cached: each certificate is parsed once."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.x509.oid import NameOID
 
-    def __init__(self, path: str | None = None):
+    c = (x509.load_pem_x509_certificate(cert) if cert.lstrip().startswith(b"-----")
+         else x509.load_der_x509_certificate(cert))
+    cns = c.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    ous = [str(a.value) for a in c.subject.get_attributes_for_oid(
+        NameOID.ORGANIZATIONAL_UNIT_NAME)]
+    name = str(cns[0].value) if cns else ""
+    role = next((r for r in ous if r in ROLES), "")
+    return Caller(role, name, key="cert:" + c.fingerprint(hashes.SHA256()).hex()[:32],
+                  any_agent=role == "agent" and name == ANY_AGENT_CN)
+
+
+class Auth:
+    """Who may call: the coordinator's tokens (``path``), else under mutual TLS its callers'
+    certificates (``certificates``), else nobody is asked (everything open)."""
+
+    def __init__(self, path: str | None = None, certificates: bool = False):
         self.path = path
+        #: no tokens: callers are named by their client certificates (mutual TLS)
+        self.certificates = certificates and not path
         self._tokens: dict[bytes, Caller] = {}
+        #: NAMEs whose every credential is refused (``strata admin revoke``)
+        self.revoked: set[str] = set()
         if path:
             self.reload()
 
     @property
     def enabled(self) -> bool:
+        return bool(self.path) or self.certificates
+
+    @property
+    def tokens(self) -> bool:
         return bool(self.path)
 
-    def reload(self) -> int:
-        """Reads the file again (SIGHUP). A file that does not parse keeps the old tokens."""
+    def reload(self) -> set[str]:
+        """Reads the file again (SIGHUP). A file that does not parse keeps the old tokens.
+        Returns the keys of the credentials that are gone (removed, or given another role or
+        name): what the coordinator closes."""
         assert self.path
         try:
             with open(self.path, encoding="utf-8", errors="replace") as f:
                 text = f.read(1 << 22)
         except OSError as e:
             raise AuthFileError(f"--auth-tokens: cannot read {self.path}: {e.strerror}") from None
-        self._tokens = parse_tokens(text)
+        before, self._tokens = self._tokens, parse_tokens(text)
+        return {c.key for d, c in before.items() if self._tokens.get(d) != c}
+
+    def __len__(self) -> int:
         return len(self._tokens)
+
+    def set_revoked(self, names: Iterable[str]) -> None:
+        self.revoked = set(names)
+
+    def _not_revoked(self, who: Caller) -> Caller:
+        if who.name in self.revoked:
+            raise Denied(grpc.StatusCode.UNAUTHENTICATED,
+                         f"the credentials of {who.name} were revoked")
+        return who
+
+    def certificate(self, cert: bytes | None) -> Caller:
+        """The caller a client certificate names (``certificate_caller``), when there are no
+        tokens. Raises ``Denied``: no certificate, or one revoked."""
+        if not cert:
+            raise Denied(grpc.StatusCode.UNAUTHENTICATED,
+                         "no client certificate: this coordinator names callers by their "
+                         "certificates (mutual TLS without --auth-tokens)")
+        try:
+            who = certificate_caller(bytes(cert))
+        except ValueError:
+            raise Denied(grpc.StatusCode.UNAUTHENTICATED,
+                         "the client certificate cannot be read") from None
+        return self._not_revoked(who)
 
     def caller(self, metadata: tuple[tuple[str, str | bytes], ...] | None) -> Caller | None:
         """The caller of a request with this invocation metadata (None when auth is off)."""
@@ -152,20 +229,26 @@ class Auth:
                 found = who
         if found is None:
             raise Denied(grpc.StatusCode.UNAUTHENTICATED, "unknown token")
-        return found
+        return self._not_revoked(found)
 
     def check(self, caller: Caller | None, method: str, agent_name: str | None = None) -> None:
         """Whether ``caller`` may call ``method`` (as agent ``agent_name`` for the cluster
         API). Raises ``Denied``."""
         if caller is None:
             return
+        if not caller.role:
+            raise Denied(grpc.StatusCode.PERMISSION_DENIED,
+                         f"the certificate of {caller.name[:64]!r} carries no Strata role (its "
+                         "organizational unit: admin, submitter, viewer or agent): make one "
+                         "with `strata certs --client NAME:ROLE`")
         if method not in ALLOWED.get(caller.role, frozenset()):
             raise Denied(grpc.StatusCode.PERMISSION_DENIED,
                          f"{caller.name} ({caller.role}) may not call {method}")
         if (caller.role == "agent" and agent_name is not None
-                and agent_name != caller.name):
+                and agent_name != caller.name and not caller.any_agent):
+            what = "certificate" if caller.key.startswith("cert:") else "token"
             raise Denied(grpc.StatusCode.PERMISSION_DENIED,
-                         f"the token of agent {caller.name} cannot act as agent "
+                         f"the {what} of agent {caller.name} cannot act as agent "
                          f"{agent_name[:64]!r}")
 
 

@@ -62,15 +62,18 @@ def _duration(flag: str, text: str) -> float:
     return value
 
 
-def _size(flag: str, text: str) -> int:
+def _size(flag: str, text: str, zero: bool = False) -> int:
+    """A size flag (``512MiB``, ``2GiB``, bytes); ``zero``: 0 is allowed (none, no limit)."""
     from strata.memory import parse_size
 
+    if zero and text.strip() == "0":
+        return 0
     try:
         value = parse_size(text)
     except ValueError as e:
         raise UsageError(f"{flag} {text!r}: {e}") from None
     if value <= 0:
-        raise UsageError(f"{flag} must be positive")
+        raise UsageError(f"{flag} must be positive" + (" (or 0)" if zero else ""))
     return value
 
 
@@ -105,6 +108,11 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         raise UsageError("--start-timeout must be positive")
     max_upload = _size("--max-upload", args.max_upload)
     retention = _duration("--retention", args.retention)
+    storage = {"user_quota": _size("--user-quota", args.user_quota, zero=True),
+               "max_job_outputs": _size("--max-job-outputs", args.max_job_outputs),
+               "max_job_logs": _size("--max-job-logs", args.max_job_logs),
+               "disk_reserve": _size("--disk-reserve", args.disk_reserve, zero=True),
+               "blob_grace_s": _duration("--upload-grace", args.upload_grace)}
     from strata.tls import TlsError, check_listen, server_credentials
 
     if bool(args.tls_cert) != bool(args.tls_key):
@@ -139,7 +147,8 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
                       tls_client_ca=args.tls_client_ca, auth_tokens=args.auth_tokens,
                       max_pending_per_user=args.max_pending_per_user,
                       max_tasks_per_job=args.max_tasks_per_job, retention_s=retention,
-                      http_listen=args.http_listen, http_port_file=args.http_port_file))
+                      http_listen=args.http_listen, http_port_file=args.http_port_file,
+                      **storage))
     return EXIT_OK
 
 
@@ -166,19 +175,20 @@ def _client_tls(args: argparse.Namespace):
 
 
 def cmd_certs(args: argparse.Namespace) -> int:
-    from strata.tls import make_cluster_certs
+    from strata.tls import DEFAULT_CLIENTS, TlsError, make_cluster_certs, parse_client
 
     if os.path.exists(os.path.join(args.out, "ca.key")) and not args.force:
         raise UsageError(f"--out {args.out} already holds a CA (ca.key); --force replaces it, "
                          "and every certificate it signed stops being trusted")
-    clients = args.client or ["agent", "client"]
-    for c in clients:
-        if not c.replace("-", "").replace("_", "").isalnum() or len(c) > 64:
-            raise UsageError(f"--client {c[:64]!r}: letters, digits, '-' and '_' only")
+    clients = args.client or list(DEFAULT_CLIENTS)
+    try:
+        named = [parse_client(c) for c in clients]
+    except TlsError as e:
+        raise UsageError(str(e)) from None
     paths = make_cluster_certs(args.out, args.host, clients=clients)
     print(f"certificates in {os.path.abspath(args.out)}:")
-    for name in ("ca", "server", *clients):
-        print(f"  {name}: {paths[name]}")
+    for name, role in [("ca", ""), ("server", ""), *named]:
+        print(f"  {name}: {paths[name]}" + (f" (role {role})" if role else ""))
     print("coordinator: --tls-cert server.crt --tls-key server.key "
           "[--tls-client-ca ca.crt for mutual TLS]")
     print("agents and clients: --tls-ca ca.crt [--tls-cert NAME.crt --tls-key NAME.key] "
@@ -527,6 +537,24 @@ def cmd_download(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_admin(args: argparse.Namespace) -> int:
+    if args.action in ("revoke", "restore") and not args.name:
+        raise UsageError(f"strata admin {args.action} NAME: which caller?")
+    if args.action == "revoked" and args.name:
+        raise UsageError("strata admin revoked takes no NAME")
+    with _client(args) as c:
+        r = c.revoke(args.name, restore=args.action == "restore")
+    if args.action == "revoke":
+        print(f"{args.name}: revoked; {r.streams_closed} open call(s) closed"
+              + (f"; agent(s) lost, their tasks restart elsewhere: {', '.join(r.agents_lost)}"
+                 if r.agents_lost else ""))
+    elif args.action == "restore":
+        print(f"{args.name}: restored (its credentials work again)")
+    else:
+        print("\n".join(r.revoked) if r.revoked else "no names revoked")
+    return EXIT_OK
+
+
 def cmd_drain(args: argparse.Namespace) -> int:
     with _client(args) as c:
         w = c.drain(args.worker)
@@ -653,18 +681,31 @@ def cmd_workers(args: argparse.Namespace) -> int:
 
     with _client(args) as c:
         workers = c.workers(states=args.state)
-    if args.json:
-        _print_json([worker_to_json(w) for w in workers])
-        return EXIT_OK
+        if args.json:
+            _print_json([worker_to_json(w) for w in workers])
+            return EXIT_OK
+        disk = c.state_disk()
     if not workers:
         print("no workers")
-        return EXIT_OK
-    rows = [[w.name, w.address, w.device, w.state.value, _fmt_bytes(w.memory.budget_bytes),
-             _fmt_bytes(w.memory.reserved_bytes), _fmt_bytes(w.memory.in_use_bytes),
-             _fmt_bytes(w.memory.peak_bytes), ",".join(f"{t.job_id}/{t.role}:{t.index}" for t in w.tasks) or "-"]
-            for w in workers]
-    _table(rows, ["NAME", "ADDRESS", "DEVICE", "STATE", "BUDGET", "RESERVED", "IN USE", "PEAK", "TASKS"])
+    else:
+        rows = [[w.name, w.address, w.device, w.state.value, _fmt_bytes(w.memory.budget_bytes),
+                 _fmt_bytes(w.memory.reserved_bytes), _fmt_bytes(w.memory.in_use_bytes),
+                 _fmt_bytes(w.memory.peak_bytes), _fmt_disk(w.disk),
+                 ",".join(f"{t.job_id}/{t.role}:{t.index}" for t in w.tasks) or "-"]
+                for w in workers]
+        _table(rows, ["NAME", "ADDRESS", "DEVICE", "STATE", "BUDGET", "RESERVED", "IN USE",
+                      "PEAK", "DISK USED/FREE", "TASKS"])
+    if disk.disk.total_bytes:
+        print(f"coordinator state: {_fmt_bytes(disk.disk.used_bytes)} used (uploads "
+              f"{_fmt_bytes(disk.blobs_bytes)}, outputs {_fmt_bytes(disk.outputs_bytes)}, logs "
+              f"{_fmt_bytes(disk.logs_bytes)}), {_fmt_bytes(disk.disk.free_bytes)} free "
+              f"({_fmt_bytes(disk.reserve_bytes)} of it kept for state changes)")
     return EXIT_OK
+
+
+def _fmt_disk(d) -> str:
+    """An agent's disk: Strata's own files / what its file system has left."""
+    return f"{_fmt_bytes(d.used_bytes)}/{_fmt_bytes(d.free_bytes)}" if d.total_bytes else "-"
 
 
 def _offline_plan(args: argparse.Namespace):
@@ -720,7 +761,8 @@ JSON_HELP = "print JSON (the shapes in docs/ARCHITECTURE.md), for scripts"
 EXAMPLES = {
     "coordinator": "strata coordinator --listen 0.0.0.0:50051 --state-dir /var/lib/strata "
                    "--tls-cert server.crt --tls-key server.key --auth-tokens tokens",
-    "certs": "strata certs --out tls --host coord.example.org --client node-a",
+    "certs": "strata certs --out tls --host coord.example.org --client node-a:agent "
+             "--client alice",
     "worker": "strata worker --coordinator coord:50051 --memory-budget 8GiB --device GPU:0 "
               "--shared-dir /mnt/shared --data-root /mnt/datasets",
     "up": "strata up --workers 2 --memory-budget 2GiB",
@@ -738,6 +780,7 @@ EXAMPLES = {
     "plan": "strata plan examples/deep-pipeline.yaml --workers 4 --memory-budget 2GiB",
     "validate": "strata validate examples/digits-ps.yaml",
     "health": "strata health --coordinator 127.0.0.1:50051",
+    "admin": "strata admin revoke host1-gpu0",
 }
 
 
@@ -826,6 +869,28 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--max-tasks-per-job", type=int, default=DEFAULT_MAX_TASKS_PER_JOB,
                     metavar="N", help="task processes one job may run (default "
                                       f"{DEFAULT_MAX_TASKS_PER_JOB})")
+    sp.add_argument("--user-quota", default="20GiB", metavar="SIZE",
+                    help="bytes one user may keep on the coordinator: its uploads and its "
+                         "jobs' outputs; more are refused (0: no quota)")
+    sp.add_argument("--max-job-outputs", default="8GiB", metavar="SIZE",
+                    help="bytes of outputs one job may keep (model, TensorBoard logs)")
+    sp.add_argument("--max-job-logs", default="256MiB", metavar="SIZE",
+                    help="bytes of logs one job may keep, all its tasks; the rest is dropped")
+    sp.add_argument("--disk-reserve", default="256MiB", metavar="SIZE",
+                    help="room kept free on --state-dir's disk for state changes: uploads, "
+                         "outputs, logs and new jobs stop there, cancels go on")
+    sp.add_argument("--upload-grace", default="1h", metavar="DURATION",
+                    help="how long an uploaded file no job names is kept before it is deleted")
+
+    sp = add("admin", cmd_admin, "administer the cluster's credentials: revoke a caller "
+                                 "(every token and certificate of its NAME) at once, restore "
+                                 "one, list those revoked")
+    sp.add_argument("action", choices=("revoke", "restore", "revoked"),
+                    help="revoke NAME: its open calls close, its agents are LOST and their "
+                         "tasks restart elsewhere; restore NAME: let it in again; revoked: "
+                         "list the names revoked")
+    sp.add_argument("name", nargs="?", default="", metavar="NAME",
+                    help="the caller's NAME (as the tokens file or its certificate names it)")
 
     sp = add("certs", cmd_certs, "make a CA, a coordinator certificate and client certificates",
              client=False)
@@ -833,8 +898,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--host", action="append", default=[], metavar="NAME",
                     help="a name or address clients reach the coordinator at (repeatable; "
                          "localhost and the loopback addresses are always included)")
-    sp.add_argument("--client", action="append", default=None, metavar="NAME",
-                    help="a client certificate to make (repeatable; default: agent, client)")
+    sp.add_argument("--client", action="append", default=None, metavar="NAME[:ROLE]",
+                    help="a client certificate to make, with its role (admin, submitter, "
+                         "viewer, agent; default submitter), read when the coordinator has no "
+                         "--auth-tokens (repeatable; default: agent:agent, client:admin)")
     sp.add_argument("--force", action="store_true", help="replace an existing CA in --out")
 
     sp = add("worker", cmd_worker, "run a worker agent that owns one device", client=False)
@@ -964,7 +1031,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from strata.client import CoordinatorError, Infeasible, JobRejected, NotFound, Unavailable
+    from strata.client import (
+        CoordinatorError, DiskFull, Infeasible, JobRejected, NotFound, Unavailable,
+    )
     from strata.errors import SpecError
 
     parser = build_parser()
@@ -989,6 +1058,8 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(e.message, EXIT_FAILED)
     except NotFound as e:
         return _fail(e.message, EXIT_NOT_FOUND)
+    except DiskFull as e:  # reached, but it cannot store this: not "unreachable"
+        return _fail(e.message, EXIT_FAILED)
     except Unavailable as e:
         return _fail(e.message, EXIT_UNAVAILABLE)
     except CoordinatorError as e:

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -25,7 +26,7 @@ from strata.errors import SpecError, StrataError
 from strata.spec import JobSpec, load_spec_file, parse_job_spec
 from strata.auth import read_token, with_token
 from strata.tls import ClientTls, channel
-from strata.types import Job, JobEvent, Plan, WorkerInfo
+from strata.types import CoordinatorDisk, Job, JobEvent, Plan, WorkerInfo
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # as the coordinator's limit
@@ -69,6 +70,11 @@ class Unavailable(CoordinatorError):
     """The coordinator cannot be reached."""
 
 
+class DiskFull(Unavailable):
+    """UNAVAILABLE because the coordinator's disk is full: reached, but it cannot store
+    this (reads and cancels still work). Not retried."""
+
+
 class Unauthenticated(CoordinatorError):
     """No token, or one the coordinator does not know (STRATA_TOKEN, --token-file)."""
 
@@ -95,11 +101,15 @@ _ERRORS = {
 
 #: trailing metadata in which the coordinator names a rejected spec field (as coordinator.service)
 FIELD_METADATA_KEY = "strata-field"
+REASON_METADATA_KEY = "strata-reason"
 
 
 def _wrap(e: grpc.RpcError, address: str) -> CoordinatorError:
     code = e.code()
     message = e.details() or str(code)
+    trailing = getattr(e, "trailing_metadata", lambda: None)() or ()
+    if code == grpc.StatusCode.UNAVAILABLE and (REASON_METADATA_KEY, "disk-full") in trailing:
+        return DiskFull(code, message)
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         hint = ""
         low = message.lower()
@@ -108,7 +118,6 @@ def _wrap(e: grpc.RpcError, address: str) -> CoordinatorError:
                     "mutual TLS, a client certificate (--tls-cert, --tls-key)")
         message = f"cannot reach the coordinator at {address} ({message}){hint}"
     if code == grpc.StatusCode.INVALID_ARGUMENT:
-        trailing = getattr(e, "trailing_metadata", lambda: None)() or ()
         field = next((v for k, v in trailing if k == FIELD_METADATA_KEY), "")
         return JobRejected(code, message, field if isinstance(field, str) else "")
     cls: type[CoordinatorError] = _ERRORS.get(code, CoordinatorError)
@@ -116,6 +125,16 @@ def _wrap(e: grpc.RpcError, address: str) -> CoordinatorError:
 
 
 SpecInput = str | Mapping[str, Any] | JobSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class Revocation:
+    """What ``Client.revoke`` did: the names revoked now, the calls it closed, the agents it
+    made LOST."""
+
+    revoked: list[str]
+    streams_closed: int = 0
+    agents_lost: list[str] = dataclasses.field(default_factory=list)
 
 
 def _spec_proto(spec: SpecInput, overrides: list[str] | None = None
@@ -207,8 +226,8 @@ class Client:
             try:
                 self._upload_all(files)
                 return convert.job_from_proto(self._call("SubmitJob", request))
-            except Unavailable:
-                if time.monotonic() + backoff > deadline:
+            except Unavailable as e:
+                if isinstance(e, DiskFull) or time.monotonic() + backoff > deadline:
                     raise
                 time.sleep(backoff * random.uniform(0.5, 1.5))
                 backoff = min(2 * backoff, 5.0)
@@ -303,6 +322,17 @@ class Client:
         """Deletes a finished job: records, events, logs, stored outputs (Infeasible while it
         runs)."""
         self._call("DeleteJob", pb.DeleteJobRequest(id=job_id))
+
+    def revoke(self, name: str = "", restore: bool = False) -> Revocation:
+        """Admin: revokes every credential of ``name`` at once (its open calls closed, its
+        agents LOST), or with ``restore`` lets them in again; no name lists the revoked."""
+        r = self._call("Revoke", pb.RevokeRequest(name=name, restore=restore))
+        return Revocation(list(r.revoked), int(r.streams_closed), list(r.agents_lost))
+
+    def state_disk(self) -> CoordinatorDisk:
+        """What the coordinator's ``--state-dir`` holds and has left."""
+        resp = self._call("ListWorkers", pb.ListWorkersRequest(page_size=1))
+        return convert.coordinator_disk_from_proto(resp.coordinator_disk)
 
     def workers(self, states: Sequence[str] = (), page_size: int = 0) -> list[WorkerInfo]:
         """Every worker (by name), or those in ``states``, fetched a page at a time."""

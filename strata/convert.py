@@ -15,7 +15,7 @@ from strata.taskconfig import (
 )
 from strata.oom import OutOfMemory
 from strata.types import (
-    FailureKind, Job, JobEvent, JobMetrics, JobState, MemoryStatus, Plan, Task, TaskPlan,
+    CoordinatorDisk, DiskStatus, FailureKind, Job, JobEvent, JobMetrics, JobState, MemoryStatus, Plan, Task, TaskPlan,
     TaskReport, TaskState, WorkerInfo, WorkerState, WorkerTask,
 )
 
@@ -202,11 +202,33 @@ def memory_from_proto(m: pb.MemoryStatus) -> MemoryStatus:
                         in_use_bytes=m.in_use_bytes, peak_bytes=m.peak_bytes)
 
 
+def disk_to_proto(d: DiskStatus) -> pb.DiskStatus:
+    return pb.DiskStatus(used_bytes=d.used_bytes, free_bytes=d.free_bytes,
+                         total_bytes=d.total_bytes)
+
+
+def disk_from_proto(m: pb.DiskStatus) -> DiskStatus:
+    return DiskStatus(used_bytes=max(0, m.used_bytes), free_bytes=max(0, m.free_bytes),
+                      total_bytes=max(0, m.total_bytes))
+
+
+def coordinator_disk_to_proto(d: CoordinatorDisk) -> pb.CoordinatorDisk:
+    return pb.CoordinatorDisk(disk=disk_to_proto(d.disk), blobs_bytes=d.blobs_bytes,
+                              outputs_bytes=d.outputs_bytes, logs_bytes=d.logs_bytes,
+                              reserve_bytes=d.reserve_bytes)
+
+
+def coordinator_disk_from_proto(m: pb.CoordinatorDisk) -> CoordinatorDisk:
+    return CoordinatorDisk(disk=disk_from_proto(m.disk), blobs_bytes=m.blobs_bytes,
+                           outputs_bytes=m.outputs_bytes, logs_bytes=m.logs_bytes,
+                           reserve_bytes=m.reserve_bytes)
+
+
 def worker_to_proto(w: WorkerInfo) -> pb.Worker:
     return pb.Worker(
         name=w.name, address=w.address, state=pb.WorkerState.Value(w.state.value), device=w.device,
         memory=memory_to_proto(w.memory), last_seen=w.last_seen, shared_dir=w.shared_dir,
-        data_roots=w.data_roots,
+        data_roots=w.data_roots, disk=disk_to_proto(w.disk),
         tasks=[pb.WorkerTask(job_id=t.job_id, role=t.role, index=t.index,
                              state=_task_state_to_proto(t.state),
                              memory_budget_bytes=t.memory_budget_bytes,
@@ -218,7 +240,7 @@ def worker_from_proto(m: pb.Worker) -> WorkerInfo:
     return WorkerInfo(
         name=m.name, address=m.address, device=m.device, state=WorkerState(pb.WorkerState.Name(m.state)),
         memory=memory_from_proto(m.memory), last_seen=m.last_seen, shared_dir=m.shared_dir,
-        data_roots=list(m.data_roots),
+        data_roots=list(m.data_roots), disk=disk_from_proto(m.disk),
         tasks=[WorkerTask(job_id=t.job_id, role=t.role, index=t.index,
                           state=_task_state_from_proto(t.state),
                           memory_budget_bytes=t.memory_budget_bytes, in_use_bytes=t.in_use_bytes,
@@ -248,7 +270,7 @@ def task_config_to_proto(c: TaskConfig) -> pb.TaskConfig:
     msg = pb.TaskConfig(
         version=c.version, job_id=c.job_id, role=c.role, index=c.index,
         spec=spec_to_proto(c.spec), memory_budget_bytes=c.memory_budget_bytes,
-        report_interval_s=c.report_interval_s, restart=c.restart,
+        report_interval_s=c.report_interval_s, restart=c.restart, probe=c.probe,
         agent=agent_settings_to_proto(c.agent))
     s = c.section
     if isinstance(s, ParameterServerSection):
@@ -301,7 +323,7 @@ def task_config_from_proto(m: pb.TaskConfig) -> TaskConfig:
         version=m.version, job_id=m.job_id, role=m.role, index=m.index,
         spec=spec_from_proto(m.spec), memory_budget_bytes=m.memory_budget_bytes,
         report_interval_s=m.report_interval_s or TaskConfig.report_interval_s,
-        section=section, restart=m.restart,
+        section=section, restart=m.restart, probe=m.probe,
         agent=AgentSettings(output_dir=m.agent.output_dir, threads=m.agent.threads,
                             device=m.agent.device or AgentSettings.device,
                             blob_dir=m.agent.blob_dir, shared_dir=m.agent.shared_dir,
@@ -311,7 +333,10 @@ def task_config_from_proto(m: pb.TaskConfig) -> TaskConfig:
 # --- agent commands ---------------------------------------------------------------------------
 
 def command_to_proto(cmd: Any) -> pb.AgentCommand:
-    """A coordinator command (``StartTaskCommand`` or ``StopTaskCommand``) to its message."""
+    """A coordinator command (``StartTaskCommand``, ``StopTaskCommand`` or
+    ``PurgeJobCommand``) to its message."""
+    if not hasattr(cmd, "reason") and not hasattr(cmd, "config"):
+        return pb.AgentCommand(purge=pb.PurgeJob(job_id=cmd.job_id))
     config = getattr(cmd, "config", None)
     if config is not None:
         return pb.AgentCommand(start=pb.StartTask(

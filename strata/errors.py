@@ -82,3 +82,12 @@ class DuplicateAgent(StrataError):
 
 class QuotaExceeded(StrataError):
     """A caller is over one of its limits (pending jobs per user): RESOURCE_EXHAUSTED."""
+
+
+class DiskFull(StrataError):
+    """The coordinator's disk has no room for this write (a file system full, or below the
+    room kept for state changes): UNAVAILABLE, naming the place. Reads and cancels go on."""
+
+    def __init__(self, message: str, path: str = ""):
+        super().__init__(message)
+        self.path = path

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Sequence
 
 from strata.client import Client
 
@@ -39,8 +40,11 @@ class LocalCluster:
                  heartbeat_timeout_s: float = 10.0, quiet: bool = True, log_dir: str | None = None,
                  allow_user_code: bool = True, shared_dir: str | None = None,
                  tls: bool = False, data_roots: list[str] | None = None,
-                 http_listen: str = "", warm_pool: int = 0):
+                 http_listen: str = "", warm_pool: int = 0,
+                 coordinator_args: Sequence[str] = ()):
         self.n_workers = workers
+        #: more flags for ``strata coordinator`` (limits, quotas)
+        self.coordinator_args = list(coordinator_args)
         # one user on loopback: that user's own code may run (``--allow-user-code``)
         self.allow_user_code = allow_user_code
         self.memory_budget = memory_budget
@@ -113,6 +117,18 @@ class LocalCluster:
             os.kill(self.coordinator.pid, signal.SIGHUP)
         return token
 
+    def remove_tokens(self, name: str) -> None:
+        """Takes every token of ``name`` out of the tokens file and has the coordinator read
+        it again (SIGHUP): how an operator revokes a token by hand."""
+        with open(self.tokens_file) as f:
+            kept = [line for line in f if line.split()[2:3] != [name]]
+        fd = os.open(self.tokens_file + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.writelines(kept)
+        os.replace(self.tokens_file + ".tmp", self.tokens_file)
+        if self.coordinator is not None and self.coordinator.poll() is None:
+            os.kill(self.coordinator.pid, signal.SIGHUP)
+
     def client_tls(self):
         from strata.tls import ClientTls
 
@@ -151,7 +167,8 @@ class LocalCluster:
                if self.http_listen else [])
             + (["--tls-cert", self.tls_paths["server"], "--tls-key", self.tls_paths["server_key"],
                 "--tls-client-ca", self.tls_paths["ca"], "--auth-tokens", self.tokens_file]
-               if self.tls_paths else []),
+               if self.tls_paths else [])
+            + self.coordinator_args,
             "coordinator.log")
         deadline = time.monotonic() + START_TIMEOUT_S
         while not os.path.exists(port_file):

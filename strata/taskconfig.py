@@ -89,6 +89,9 @@ class TaskConfig:
     #: the job's restart count when this task was started: its checkpoint generation
     #: (``checkpoint_dir``)
     restart: int = 0
+    #: a memory probe (``memory.profile``): it measures and reports, and saves no model and
+    #: no TensorBoard scalars (the job it measures does)
+    probe: bool = False
 
     @property
     def task_name(self) -> str:

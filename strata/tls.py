@@ -136,12 +136,16 @@ def check_listen(listen: str, tls: bool, insecure: bool) -> None:
 
 # --- certificates -----------------------------------------------------------------------------
 
-def _name(common_name: str) -> Any:
+def _name(common_name: str, role: str = "") -> Any:
+    """A subject: the cluster (O), the caller's Strata role (OU, read by ``strata.auth``
+    when there are no tokens) and its NAME (CN)."""
     from cryptography import x509
     from cryptography.x509.oid import NameOID
 
-    return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "strata"),
-                      x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+    attrs = [x509.NameAttribute(NameOID.ORGANIZATION_NAME, "strata")]
+    if role:
+        attrs.append(x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, role))
+    return x509.Name(attrs + [x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
 
 
 def _key() -> Any:
@@ -171,10 +175,10 @@ def _pem_cert(cert: Any) -> bytes:
 
 def issue(ca_cert: Any, ca_key: Any, common_name: str, *, server_names: Sequence[str] = (),
           client: bool = False, days: float = 825,
-          not_before: datetime.datetime | None = None) -> tuple[Any, Any]:
+          not_before: datetime.datetime | None = None, role: str = "") -> tuple[Any, Any]:
     """A key and a certificate signed by the CA: for a server (``server_names`` as its
-    subject alternative names) or a client (``client``). ``days`` may be negative (a
-    certificate already expired, for tests)."""
+    subject alternative names) or a client (``client``) with its Strata ``role``. ``days``
+    may be negative (a certificate already expired, for tests)."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes
     from cryptography.x509.oid import ExtendedKeyUsageOID
@@ -185,7 +189,7 @@ def issue(ca_cert: Any, ca_key: Any, common_name: str, *, server_names: Sequence
     end = start + datetime.timedelta(days=days)
     if end <= start:
         start, end = end - datetime.timedelta(days=1), end
-    builder = (x509.CertificateBuilder().subject_name(_name(common_name))
+    builder = (x509.CertificateBuilder().subject_name(_name(common_name, role))
                .issuer_name(ca_cert.subject).public_key(key.public_key())
                .serial_number(x509.random_serial_number()).not_valid_before(start)
                .not_valid_after(end)
@@ -230,11 +234,33 @@ def write_pair(out: str, name: str, key: Any, cert: Any) -> tuple[str, str]:
     return cert_path, key_path
 
 
+#: the client certificates ``strata certs`` makes when none are named: the cluster-wide agent
+#: certificate and the operator's
+DEFAULT_CLIENTS = ("agent:agent", "client:admin")
+#: the role of a client certificate named without one (``--client NAME``)
+DEFAULT_CLIENT_ROLE = "submitter"
+
+
+def parse_client(text: str) -> tuple[str, str]:
+    """``NAME`` or ``NAME:ROLE`` (``strata certs --client``) as (name, role)."""
+    from strata.auth import ROLES
+
+    name, _, role = text.partition(":")
+    role = role or DEFAULT_CLIENT_ROLE
+    if not name or len(name) > 64 or not name.replace("-", "").replace("_", "").replace(
+            ".", "").isalnum():
+        raise TlsError("--client", f"{name[:64]!r}: a name is letters, digits, '.', '-' and '_'")
+    if role not in ROLES:
+        raise TlsError("--client", f"{text[:80]!r}: the role is one of {', '.join(ROLES)}")
+    return name, role
+
+
 def make_cluster_certs(out: str, hosts: Sequence[str] = (),
-                       clients: Sequence[str] = ("agent", "client")) -> dict[str, str]:
+                       clients: Sequence[str] = DEFAULT_CLIENTS) -> dict[str, str]:
     """``ca.crt`` (and ``ca.key``, keep it safe), ``server.crt``/``.key`` for the coordinator
     under ``hosts`` plus localhost and the loopback addresses, and ``NAME.crt``/``.key`` per
-    client. Returns the paths by name. Existing files are overwritten."""
+    client (``NAME`` or ``NAME:ROLE``, the role a submitter's when not given). Returns the
+    paths by name. Existing files are overwritten."""
     os.makedirs(out, exist_ok=True)
     ca_key, ca_cert = make_ca()
     paths: dict[str, str] = {}
@@ -243,6 +269,7 @@ def make_cluster_certs(out: str, hosts: Sequence[str] = (),
     key, cert = issue(ca_cert, ca_key, names[0], server_names=names)
     paths["server"], paths["server_key"] = write_pair(out, "server", key, cert)
     for c in clients:
-        key, cert = issue(ca_cert, ca_key, c, client=True)
-        paths[c], paths[f"{c}_key"] = write_pair(out, c, key, cert)
+        name, role = parse_client(c)
+        key, cert = issue(ca_cert, ca_key, name, client=True, role=role)
+        paths[name], paths[f"{name}_key"] = write_pair(out, name, key, cert)
     return paths

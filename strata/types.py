@@ -160,6 +160,9 @@ class JobRecovery:
     failures: int = 0
     #: RESTARTING: the job has been planned again and waits to be placed
     replanned: bool = False
+    #: a memory probe (``memory.profile``): the id of the job it measures. Its tasks keep
+    #: their figures and save no model, and it keeps no outputs
+    probe_of: str = ""
 
 
 @dataclasses.dataclass
@@ -202,6 +205,27 @@ class MemoryStatus:
     peak_bytes: int = 0
 
 
+@dataclasses.dataclass(frozen=True)
+class DiskStatus:
+    """One place Strata writes: its own files' bytes there, and what the file system that
+    holds them has left (for Strata's user) and holds in all."""
+
+    used_bytes: int = 0
+    free_bytes: int = 0
+    total_bytes: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class CoordinatorDisk:
+    """The coordinator's ``--state-dir``: its use by kind, and the room kept free."""
+
+    disk: DiskStatus = DiskStatus()
+    blobs_bytes: int = 0
+    outputs_bytes: int = 0
+    logs_bytes: int = 0
+    reserve_bytes: int = 0
+
+
 @dataclasses.dataclass
 class WorkerTask:
     job_id: str
@@ -224,6 +248,7 @@ class WorkerInfo:
     last_seen: float = 0.0
     shared_dir: str = ""
     data_roots: list[str] = dataclasses.field(default_factory=list)
+    disk: DiskStatus = DiskStatus()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -330,6 +355,7 @@ def worker_to_json(w: WorkerInfo) -> dict[str, Any]:
                    "memory_budget_bytes": t.memory_budget_bytes, "in_use_bytes": t.in_use_bytes,
                    "peak_bytes": t.peak_bytes} for t in w.tasks],
         "last_seen": w.last_seen, "shared_dir": w.shared_dir,
+        "disk": dataclasses.asdict(w.disk),
     }
 
 

@@ -30,7 +30,12 @@ def test_two_worker_digits_job_trains_and_releases_memory(cluster, client):
         assert t.state == TaskState.SUCCEEDED
         assert 0 < t.peak_memory_bytes <= t.memory_budget_bytes
     (saved,) = [t.model_path for t in final.tasks if t.model_path]
-    assert saved.endswith("model.keras") and os.path.getsize(saved) > 0
+    assert saved.endswith("model.keras")
+    # stored once: on the coordinator, for `strata download`; the agent's copy is gone
+    stored = client.get(job.id)
+    assert "model.keras" in stored.outputs
+    assert os.path.getsize(os.path.join(stored.output_dir, "model.keras")) > 0
+    assert not os.path.exists(saved)
     # Reservations go at once; in-use memory returns to the idle figure with the next heartbeat.
     def idle():
         ws = client.workers()

@@ -161,6 +161,11 @@ def test_memory_profile_measures_first_and_the_estimate_is_the_peak(cluster):
     assert probe.state == JobState.SUCCEEDED, probe.message
     assert job.state == JobState.SUCCEEDED, job.message
     within_budgets(job)
+    # the probe keeps its figures, not a model: only the job's own outputs hold one
+    with cluster.client() as c:
+        assert c.get(probe.id).outputs == []
+        assert "model.keras" in c.get(job.id).outputs
+    assert not any(t.model_path for t in probe.tasks)
     probe_peak = max(t.peak_memory_bytes for t in probe.tasks)
     assert {t.estimated_memory_bytes for t in job.tasks} == {probe_peak}
     assert probe_peak < first_estimate

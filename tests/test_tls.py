@@ -94,16 +94,26 @@ def test_strata_certs_makes_a_usable_set(tmp_path):
     assert r.returncode == 2 and "--force" in r.stderr  # never replaces a CA silently
 
 
-def test_without_tokens_a_client_certificate_binds_an_agent_to_its_name(tmp_path):
-    """Mutual TLS, no --auth-tokens: a certificate made for node-a registers node-a only;
-    the cluster-wide ``agent`` certificate registers any name."""
+def test_without_tokens_certificates_name_callers_and_their_roles(tmp_path):
+    """Mutual TLS, no --auth-tokens: a certificate's common name is the caller and its
+    organizational unit the role. An agent certificate made for node-a registers node-a only,
+    the cluster-wide ``agent`` certificate any name; a user's certificate, or one that carries
+    no role (made by another tool, or by an older ``strata certs``), is no agent."""
     import grpc
 
     from strata.protos import strata_pb2 as pb
     from strata.protos import strata_pb2_grpc as pb_grpc
-    from strata.tls import channel
+    from strata.tls import channel, issue, write_pair
 
-    p = make_cluster_certs(str(tmp_path / "certs"), clients=("agent", "node-a"))
+    p = make_cluster_certs(str(tmp_path / "certs"),
+                           clients=("agent:agent", "node-a:agent", "alice", "root:admin"))
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    ca_cert = x509.load_pem_x509_certificate(open(p["ca"], "rb").read())
+    ca_key = serialization.load_pem_private_key(open(p["ca_key"], "rb").read(), None)
+    key, cert = issue(ca_cert, ca_key, "node-x", client=True)  # no role
+    p["node-x"], p["node-x_key"] = write_pair(str(tmp_path / "certs"), "node-x", key, cert)
     port_file = tmp_path / "address"
     proc = subprocess.Popen([sys.executable, "-m", "strata.cli", "coordinator", "--listen",
                              "127.0.0.1:0", "--state-dir", str(tmp_path / "s"), "--port-file",
@@ -119,19 +129,37 @@ def test_without_tokens_a_client_certificate_binds_an_agent_to_its_name(tmp_path
             time.sleep(0.1)
         address = port_file.read_text()
 
-        def register(cert: str, name: str) -> grpc.StatusCode:
+        def call(cert: str, method: str, request) -> grpc.StatusCode:
             ch = channel(address, ClientTls(p["ca"], p[cert], p[f"{cert}_key"]))
             try:
-                pb_grpc.ClusterServiceStub(ch).RegisterAgent(pb.RegisterAgentRequest(
-                    name=name, host="127.0.0.1", budget_bytes=1 << 30), timeout=20)
+                service = (pb_grpc.ClusterServiceStub if method == "RegisterAgent"
+                           else pb_grpc.JobServiceStub)
+                getattr(service(ch), method)(request, timeout=20)
                 return grpc.StatusCode.OK
             except grpc.RpcError as e:
                 return e.code()
             finally:
                 ch.close()
-        assert register("node-a", "node-b") == grpc.StatusCode.PERMISSION_DENIED
+
+        def register(cert: str, name: str) -> grpc.StatusCode:
+            return call(cert, "RegisterAgent", pb.RegisterAgentRequest(
+                name=name, host="127.0.0.1", budget_bytes=1 << 30))
+        denied = grpc.StatusCode.PERMISSION_DENIED
+        assert register("node-a", "node-b") == denied
         assert register("node-a", "node-a") == grpc.StatusCode.OK
         assert register("agent", "node-c") == grpc.StatusCode.OK
+        assert register("alice", "alice") == denied      # a user is no agent
+        assert register("node-x", "node-x") == denied    # no role: nothing
+        jobs = pb.ListJobsRequest()
+        assert call("alice", "ListJobs", jobs) == grpc.StatusCode.OK
+        assert call("node-a", "ListJobs", jobs) == denied  # an agent reads no jobs
+        assert call("node-x", "ListJobs", jobs) == denied
+        assert call("alice", "DrainWorker", pb.DrainWorkerRequest(name="node-a")) == denied
+        assert call("root", "Revoke", pb.RevokeRequest(name="node-a")) == grpc.StatusCode.OK
+        assert register("node-a", "node-a") == grpc.StatusCode.UNAUTHENTICATED  # revoked
+        assert call("root", "Revoke", pb.RevokeRequest(name="node-a", restore=True)) \
+            == grpc.StatusCode.OK
+        assert register("node-a", "node-a") == grpc.StatusCode.OK
     finally:
         proc.terminate()
         proc.wait(timeout=30)

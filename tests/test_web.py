@@ -218,6 +218,10 @@ def test_the_listener_serves_tls_and_tokens_with_the_coordinator(tmp_path):
         c.start_coordinator()
         assert c.http_url.startswith("https://")
         ctx = ssl.create_default_context(cafile=c.tls_paths["ca"])
+        # under mutual TLS the page asks for a client certificate, as gRPC does
+        with pytest.raises((ssl.SSLError, ConnectionError, OSError)):
+            _get(c.http_url + "/healthz", context=ctx)
+        ctx.load_cert_chain(c.tls_paths["client"], c.tls_paths["client_key"])
         assert _get(c.http_url + "/healthz", context=ctx) == (200, b"ok\n")
         assert _get(c.http_url + "/metrics", context=ctx)[0] == 401
         code, body = _get(c.http_url + "/metrics", c.admin_token, context=ctx)

@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -35,7 +36,7 @@ from strata.auth import with_token
 from strata.tls import ClientTls, channel
 from strata.memory import parse_size
 from strata.oom import OutOfMemory, allocator_refusal
-from strata.types import FailureKind, MemoryStatus, TaskReport, TaskState
+from strata.types import DiskStatus, FailureKind, MemoryStatus, TaskReport, TaskState
 from strata.worker.heartbeats import HeartbeatStream
 from strata.worker.warm import ready_mark
 
@@ -63,6 +64,16 @@ REGISTER_BACKOFF_MAX_S = 5.0
 HEARTBEAT_JITTER = 0.1
 #: SIGTERM: how long the agent waits for the coordinator to move its tasks elsewhere
 DRAIN_TIMEOUT_S = 60.0
+#: a task's own log file here (``task.log``) is rotated past this: the newest half is kept in
+#: ``task.log.1``, so a task that prints without end fills no disk
+MAX_LOCAL_LOG_BYTES = 64 << 20
+#: log bytes of one task kept to send while the coordinator does not take them (its disk is
+#: full, a partition): beyond it the oldest are dropped, and the log says so
+MAX_LOG_BUFFER_BYTES = 16 << 20
+#: how often the agent counts its own files (``DiskMeter``) and collects fetched files no task
+#: uses (``BLOB_KEEP_S`` after their last use)
+DISK_WALK_INTERVAL_S = 60.0
+BLOB_KEEP_S = 3600.0
 
 
 def advertise_host(coordinator: str) -> str:
@@ -276,12 +287,26 @@ class TaskProcess:
 
     def _read_logs(self, stream) -> None:
         path = os.path.join(self.dir, "task.log")
-        with open(path, "ab") as local:
+        local = open(path, "ab")
+        try:
+            written = local.tell()
             for line in iter(stream.readline, b""):
+                if written + len(line) > MAX_LOCAL_LOG_BYTES // 2:
+                    local.close()  # the newest half stays as task.log.1
+                    os.replace(path, path + ".1")
+                    local, written = open(path, "ab"), 0
                 local.write(line)
                 local.flush()
+                written += len(line)
                 with self._log_lock:
                     self._log_buf += line
+                    over = len(self._log_buf) - MAX_LOG_BUFFER_BYTES
+                    if over > 0:
+                        del self._log_buf[:over]
+                        self._log_buf[:0] = (b"[strata] the agent dropped %d bytes of this log "
+                                             b"the coordinator did not take\n" % over)
+        finally:
+            local.close()
         stream.close()
 
     def take_logs(self) -> bytes:
@@ -289,6 +314,11 @@ class TaskProcess:
             data = bytes(self._log_buf[:MAX_LOG_CHUNK])
             del self._log_buf[:MAX_LOG_CHUNK]
         return data
+
+    def drop_logs(self) -> None:
+        """Forgets the logs not sent yet (the coordinator no longer takes them)."""
+        with self._log_lock:
+            self._log_buf.clear()
 
     def return_logs(self, data: bytes) -> None:
         """Puts back a chunk the coordinator did not take, to be sent first next time."""
@@ -383,7 +413,7 @@ class TaskProcess:
         if outcome[0] == TaskState.SUCCEEDED and self.status.model_path:
             # the job's outputs reach the coordinator before the task is reported done, so a
             # job that has SUCCEEDED can be downloaded at once
-            self.agent.upload_outputs(self.job_id, self.output_dir)
+            self.agent.upload_outputs(self, self.output_dir)
         self._finish(*outcome)
 
     def _log_end(self, nbytes: int) -> str:
@@ -568,6 +598,35 @@ class WarmPool:
             warm.close()
 
 
+class DiskMeter:
+    """The agent's disk: the bytes under its work directory (task folders, fetched files),
+    counted every ``DISK_WALK_INTERVAL_S`` by the log thread, and what its file system has
+    left, read at each heartbeat (one ``statvfs``)."""
+
+    def __init__(self, root: str):
+        self.root = root
+        self.used = 0
+
+    def walk(self) -> int:
+        total = 0
+        for base, _dirs, files in os.walk(self.root):
+            for name in files:
+                try:
+                    total += os.lstat(os.path.join(base, name)).st_size
+                except OSError:
+                    pass
+        self.used = total
+        return total
+
+    def status(self) -> DiskStatus:
+        try:
+            st = os.statvfs(self.root)
+        except OSError:
+            return DiskStatus(used_bytes=self.used)
+        return DiskStatus(used_bytes=self.used, free_bytes=st.f_bavail * st.f_frsize,
+                          total_bytes=st.f_blocks * st.f_frsize)
+
+
 class Agent:
     def __init__(self, cfg: AgentConfig):
         self.cfg = cfg
@@ -594,6 +653,7 @@ class Agent:
         self._reregister = threading.Event()
         self.blob_dir = os.path.join(cfg.work_dir, "blobs")
         self._blob_lock = threading.Lock()
+        self.disk = DiskMeter(cfg.work_dir)
         self.warm = WarmPool(cfg.warm_pool, cfg.python, cfg.device, cfg.work_dir)
         if cfg.warm_pool:
             threading.Thread(target=self.warm.fill, daemon=True, name="warm-pool").start()
@@ -672,20 +732,57 @@ class Agent:
                     try:
                         self.stub.AppendLogs(pb.AppendLogsRequest(
                             name=self.cfg.name, session=self.session, job_id=t.job_id,
-                            role=t.role, index=t.index, data=data), timeout=RPC_TIMEOUT_S)
-                    except grpc.RpcError:
+                            role=t.role, index=t.index, data=data, attempt=t.attempt),
+                            timeout=RPC_TIMEOUT_S)
+                    except grpc.RpcError as e:
+                        if e.code() == grpc.StatusCode.PERMISSION_DENIED:
+                            # the coordinator no longer takes this task's logs (its attempt
+                            # moved on, or it ended): they stay in task.log here
+                            t.drop_logs()
+                            break
                         t.return_logs(data)  # sent again after the next (re-)registration
                         break
 
     def _log_loop(self) -> None:
         """Sends the tasks' logs several times a second, so ``strata logs --follow`` stays
         live. Apart from the heartbeats: a slow AppendLogs (5 s at most, for each task with
-        logs) in the heartbeat loop spaced heartbeats out past the heartbeat timeout."""
+        logs) in the heartbeat loop spaced heartbeats out past the heartbeat timeout. Every
+        ``DISK_WALK_INTERVAL_S`` it also counts the agent's files and collects fetched ones
+        no task uses."""
+        next_walk = 0.0
         while not self.stopping.wait(LOG_FLUSH_INTERVAL_S):
             try:
                 self.flush_logs()
+                if time.monotonic() >= next_walk:
+                    next_walk = time.monotonic() + DISK_WALK_INTERVAL_S
+                    self.collect_blobs()
+                    self.disk.walk()
             except Exception:  # noqa: BLE001 - the logs of one round; the next round retries
                 log.exception("sending the tasks' logs failed")
+
+    def collect_blobs(self, keep_s: float = BLOB_KEEP_S) -> int:
+        """Deletes fetched files (a job's .keras file, its code) no running task's job names
+        and not used for ``keep_s``; returns how many."""
+        with self.lock:
+            needed = {sha for t in self.tasks.values() if t.running
+                      for sha, _suffix in blobs_needed(t._cmd)}
+        gone = 0
+        try:
+            names = os.listdir(self.blob_dir)
+        except OSError:
+            return 0
+        now = time.time()
+        with self._blob_lock:
+            for name in names:
+                path = os.path.join(self.blob_dir, name)
+                try:
+                    if name[:64] in needed or now - os.path.getmtime(path) < keep_s:
+                        continue
+                    os.unlink(path)
+                    gone += 1
+                except OSError:
+                    pass
+        return gone
 
     # --- commands -----------------------------------------------------------------------------
 
@@ -699,6 +796,8 @@ class Agent:
             # replace one); stopping them can take seconds and runs apart
             victims = self._victims(s.job_id, s.role, s.index, s.attempt)
             threading.Thread(target=self._stop, args=(victims,), daemon=True).start()
+        elif which == "purge":
+            threading.Thread(target=self.purge, args=(cmd.purge.job_id,), daemon=True).start()
 
     def fetch_blob(self, sha: str, suffix: str = "") -> str:
         """The local copy of blob ``sha`` (a job's .keras file or code archive), fetched from
@@ -706,6 +805,7 @@ class Agent:
         path = os.path.join(self.blob_dir, sha + suffix)
         with self._blob_lock:
             if os.path.isfile(path):
+                os.utime(path)  # used now: kept BLOB_KEEP_S from here (``collect_blobs``)
                 return path
             os.makedirs(self.blob_dir, exist_ok=True)
             h = hashlib.sha256()
@@ -730,8 +830,12 @@ class Agent:
             log.info("fetched blob %s (%d bytes)", sha[:12], os.path.getsize(path))
             return path
 
-    def upload_outputs(self, job_id: str, directory: str) -> None:
-        """Sends every file under ``directory`` to the coordinator as the job's outputs."""
+    def upload_outputs(self, task: "TaskProcess", directory: str) -> None:
+        """Sends every file under ``directory`` to the coordinator as the outputs of
+        ``task``'s job, then removes them here: the coordinator's copy is the one kept (what
+        it refused, over a quota or a full disk, stays here until the job is deleted)."""
+        job_id = task.job_id
+        sent = True
         for base, _dirs, files in os.walk(directory):
             for name in sorted(files):
                 path = os.path.join(base, name)
@@ -746,8 +850,10 @@ class Agent:
                             if not data and offset:
                                 return
                             yield pb.OutputChunk(name=self.cfg.name, session=self.session,
-                                                 job_id=job_id, chunk=pb.FileChunk(
-                                                     path=rel, data=data, offset=offset, size=size))
+                                                 job_id=job_id, role=task.role,
+                                                 index=task.index, attempt=task.attempt,
+                                                 chunk=pb.FileChunk(path=rel, data=data,
+                                                                    offset=offset, size=size))
                             offset += len(data)
                             if not data:
                                 return
@@ -755,7 +861,26 @@ class Agent:
                     self.stub.UploadOutput(chunks(), timeout=BLOB_TIMEOUT_S)
                     log.info("uploaded output %s of %s", rel, job_id)
                 except (grpc.RpcError, OSError) as e:
-                    log.warning("cannot upload output %s of %s: %s", rel, job_id, e)
+                    sent = False
+                    why = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) \
+                        else str(e)
+                    log.warning("cannot upload output %s of %s (%s); it stays in %s", rel,
+                                job_id, why, directory)
+        if sent:
+            shutil.rmtree(directory, ignore_errors=True)
+
+    def purge(self, job_id: str) -> None:
+        """The job was deleted: its folders here (task folders, and on the shared directory
+        its checkpoints and outputs) go, unless a task of it still runs here."""
+        if not job_id or "/" in job_id or job_id.startswith("."):
+            return
+        with self.lock:
+            if any(t.job_id == job_id and t.running for t in self.tasks.values()):
+                return
+        for root in (self.cfg.work_dir, self.cfg.shared_dir):
+            if root:
+                shutil.rmtree(os.path.join(root, "jobs", job_id), ignore_errors=True)
+        log.info("deleted the files of job %s", job_id)
 
     def start_task(self, start: pb.StartTask) -> None:
         key = (start.job_id, start.role, start.index)
@@ -865,7 +990,8 @@ class Agent:
                 resp = self.heartbeats.send(pb.HeartbeatRequest(
                     name=self.cfg.name, session=self.session,
                     memory=convert.memory_to_proto(self.memory()), tasks=self._reports(),
-                    free_ports=self.free_ports, sent_at=time.time()))
+                    free_ports=self.free_ports, sent_at=time.time(),
+                    disk=convert.disk_to_proto(self.disk.status())))
                 if resp.reregister:
                     self._reregister.set()
                     continue

@@ -281,7 +281,7 @@ class MirroredRunner(TrainingRunner):
         for w in self.model.weights:
             h.update(np.ascontiguousarray(np.asarray(w.numpy(), dtype=np.float32)).tobytes())
         model_path = None
-        if self.index == 0:
+        if self.index == 0 and not self.cfg.probe:  # a memory probe keeps figures, no model
             out_dir = self.cfg.agent.output_dir or os.getcwd()
             os.makedirs(out_dir, exist_ok=True)
             model_path = os.path.abspath(os.path.join(out_dir, "model.keras"))

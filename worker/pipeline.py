@@ -899,14 +899,17 @@ class PipelineDriver(TrainingRunner):
         same = "identical" if len(set(digests)) == 1 else "DIFFERENT"
         from strata.worker import models as wmodels
 
-        out_dir = self.cfg.agent.output_dir or os.getcwd()
-        os.makedirs(out_dir, exist_ok=True)
-        model_path = os.path.abspath(os.path.join(out_dir, "model.keras"))
-        # the whole model, assembled from replica 0's stages a slice at a time
-        wmodels.write_keras_file(model_path, self.spec.model,
-                                 [(st.device, st.layers) for st in self.stages[0]], self.tf)
+        model_path = None
+        if not self.cfg.probe:  # a memory probe keeps figures, no model
+            out_dir = self.cfg.agent.output_dir or os.getcwd()
+            os.makedirs(out_dir, exist_ok=True)
+            model_path = os.path.abspath(os.path.join(out_dir, "model.keras"))
+            # the whole model, assembled from replica 0's stages a slice at a time
+            wmodels.write_keras_file(model_path, self.spec.model,
+                                     [(st.device, st.layers) for st in self.stages[0]], self.tf)
         log(f"weights {digests[0][:12]}" + (f" ({R} replicas {same})" if R > 1 else "")
-            + f"; model assembled from the {self.layout.stages} stages: {model_path}")
+            + (f"; model assembled from the {self.layout.stages} stages: {model_path}"
+               if model_path else ""))
         return {"weights_sha256": digests[0], "replica_weights_sha256": digests,
                 "model_path": model_path}
 

@@ -556,7 +556,9 @@ class PsChiefRunner(TrainingRunner):
         model_path = None
         budget = self.cfg.memory_budget_bytes
         m = self.memory()
-        if budget and budget - m["peak"] < 2 * weight_bytes + (4 << 20):
+        if self.cfg.probe:
+            pass  # a memory probe keeps figures, no model
+        elif budget and budget - m["peak"] < 2 * weight_bytes + (4 << 20):
             log(f"not saving model.keras: {format_mib(2 * weight_bytes)} of weights copies would "
                 f"not fit in the chief's budget {format_mib(budget)} (peak so far "
                 f"{format_mib(m['peak'])})")

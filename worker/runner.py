@@ -476,7 +476,7 @@ class TrainingRunner:
             + ", ".join(f"{k} {v}" for k, v in started.items()))
         self.data = self.load()
         steps = self.data.steps
-        if self.cfg.agent.output_dir:
+        if self.cfg.agent.output_dir and not self.cfg.probe:  # a probe keeps no outputs
             self.scalars = Scalars(self.tf, self.cfg)
         if self.cfg.checkpoints_enabled:
             self.checkpointer = Checkpointer(self.cfg, self.events,
