@@ -99,7 +99,8 @@ def snapshot_steps(coord: Any, out: dict[str, Any]) -> Iterator[None]:
                        if j.started_at and j.started_at >= j.created_at],
                live=[], workers=[], heartbeat_wait=delay.estimate(coord.clock()),
                delay_counts=list(delay.counts), delay_total=delay.total,
-               call_wait=calls.estimate(time.monotonic()), probes=(calls.answers, calls.refusals))
+               call_wait=calls.estimate(time.monotonic()), probes=(calls.answers, calls.refusals),
+               disk=coord.disk_status())
     yield
     yield from jobs_steps(coord, live_ids, lambda j: out["live"].append(
         (j.id, j.name, j.metrics.step, j.metrics.total_steps, j.metrics.loss,
@@ -146,6 +147,19 @@ def families(snap: dict[str, Any]) -> Iterator[Any]:
     yield HistogramMetricFamily("strata_job_queue_seconds", "From submit to the first "
                                 "training step, of the jobs held that started",
                                 buckets=buckets, sum_value=sum(waited))
+    disk = snap.get("disk")
+    if disk is not None:
+        held = GaugeMetricFamily("strata_state_dir_bytes", "What the coordinator's "
+                                 "--state-dir holds, by kind", labels=["kind"])
+        for kind, n in (("uploads", disk.blobs_bytes), ("outputs", disk.outputs_bytes),
+                        ("logs", disk.logs_bytes),
+                        ("records", max(0, disk.disk.used_bytes - disk.blobs_bytes
+                                        - disk.outputs_bytes - disk.logs_bytes))):
+            held.add_metric([kind], n)
+        yield held
+        yield GaugeMetricFamily("strata_state_dir_free_bytes", "Free on the file system of "
+                                "the coordinator's --state-dir (bulk writes stop at "
+                                "--disk-reserve)", value=disk.disk.free_bytes)
     workers = snap["workers"]
     by_wstate = GaugeMetricFamily("strata_workers", "Worker agents, by state",
                                   labels=["state"])
@@ -308,7 +322,8 @@ def state_steps(coord: Any, out: dict[str, Any]) -> Iterator[None]:
     ids = [s.id for s in unfinished[:SHOWN_JOBS]] + \
         [s.id for s in jobs if s.state.final][:RECENT_JOBS]
     out.update(time=time.time(), workers=[], jobs=[], job_states=job_states,
-               jobs_unfinished=len(unfinished), worker_states={}, workers_total=0)
+               jobs_unfinished=len(unfinished), worker_states={}, workers_total=0,
+               coordinator_disk=dataclasses.asdict(coord.disk_status()))
     yield
     rows: list[Any] = []
     yield from worker_rows_steps(coord, rows)

@@ -74,6 +74,10 @@ def test_metrics_follow_prometheus_conventions(env):
     assert samples[("strata_call_wait_seconds", ())] == 0.0  # no probe runs in-process
     assert samples[("strata_call_probes_total", (("outcome", "answered"),))] == 0
     assert samples[("strata_heartbeat_delay_seconds_count", ())] == 0
+    # the state directory's disk, by kind (the store's own file is the records)
+    assert samples[("strata_state_dir_bytes", (("kind", "records"),))] > 0
+    assert samples[("strata_state_dir_bytes", (("kind", "uploads"),))] == 0
+    assert samples[("strata_state_dir_free_bytes", ())] > 0
     for family in text_string_to_metric_families(text):
         assert family.name.startswith("strata_"), family.name
         for s in family.samples:
@@ -157,6 +161,9 @@ def test_state_carries_series_and_tokens_guard_everything_but_the_page(env, tmp_
     assert j["id"] == job.id and [p[1] for p in j["progress"]] == [5.0, 10.0]
     assert [p[1] for p in j["memory"]["worker:0"]] == [5 << 20, 10 << 20]
     assert state["workers"][0]["memory"]["budget_bytes"] == GiB
+    assert set(state["workers"][0]["disk"]) == {"used_bytes", "free_bytes", "total_bytes"}
+    assert state["coordinator_disk"]["disk"]["free_bytes"] > 0
+    assert state["coordinator_disk"]["reserve_bytes"] == 256 << 20
     tokens = tmp_path / "tokens"
     tokens.write_text("v" * 20 + " viewer eve\n" + "a" * 20 + " agent w0\n")
     web = Web(coord, Auth(str(tokens)))
