@@ -110,9 +110,10 @@ class BlobStore:
              refs: Iterable[tuple[str, str, str]], owners: dict[str, str]) -> None:
         """The accounts as the store and the disk have them, at a coordinator's start:
         ``holdings`` (sha, owner, size, time), ``refs`` (job id, owner, sha) of the jobs held,
-        ``owners`` job id -> owner. Blobs on disk nobody holds are given to no one (collected
-        after the grace unless a job names them); holdings of a blob no longer on disk end;
-        outputs of jobs no longer held and unfinished uploads are deleted."""
+        ``owners`` job id -> owner. The owner of a job that names a blob holds it; blobs on
+        disk nobody holds are given to no one (collected after the grace unless a job names
+        them); holdings of a blob no longer on disk end; outputs of jobs no longer held and
+        unfinished uploads are deleted."""
         now = self.clock()
         for name in os.listdir(self.root):
             path = os.path.join(self.root, name)
@@ -125,11 +126,13 @@ class BlobStore:
                 self._hold(sha, owner, since, write=False)
             elif self._on_release is not None:
                 self._on_release(sha, owner)
+        for job_id, owner, sha in refs:
+            self._refs.setdefault(sha, {})[job_id] = owner
+            if sha in self._sizes and owner not in self._held.get(sha, {}):
+                self._hold(sha, owner, now)  # a job of a store older than holdings
         for sha in self._sizes:
             if sha not in self._held:
                 self._hold(sha, "", now)
-        for job_id, owner, sha in refs:
-            self._refs.setdefault(sha, {})[job_id] = owner
         for job_id in os.listdir(self.outputs_root):
             root = os.path.join(self.outputs_root, job_id)
             if job_id not in owners:

@@ -54,6 +54,15 @@ def test_two_worker_digits_job_trains_and_releases_memory(cluster, client):
     r = subprocess.run([sys.executable, "-m", "strata.cli", "status", job.id,
                         "--coordinator", cluster.address], capture_output=True, text=True, timeout=60)
     assert "SUCCEEDED" in r.stdout and "PEAK" in r.stdout and "MiB" in r.stdout
+    # deleted, the job leaves no file behind: the coordinator's, and the agents' folders
+    job_dirs = [os.path.join(cluster.shared_dir, "jobs", job.id)] + [
+        os.path.join(cluster.state_dir, "workers", w, "jobs", job.id)
+        for w in ("worker-0", "worker-1")]
+    assert any(os.path.exists(d) for d in job_dirs)
+    client.delete(job.id)
+    wait_until(lambda: not any(os.path.exists(d) for d in job_dirs), 10, what="purged")
+    assert not os.path.exists(stored.output_dir)
+    assert not os.path.exists(os.path.join(cluster.state_dir, "logs", job.id))
 
 
 def test_cancel_leaves_no_task_process(cluster, client):

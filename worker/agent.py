@@ -64,8 +64,8 @@ REGISTER_BACKOFF_MAX_S = 5.0
 HEARTBEAT_JITTER = 0.1
 #: SIGTERM: how long the agent waits for the coordinator to move its tasks elsewhere
 DRAIN_TIMEOUT_S = 60.0
-#: a task's own log file here (``task.log``) is rotated past this: the newest half is kept in
-#: ``task.log.1``, so a task that prints without end fills no disk
+#: a task's own log here is at most this: ``task.log`` is moved to ``task.log.1`` (replacing
+#: the one before) when it reaches half of it, so a task that prints without end fills no disk
 MAX_LOCAL_LOG_BYTES = 64 << 20
 #: log bytes of one task kept to send while the coordinator does not take them (its disk is
 #: full, a partition): beyond it the oldest are dropped, and the log says so
@@ -292,7 +292,7 @@ class TaskProcess:
             written = local.tell()
             for line in iter(stream.readline, b""):
                 if written + len(line) > MAX_LOCAL_LOG_BYTES // 2:
-                    local.close()  # the newest half stays as task.log.1
+                    local.close()  # the older half, as task.log.1
                     os.replace(path, path + ".1")
                     local, written = open(path, "ab"), 0
                 local.write(line)
