@@ -30,15 +30,15 @@ from strata.coordinator.agents import (
     PurgeJobCommand, StopTaskCommand, reconcile,
 )
 from strata.coordinator.blobs import (
-    DEFAULT_BLOB_GRACE_S, DEFAULT_MAX_JOB_OUTPUTS_BYTES, DEFAULT_MAX_UPLOAD_BYTES, BlobStore,
+    DEFAULT_BLOB_GRACE_S, DEFAULT_MAX_JOB_OUTPUTS_BYTES, DEFAULT_MAX_UPLOAD_BYTES,
+    DEFAULT_USER_QUOTA_BYTES, BlobStore,
 )
 from strata.coordinator.confine import check_report, job_blobs
+from strata.coordinator.disk import DEFAULT_RESERVE_BYTES, DiskGuard
 from strata.coordinator.jobtable import JobTable
-from strata.coordinator.logs import JobLogs
+from strata.coordinator.logs import DEFAULT_MAX_JOB_LOG_BYTES, JobLogs
 from strata.coordinator.placement import Capacity, Placement, Room, TaskDemand, place
 from strata.coordinator.series import Series
-from strata.coordinator.disk import DEFAULT_RESERVE_BYTES, DiskGuard
-from strata.coordinator.logs import DEFAULT_MAX_JOB_LOG_BYTES
 from strata.coordinator.store import SqliteStore, Store, WorkerRecord
 from strata.errors import (
     DiskFull, InfeasibleError, InvalidTransition, NotFoundError, NotYours, QuotaExceeded, SpecError,
@@ -58,8 +58,9 @@ from strata.taskconfig import REPORT_INTERVAL_S, TaskConfig
 from strata.tfconfig import build_tf_config
 from strata.auth import Caller
 from strata.types import (
-    CoordinatorDisk, DiskStatus, FailureKind, Job, JobEvent, JobPlan, JobState, MemoryStatus, Plan, Task,
-    TaskReport, TaskState, WorkerInfo, WorkerOffer, WorkerState, WorkerTask, can_transition,
+    CoordinatorDisk, DiskStatus, FailureKind, Job, JobEvent, JobPlan, JobState, MemoryStatus,
+    Plan, Task, TaskReport, TaskState, WorkerInfo, WorkerOffer, WorkerState, WorkerTask,
+    can_transition,
 )
 
 __all__ = ["Coordinator", "PreparedJob", "StartTaskCommand", "StopTaskCommand", "AgentCommand",
@@ -238,7 +239,8 @@ class Coordinator:
                  max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES, allow_user_code: bool = False,
                  max_pending_per_user: int = DEFAULT_MAX_PENDING_PER_USER,
                  max_tasks_per_job: int = DEFAULT_MAX_TASKS_PER_JOB,
-                 retention_s: float = DEFAULT_RETENTION_S, user_quota: int = 0,
+                 retention_s: float = DEFAULT_RETENTION_S,
+                 user_quota: int = DEFAULT_USER_QUOTA_BYTES,
                  max_job_outputs: int = DEFAULT_MAX_JOB_OUTPUTS_BYTES,
                  max_job_logs: int = DEFAULT_MAX_JOB_LOG_BYTES,
                  disk_reserve: int = DEFAULT_RESERVE_BYTES,
@@ -1453,9 +1455,10 @@ class Coordinator:
         blobs, outputs = self.blobs.totals()
         logs = self.logs.total()
         db = 0
-        for suffix in ("", "-wal", "-shm"):
+        path = getattr(self.store, "path", "")  # the store's file, when it keeps one
+        for suffix in ("", "-wal", "-shm") if path and path != ":memory:" else ():
             try:
-                db += os.path.getsize(os.path.join(self.state_dir, "strata.db" + suffix))
+                db += os.path.getsize(path + suffix)
             except OSError:
                 pass
         return CoordinatorDisk(

@@ -29,7 +29,7 @@ from google.protobuf.message import Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from strata.auth import _NAME_RE, CLUSTER, Auth, AuthFileError, Caller, Denied
+from strata.auth import CLUSTER, NAME_RE, Auth, AuthFileError, Caller, Denied
 from strata.coordinator.bounds import Undecodable, check_request
 from strata.coordinator.agents import CallWait
 from strata.coordinator.core import Coordinator, prepare
@@ -44,9 +44,8 @@ from strata.protos import strata_pb2 as pb
 from strata.protos import strata_pb2_grpc as pb_grpc
 from strata import convert
 from strata.errors import (
-    DiskFull, DuplicateAgent, InfeasibleError, InvalidTransition, NotFoundError, NotYours, QuotaExceeded,
-    SpecError, StrataError,
-    UnknownAgentSession, UploadError, UserCodeRefused,
+    DiskFull, DuplicateAgent, InfeasibleError, InvalidTransition, NotFoundError, NotYours,
+    QuotaExceeded, SpecError, StrataError, UnknownAgentSession, UploadError, UserCodeRefused,
 )
 from strata.coordinator.blobs import (
     DEFAULT_BLOB_GRACE_S, DEFAULT_MAX_JOB_OUTPUTS_BYTES, DEFAULT_MAX_UPLOAD_BYTES,
@@ -511,7 +510,7 @@ class JobServicer(pb_grpc.JobServiceServicer):
             raise NotConfigured("this coordinator has no authentication (--auth-tokens, or "
                                 "--tls-client-ca): there are no credentials to revoke")
         name, closed, lost = request.name, 0, list[str]()
-        if name and not _NAME_RE.match(name):
+        if name and not NAME_RE.match(name):
             raise SpecError("name", f"{name[:64]!r} is not a caller's NAME (letters, digits "
                                     "and ._@-, at most 128)")
         caller = CALLER.get()

@@ -44,7 +44,7 @@ ENV_TOKEN = "STRATA_TOKEN"
 #: tokens shorter than this are guessable
 MIN_TOKEN_CHARS = 16
 MAX_TOKEN_CHARS = 512
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,127}$")
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,127}$")
 
 #: what each role may call, by RPC method name (cluster API: the agent role, checked against
 #: the request's agent name as well)
@@ -116,7 +116,7 @@ def parse_tokens(text: str, source: str = "--auth-tokens") -> dict[bytes, Caller
         if role not in ROLES:
             raise AuthFileError(f"{source} line {n}: role {role[:20]!r} is not one of "
                                 f"{', '.join(ROLES)}")
-        if not _NAME_RE.match(name):
+        if not NAME_RE.match(name):
             raise AuthFileError(f"{source} line {n}: name {name[:40]!r}: letters, digits and "
                                 "._@- only, at most 128")
         d = _digest(token)
