@@ -16,6 +16,7 @@ import sqlite3
 import threading
 from typing import Any, Callable, Iterable, TypeVar
 
+from strata.coordinator.confine import job_blobs
 from strata.coordinator.disk import is_full
 from strata.coordinator.jobtable import JobSummary
 from strata.errors import DiskFull
@@ -127,8 +128,6 @@ class Store(abc.ABC):
 
     def blob_refs(self) -> list[tuple[str, str, str]]:
         """(job id, its owner, sha) of every file a held job names."""
-        from strata.coordinator.confine import job_blobs
-
         return [(j.id, j.owner, sha) for j in self.load_jobs() for sha in job_blobs(j.spec)]
 
     def job_owners(self) -> dict[str, str]:

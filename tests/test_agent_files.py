@@ -62,6 +62,27 @@ def test_fetched_files_no_running_task_needs_are_collected(agent):
     assert sorted(os.listdir(agent.blob_dir)) == [needed + ".keras", fresh + ".keras"]
     task.status.state = TaskState.SUCCEEDED  # no task needs it now: it goes once old
     assert agent.collect_blobs() == 1
+    # idle files beyond the bound go, least recently used first
+    for i, sha in enumerate(("d" * 64, "e" * 64)):
+        path = os.path.join(agent.blob_dir, sha + ".keras")
+        with open(path, "wb") as f:
+            f.write(b"y" * 100)
+        os.utime(path, (time.time() - 100 + i, time.time() - 100 + i))
+    assert agent.collect_blobs(max_idle_bytes=150) == 1  # 201 idle bytes: d goes
+    assert sorted(os.listdir(agent.blob_dir)) == [fresh + ".keras", "e" * 64 + ".keras"]
+
+
+def test_a_deleted_jobs_fetched_files_go_with_it_unless_another_job_names_them(agent):
+    os.makedirs(agent.blob_dir)
+    only_a, shared = "a" * 64, "b" * 64
+    for sha in (only_a, shared):
+        with open(os.path.join(agent.blob_dir, sha + ".keras"), "wb") as f:
+            f.write(b"x")
+    agent._blobs_of = {"job-a": {only_a, shared}, "job-b": {shared}}
+    agent.purge("job-a")
+    assert os.listdir(agent.blob_dir) == [shared + ".keras"]
+    agent.purge("job-b")
+    assert os.listdir(agent.blob_dir) == []
 
 
 def test_the_disk_meter_counts_the_agents_files_and_reads_what_is_free(tmp_path):

@@ -86,6 +86,21 @@ def test_an_agent_acts_only_on_its_own_live_task_of_this_attempt(env):
                           t0.attempt)
 
 
+def test_a_heartbeats_impossible_report_is_not_applied(env):
+    coord, *_ = env
+    job, s = running(coord)
+    t = job.tasks[0]
+    mem = coord.workers[t.worker].memory
+    coord.heartbeat(t.worker, s[t.worker], mem, [TaskReport(
+        job.id, t.role, t.index, TaskState.RUNNING, attempt=t.attempt, step=5, total_steps=10,
+        peak_bytes=1 << 62)], [])
+    assert t.peak_memory_bytes == 0 and job.metrics.step == 0  # not applied: none of it
+    coord.heartbeat(t.worker, s[t.worker], mem, [TaskReport(
+        job.id, t.role, t.index, TaskState.RUNNING, attempt=t.attempt, step=5, total_steps=10,
+        peak_bytes=1 << 20)], [])
+    assert t.peak_memory_bytes == 1 << 20
+
+
 def test_outputs_come_only_from_the_live_lead_of_a_job_that_runs(env):
     coord, *_ = env
     job, s = running(coord)

@@ -71,9 +71,12 @@ MAX_LOCAL_LOG_BYTES = 64 << 20
 #: full, a partition): beyond it the oldest are dropped, and the log says so
 MAX_LOG_BUFFER_BYTES = 16 << 20
 #: how often the agent counts its own files (``DiskMeter``) and collects fetched files no task
-#: uses (``BLOB_KEEP_S`` after their last use)
+#: uses: those of a deleted job at once (``purge``), any other ``BLOB_KEEP_S`` after its last
+#: use, and the least recently used beyond ``MAX_IDLE_BLOB_BYTES`` (a sweep of many models
+#: keeps what it uses again, within a bound)
 DISK_WALK_INTERVAL_S = 60.0
 BLOB_KEEP_S = 3600.0
+MAX_IDLE_BLOB_BYTES = 1 << 30
 
 
 def advertise_host(coordinator: str) -> str:
@@ -654,6 +657,8 @@ class Agent:
         self.blob_dir = os.path.join(cfg.work_dir, "blobs")
         self._blob_lock = threading.Lock()
         self.disk = DiskMeter(cfg.work_dir)
+        #: job id -> the files fetched for its tasks here (deleted with the job, ``purge``)
+        self._blobs_of: dict[str, set[str]] = {}
         self.warm = WarmPool(cfg.warm_pool, cfg.python, cfg.device, cfg.work_dir)
         if cfg.warm_pool:
             threading.Thread(target=self.warm.fill, daemon=True, name="warm-pool").start()
@@ -760,28 +765,53 @@ class Agent:
             except Exception:  # noqa: BLE001 - the logs of one round; the next round retries
                 log.exception("sending the tasks' logs failed")
 
-    def collect_blobs(self, keep_s: float = BLOB_KEEP_S) -> int:
-        """Deletes fetched files (a job's .keras file, its code) no running task's job names
-        and not used for ``keep_s``; returns how many."""
+    def _needed_blobs(self) -> set[str]:
+        """The digests of the files the running tasks' jobs name."""
         with self.lock:
-            needed = {sha for t in self.tasks.values() if t.running
-                      for sha, _suffix in blobs_needed(t._cmd)}
-        gone = 0
+            return {sha for t in self.tasks.values() if t.running
+                    for sha, _suffix in blobs_needed(t._cmd)}
+
+    def collect_blobs(self, keep_s: float = BLOB_KEEP_S,
+                      max_idle_bytes: int = MAX_IDLE_BLOB_BYTES, only: set[str] | None = None
+                      ) -> int:
+        """Deletes fetched files (a job's .keras file, its code) no running task's job names:
+        those not used for ``keep_s``, then the least recently used beyond
+        ``max_idle_bytes`` (``only``: those of these digests, whatever their age). Returns
+        how many."""
+        needed = self._needed_blobs()
         try:
             names = os.listdir(self.blob_dir)
         except OSError:
             return 0
         now = time.time()
+        gone = 0
         with self._blob_lock:
+            idle = []
             for name in names:
                 path = os.path.join(self.blob_dir, name)
+                if name[:64] in needed:
+                    continue
                 try:
-                    if name[:64] in needed or now - os.path.getmtime(path) < keep_s:
-                        continue
-                    os.unlink(path)
-                    gone += 1
+                    st = os.stat(path)
+                    if (only is not None and name[:64] in only) or \
+                            (only is None and now - st.st_mtime >= keep_s):
+                        os.unlink(path)
+                        gone += 1
+                    else:
+                        idle.append((st.st_mtime, st.st_size, path))
                 except OSError:
                     pass
+            if only is None:
+                total = sum(size for _, size, _ in idle)
+                for _mtime, size, path in sorted(idle):  # least recently used first
+                    if total <= max_idle_bytes:
+                        break
+                    try:
+                        os.unlink(path)
+                        gone += 1
+                        total -= size
+                    except OSError:
+                        pass
         return gone
 
     # --- commands -----------------------------------------------------------------------------
@@ -880,6 +910,11 @@ class Agent:
         for root in (self.cfg.work_dir, self.cfg.shared_dir):
             if root:
                 shutil.rmtree(os.path.join(root, "jobs", job_id), ignore_errors=True)
+        with self.lock:
+            mine = self._blobs_of.pop(job_id, set())
+            others = set().union(*self._blobs_of.values())
+        # the files fetched for it go too, unless another job here names them
+        self.collect_blobs(only=mine - others)
         log.info("deleted the files of job %s", job_id)
 
     def start_task(self, start: pb.StartTask) -> None:
@@ -892,6 +927,8 @@ class Agent:
             else:
                 old = None
             task = self.tasks[key] = TaskProcess(self, start)
+            self._blobs_of.setdefault(start.job_id, set()).update(
+                sha for sha, _suffix in blobs_needed(start))
             try:
                 port = int(json.loads(start.tf_config)["cluster"][start.role][start.index].rsplit(":", 1)[1])
                 if port in self.free_ports:
