@@ -15,10 +15,12 @@ Every byte has an owner and a bound:
   however often it is uploaded. A holding ends when none of that owner's jobs names the blob
   and it is older than ``blob_grace_s`` (the time between an upload and its submit); a blob
   nobody holds and no job names is deleted (``collect``).
-- **Quotas.** A user's stored bytes are the blobs it holds plus its jobs' outputs; past
-  ``user_quota`` (``--user-quota``) uploads are refused with ``QuotaExceeded``
-  (RESOURCE_EXHAUSTED). One job's outputs are at most ``max_job_outputs``
-  (``--max-job-outputs``). Refused while the bytes stream, and nothing is left behind.
+- **Quotas.** A user's stored bytes are the blobs it holds, its jobs' outputs and its jobs'
+  logs (``charge_logs``, for ``coordinator.logs``); past ``user_quota`` (``--user-quota``)
+  uploads and outputs are refused with ``QuotaExceeded`` (RESOURCE_EXHAUSTED) and logs are
+  cut. Uploads still streaming count too, so parallel uploads cannot run past it. One job's
+  outputs are at most ``max_job_outputs`` (``--max-job-outputs``). Refused while the bytes
+  stream, and nothing is left behind.
 - **The disk.** Every chunk is checked against the disk's reserve (``coordinator.disk``):
   a full disk is ``DiskFull`` (UNAVAILABLE), never a half-written file.
 
@@ -101,8 +103,12 @@ class BlobStore:
         #: job id -> relative path -> bytes, and each job's owner (the outputs on disk)
         self._outputs: dict[str, dict[str, int]] = {}
         self._output_owner: dict[str, str] = {}
-        #: owner -> bytes charged (blobs held + outputs): kept as the two above change
+        #: job id -> (its owner, bytes of its logs)
+        self._logs: dict[str, tuple[str, int]] = {}
+        #: owner -> bytes charged (blobs held + outputs + logs): kept as the above change
         self._usage: dict[str, int] = {}
+        #: owner -> bytes of its uploads still streaming (not charged yet)
+        self._inflight: dict[str, int] = {}
         #: sha -> its file's size, for every blob on disk
         self._sizes: dict[str, int] = {}
 
@@ -181,6 +187,21 @@ class BlobStore:
                 f"{format_size(self.user_quota)} (--user-quota): {format_size(self.usage(owner))} "
                 "held in uploads and outputs; delete finished jobs (strata delete) to make room")
 
+    def charge_logs(self, job_id: str, owner: str, size: int, force: bool = False) -> int:
+        """How many of ``size`` more log bytes of ``owner``'s job fit its quota; those are
+        charged (``coordinator.logs`` keeps them and drops the rest). ``force``: all of them
+        (logs found on disk at a start)."""
+        if self.user_quota and not force:
+            size = max(0, min(size, self.user_quota - self.usage(owner)))
+        held = self._logs.get(job_id, (owner, 0))[1]
+        self._logs[job_id] = (owner, held + size)
+        self._charge(owner, size)
+        return size
+
+    def forget_logs(self, job_id: str) -> None:
+        owner, size = self._logs.pop(job_id, ("", 0))
+        self._charge(owner, -size)
+
     def _check_disk(self, more: int, what: str) -> None:
         if self.disk is not None:
             self.disk.check(more, what)
@@ -228,7 +249,8 @@ class BlobStore:
         return files, freed
 
     def check(self) -> None:
-        """Asserts that the kept usage equals a recount of holdings and outputs (tests)."""
+        """Asserts that the kept usage equals a recount of holdings, outputs and logs
+        (tests)."""
         want: dict[str, int] = {}
         for held in self._held.values():
             for owner, h in held.items():
@@ -236,6 +258,8 @@ class BlobStore:
         for job_id, files in self._outputs.items():
             owner = self._output_owner[job_id]
             want[owner] = want.get(owner, 0) + sum(files.values())
+        for owner, size in self._logs.values():
+            want[owner] = want.get(owner, 0) + size
         assert {k: v for k, v in want.items() if v} == self._usage, (want, self._usage)
 
     # -- blobs
@@ -251,7 +275,7 @@ class BlobStore:
         streams, more than ``max_upload_bytes`` and more than the disk's reserve leaves; once
         whole, a file the owner does not hold yet that its quota has no room for."""
         h = hashlib.sha256()
-        size = 0
+        size = counted = 0  # counted: this upload's bytes in ``_inflight``
         fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".upload-")
         try:
             with os.fdopen(fd, "wb") as f:
@@ -260,8 +284,15 @@ class BlobStore:
                     if size > self.max_upload_bytes:
                         raise UploadError(f"upload is over the coordinator's limit of "
                                           f"{self.max_upload_bytes:,} bytes (--max-upload)")
-                    if self.user_quota and size > self.user_quota:
-                        self._check_quota(owner, size, "the upload")
+                    if self.user_quota:
+                        # the owner's other uploads streaming now count in full, this one once
+                        # whole (a file it holds already costs nothing): uploads in parallel
+                        # cannot run past the quota
+                        others = self._inflight.get(owner, 0) - counted
+                        self._check_quota(owner, others + (size if size > self.user_quota
+                                                           else 0), "the upload")
+                    self._inflight[owner] = self._inflight.get(owner, 0) + len(data)
+                    counted += len(data)
                     self._check_disk(len(data), "the upload")
                     h.update(data)
                     await asyncio.to_thread(f.write, data)  # a slow disk never stalls the loop
@@ -273,6 +304,11 @@ class BlobStore:
             self._hold(sha, owner, self.clock())  # held anew: the grace starts again
             return sha, size
         finally:
+            left = self._inflight.get(owner, 0) - counted
+            if left > 0:
+                self._inflight[owner] = left
+            else:
+                self._inflight.pop(owner, None)
             if os.path.exists(tmp):
                 os.unlink(tmp)
 

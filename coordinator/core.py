@@ -264,11 +264,12 @@ class Coordinator:
         self.disk = DiskGuard(state_dir, disk_reserve, disk_ballast)
         if isinstance(store, SqliteStore):
             store.on_full = self.disk.release
-        self.logs = JobLogs(os.path.join(state_dir, "logs"), max_job_logs, self.disk)
         self.blobs = BlobStore(state_dir, max_upload_bytes, disk=self.disk,
                                user_quota=user_quota, max_job_outputs=max_job_outputs,
                                blob_grace_s=blob_grace_s, on_hold=store.put_blob_owner,
                                on_release=store.delete_blob_owner, clock=clock)
+        self.logs = JobLogs(os.path.join(state_dir, "logs"), max_job_logs, self.disk,
+                            account=self.blobs)
         owners = store.job_owners()
         self.blobs.load(store.load_blob_owners(), store.blob_refs(), owners)
         self.logs.load(owners)
@@ -715,8 +716,8 @@ class Coordinator:
     def append_logs(self, worker: str, session: str, job_id: str, role: str, index: int,
                     data: bytes, attempt: int) -> None:
         """A chunk of a task's output, from the agent that runs it (``live_task``)."""
-        self.live_task(worker, session, job_id, role, index, attempt)
-        self.logs.append(job_id, role, index, data)
+        job, _ = self.live_task(worker, session, job_id, role, index, attempt)
+        self.logs.append(job_id, role, index, data, job.owner)
 
     def may_fetch(self, worker: str, session: str, sha: str) -> None:
         """An agent fetches only the files that the jobs of the tasks it runs name."""

@@ -4,9 +4,10 @@ One file per task, ``STATE_DIR/logs/JOB_ID/ROLE-INDEX.log``, so logs outlive the
 follow them through an ``asyncio.Event`` per job, kept apart from the job watchers' signals so
 that log traffic never wakes a job watcher (each wake-up sends it a snapshot).
 
-A job's logs, all its tasks together, are at most ``max_job_bytes`` (``--max-job-logs``): what
-comes after is dropped, and one line in the log says so. Logs are not refused (the agent would
-only send them again); a disk below its reserve is (``DiskFull``: the agent keeps them a while).
+A job's logs, all its tasks together, are at most ``max_job_bytes`` (``--max-job-logs``), and
+they count in their owner's quota (``account``: ``BlobStore.charge_logs``): what comes past
+either is dropped, and one line in the log says so. Logs are not refused (the agent would only
+send them again); a disk below its reserve is (``DiskFull``: the agent keeps them a while).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-from typing import TYPE_CHECKING, AsyncIterator, Callable, Collection, Sequence
+from typing import TYPE_CHECKING, AsyncIterator, Callable, Mapping, Protocol, Sequence
 
 from strata.memory import format_size
 
@@ -23,6 +24,14 @@ if TYPE_CHECKING:
 
 #: one job's logs, all tasks (``--max-job-logs``): a week of a chatty task (a line a second)
 DEFAULT_MAX_JOB_LOG_BYTES = 256 << 20
+
+
+class LogAccount(Protocol):
+    """Where logs are charged to their job's owner (``BlobStore``)."""
+
+    def charge_logs(self, job_id: str, owner: str, size: int, force: bool = False) -> int: ...
+
+    def forget_logs(self, job_id: str) -> None: ...
 READ_CHUNK_BYTES = 1 << 20
 TAIL_BLOCK_BYTES = 64 * 1024
 FOLLOW_POLL_S = 1.0
@@ -30,17 +39,20 @@ FOLLOW_POLL_S = 1.0
 
 class JobLogs:
     def __init__(self, log_dir: str, max_job_bytes: int = DEFAULT_MAX_JOB_LOG_BYTES,
-                 disk: DiskGuard | None = None):
+                 disk: DiskGuard | None = None, account: LogAccount | None = None):
         self.log_dir = log_dir
         self.max_job_bytes = max_job_bytes
         self.disk = disk
+        self.account = account
         self._signals: dict[str, asyncio.Event] = {}
-        #: job id -> bytes of its logs on disk
+        #: job id -> bytes of its logs on disk; the jobs whose owner's quota is full
         self._bytes: dict[str, int] = {}
+        self._full: set[str] = set()
 
-    def load(self, jobs: Collection[str]) -> None:
-        """Counts the logs on disk at a coordinator's start; deletes those of jobs not held
-        (deleted while the coordinator stopped)."""
+    def load(self, jobs: Mapping[str, str]) -> None:
+        """Counts the logs on disk at a coordinator's start (``jobs``: id -> owner, of the
+        jobs held), charged to their owners; deletes those of jobs not held (deleted while the
+        coordinator stopped)."""
         if not os.path.isdir(self.log_dir):
             return
         for job_id in os.listdir(self.log_dir):
@@ -55,6 +67,8 @@ class JobLogs:
                 except OSError:
                     pass
             self._bytes[job_id] = total
+            if self.account is not None:  # charged whatever the quota: they are on disk
+                self.account.charge_logs(job_id, jobs[job_id], total, force=True)
 
     def total(self) -> int:
         return sum(self._bytes.values())
@@ -62,17 +76,24 @@ class JobLogs:
     def path(self, job_id: str, role: str, index: int) -> str:
         return os.path.join(self.log_dir, job_id, f"{role}-{index}.log")
 
-    def append(self, job_id: str, role: str, index: int, data: bytes) -> None:
+    def append(self, job_id: str, role: str, index: int, data: bytes, owner: str = "") -> None:
         used = self._bytes.get(job_id, 0)
-        if used >= self.max_job_bytes:
-            return  # past the cap: dropped (the line that says so is in the log)
-        if used + len(data) > self.max_job_bytes:
-            cut = self.max_job_bytes - used
-            data = data[:cut] + (f"\n[strata] this job's logs reached "
-                                 f"{format_size(self.max_job_bytes)} (--max-job-logs); "
-                                 "what the tasks print from here on is not kept\n").encode()
+        if used >= self.max_job_bytes or job_id in self._full:
+            return  # past a bound: dropped (the line that says so is in the log)
         if self.disk is not None:
             self.disk.check(len(data), f"logs of job {job_id}")
+        why = ""
+        if used + len(data) > self.max_job_bytes:
+            data = data[:self.max_job_bytes - used]
+            why = f"this job's logs reached {format_size(self.max_job_bytes)} (--max-job-logs)"
+        if self.account is not None:
+            fits = self.account.charge_logs(job_id, owner, len(data))
+            if fits < len(data):
+                data = data[:fits]
+                why = f"{owner or 'the owner'} has no room left in its quota (--user-quota)"
+                self._full.add(job_id)
+        if why:
+            data += f"\n[strata] {why}; what the tasks print from here on is not kept\n".encode()
         path = self.path(job_id, role, index)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "ab") as f:
@@ -85,6 +106,9 @@ class JobLogs:
     def delete(self, job_id: str) -> None:
         shutil.rmtree(os.path.join(self.log_dir, job_id), ignore_errors=True)
         self._bytes.pop(job_id, None)
+        self._full.discard(job_id)
+        if self.account is not None:
+            self.account.forget_logs(job_id)
 
     def tail_offset(self, job_id: str, role: str, index: int, lines: int) -> int:
         """Where the last ``lines`` lines of a task's log start (read backwards in blocks)."""

@@ -284,10 +284,57 @@ def test_a_jobs_logs_are_capped_and_say_so(tmp_path):
     assert open(logs.path("j", "worker", 0), "rb").read() == b"a" * 60
     assert logs.total() <= 100 + 200
     again = JobLogs(str(tmp_path), max_job_bytes=100)
-    again.load({"j"})
+    again.load({"j": "alice"})
     assert again.total() == logs.total()
-    again.load(set())  # a job no longer held: its logs go
+    again.load({})  # a job no longer held: its logs go
     assert not os.path.exists(os.path.join(str(tmp_path), "j"))
+
+
+def test_logs_count_in_their_owners_quota_and_are_cut_at_it(tmp_path):
+    blobs = BlobStore(str(tmp_path), user_quota=100)
+    logs = JobLogs(str(tmp_path / "logs"), max_job_bytes=1000, account=blobs)
+    asyncio.run(blobs.put(_chunks(b"u" * 60), "alice"))
+    logs.append("j", "worker", 0, b"a" * 30, "alice")
+    logs.append("j", "worker", 0, b"b" * 30, "alice")  # 10 of them fit
+    logs.append("j", "worker", 0, b"c" * 30, "alice")  # dropped
+    text = open(logs.path("j", "worker", 0), "rb").read()
+    assert text.startswith(b"a" * 30 + b"b" * 10 + b"\n[strata] alice has no room left")
+    assert b"c" not in text.split(b"\n")[0]
+    assert blobs.usage("alice") == 100
+    blobs.check()
+    logs.delete("j")
+    assert blobs.usage("alice") == 60
+    # found on disk at a start, logs are charged whatever the quota
+    logs.append("k", "worker", 0, b"x" * 20, "alice")
+    again = BlobStore(str(tmp_path / "again"), user_quota=10)
+    JobLogs(str(tmp_path / "logs"), account=again).load({"k": "alice"})
+    assert again.usage("alice") == 20
+
+
+def test_uploads_in_parallel_cannot_run_past_the_quota(tmp_path):
+    store = BlobStore(str(tmp_path), user_quota=100)
+
+    async def main():
+        gate = asyncio.Event()
+
+        async def slow(n):
+            yield b"p" * n
+            await gate.wait()
+            yield b"q" * n
+
+        first = asyncio.create_task(store.put(slow(40), "alice"))
+        await asyncio.sleep(0.05)
+        second = asyncio.create_task(store.put(slow(40), "alice"))
+        await asyncio.sleep(0.05)
+        third = asyncio.create_task(store.put(slow(40), "alice"))
+        await asyncio.sleep(0.05)
+        gate.set()
+        return await asyncio.gather(first, second, third, return_exceptions=True)
+    results = asyncio.run(main())
+    refused = [r for r in results if isinstance(r, QuotaExceeded)]
+    assert refused and store.usage("alice") <= 100
+    assert store._inflight == {}
+    store.check()
 
 
 def test_deleting_a_job_tells_the_agents_to_purge_its_files(env):
