@@ -983,6 +983,10 @@ class Coordinator:
         if r.model_path:
             task.model_path = r.model_path
         lead = strategy.is_lead(task)
+        if lead and r.training and r.training != job.training:
+            job.training = r.training  # what its model trains with, and where it came from
+            self.store.put_job(job)
+            self._event(job, "message", f"training with {r.training}")
         if lead and r.checkpoint_step > job.checkpoint_step:
             job.checkpoint_step = r.checkpoint_step
             self.store.put_job(job)
@@ -1008,6 +1012,7 @@ class Coordinator:
         if lead and r.test_accuracy is not None:
             job.metrics.test_accuracy = r.test_accuracy
             job.metrics.test_loss = r.test_loss
+            job.metrics.test_metrics = dict(r.test_metrics)
         self.series.record(job, task, self.clock())
         if r.state == TaskState.CANCELLED and job.state == JobState.SUCCEEDED \
                 and strategy.stopped_counts_as_success(job, task):

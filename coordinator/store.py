@@ -247,7 +247,8 @@ class SqliteStore(Store):
             self._db.execute("INSERT OR REPLACE INTO job_recovery VALUES (?,?,?)", (
                 job.id, r.request_id, json.dumps({
                     **dataclasses.asdict(r), "checkpoint_step": job.checkpoint_step,
-                    "steps_repeated": job.steps_repeated, "owner": job.owner})))
+                    "steps_repeated": job.steps_repeated, "owner": job.owner,
+                    "training": job.training})))
 
     @_writes
     def replace_tasks(self, job_id: str, tasks: Iterable[Task]) -> None:
@@ -334,7 +335,7 @@ class SqliteStore(Store):
                 metrics=JobMetrics(**json.loads(metrics)), tasks=by_job.get(jid, []),
                 checkpoint_step=int(rec.get("checkpoint_step", 0)),
                 steps_repeated=int(rec.get("steps_repeated", 0)),
-                owner=str(rec.get("owner", "")),
+                owner=str(rec.get("owner", "")), training=str(rec.get("training", "")),
                 recovery=JobRecovery(**{k: v for k, v in rec.items() if k in names})))
         return out
 

@@ -261,7 +261,14 @@ class JobSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., strategy: _Optional[str] = ..., workers: _Optional[int] = ..., parameter_servers: _Optional[int] = ..., stages: _Optional[int] = ..., microbatches: _Optional[int] = ..., model: _Optional[_Union[ModelSpec, _Mapping]] = ..., data: _Optional[_Union[DataSpec, _Mapping]] = ..., training: _Optional[_Union[TrainingSpec, _Mapping]] = ..., memory: _Optional[_Union[MemorySpec, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointSpec, _Mapping]] = ..., restart: _Optional[_Union[RestartSpec, _Mapping]] = ..., code: _Optional[_Union[CodeSpec, _Mapping]] = ..., gradients: _Optional[_Union[GradientSpec, _Mapping]] = ...) -> None: ...
 
 class JobMetrics(_message.Message):
-    __slots__ = ("step", "total_steps", "loss", "test_accuracy", "examples_per_sec", "test_loss", "has_test_accuracy")
+    __slots__ = ("step", "total_steps", "loss", "test_accuracy", "examples_per_sec", "test_loss", "has_test_accuracy", "test_metrics")
+    class TestMetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     STEP_FIELD_NUMBER: _ClassVar[int]
     TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
@@ -269,6 +276,7 @@ class JobMetrics(_message.Message):
     EXAMPLES_PER_SEC_FIELD_NUMBER: _ClassVar[int]
     TEST_LOSS_FIELD_NUMBER: _ClassVar[int]
     HAS_TEST_ACCURACY_FIELD_NUMBER: _ClassVar[int]
+    TEST_METRICS_FIELD_NUMBER: _ClassVar[int]
     step: int
     total_steps: int
     loss: float
@@ -276,7 +284,8 @@ class JobMetrics(_message.Message):
     examples_per_sec: float
     test_loss: float
     has_test_accuracy: bool
-    def __init__(self, step: _Optional[int] = ..., total_steps: _Optional[int] = ..., loss: _Optional[float] = ..., test_accuracy: _Optional[float] = ..., examples_per_sec: _Optional[float] = ..., test_loss: _Optional[float] = ..., has_test_accuracy: _Optional[bool] = ...) -> None: ...
+    test_metrics: _containers.ScalarMap[str, float]
+    def __init__(self, step: _Optional[int] = ..., total_steps: _Optional[int] = ..., loss: _Optional[float] = ..., test_accuracy: _Optional[float] = ..., examples_per_sec: _Optional[float] = ..., test_loss: _Optional[float] = ..., has_test_accuracy: _Optional[bool] = ..., test_metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class TaskInfo(_message.Message):
     __slots__ = ("role", "index", "worker", "state", "stage", "memory_budget_bytes", "peak_memory_bytes", "in_use_bytes", "estimated_memory_bytes", "failure", "exit_code", "message", "address", "weights_sha256", "model_path", "replica", "layers", "replica_weights_sha256")
@@ -319,7 +328,7 @@ class TaskInfo(_message.Message):
     def __init__(self, role: _Optional[str] = ..., index: _Optional[int] = ..., worker: _Optional[str] = ..., state: _Optional[_Union[TaskState, str]] = ..., stage: _Optional[int] = ..., memory_budget_bytes: _Optional[int] = ..., peak_memory_bytes: _Optional[int] = ..., in_use_bytes: _Optional[int] = ..., estimated_memory_bytes: _Optional[int] = ..., failure: _Optional[_Union[FailureKind, str]] = ..., exit_code: _Optional[int] = ..., message: _Optional[str] = ..., address: _Optional[str] = ..., weights_sha256: _Optional[str] = ..., model_path: _Optional[str] = ..., replica: _Optional[int] = ..., layers: _Optional[_Iterable[str]] = ..., replica_weights_sha256: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("id", "name", "state", "strategy", "message", "restarts", "created_at", "finished_at", "metrics", "tasks", "spec", "estimated_memory_bytes", "started_at", "output_dir", "outputs", "checkpoint_step", "steps_repeated", "tensorboard_dir", "owner")
+    __slots__ = ("id", "name", "state", "strategy", "message", "restarts", "created_at", "finished_at", "metrics", "tasks", "spec", "estimated_memory_bytes", "started_at", "output_dir", "outputs", "checkpoint_step", "steps_repeated", "tensorboard_dir", "owner", "training")
     ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -339,6 +348,7 @@ class Job(_message.Message):
     STEPS_REPEATED_FIELD_NUMBER: _ClassVar[int]
     TENSORBOARD_DIR_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
+    TRAINING_FIELD_NUMBER: _ClassVar[int]
     id: str
     name: str
     state: JobState
@@ -358,7 +368,8 @@ class Job(_message.Message):
     steps_repeated: int
     tensorboard_dir: str
     owner: str
-    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., strategy: _Optional[str] = ..., message: _Optional[str] = ..., restarts: _Optional[int] = ..., created_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., metrics: _Optional[_Union[JobMetrics, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[TaskInfo, _Mapping]]] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., estimated_memory_bytes: _Optional[int] = ..., started_at: _Optional[float] = ..., output_dir: _Optional[str] = ..., outputs: _Optional[_Iterable[str]] = ..., checkpoint_step: _Optional[int] = ..., steps_repeated: _Optional[int] = ..., tensorboard_dir: _Optional[str] = ..., owner: _Optional[str] = ...) -> None: ...
+    training: str
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., strategy: _Optional[str] = ..., message: _Optional[str] = ..., restarts: _Optional[int] = ..., created_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., metrics: _Optional[_Union[JobMetrics, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[TaskInfo, _Mapping]]] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., estimated_memory_bytes: _Optional[int] = ..., started_at: _Optional[float] = ..., output_dir: _Optional[str] = ..., outputs: _Optional[_Iterable[str]] = ..., checkpoint_step: _Optional[int] = ..., steps_repeated: _Optional[int] = ..., tensorboard_dir: _Optional[str] = ..., owner: _Optional[str] = ..., training: _Optional[str] = ...) -> None: ...
 
 class JobEvent(_message.Message):
     __slots__ = ("seq", "time", "kind", "message", "job")
@@ -641,7 +652,14 @@ class ListWorkersResponse(_message.Message):
     def __init__(self, workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., coordinator_disk: _Optional[_Union[CoordinatorDisk, _Mapping]] = ...) -> None: ...
 
 class TaskStatus(_message.Message):
-    __slots__ = ("job_id", "role", "index", "state", "failure", "exit_code", "message", "in_use_bytes", "peak_bytes", "step", "total_steps", "loss", "examples_per_sec", "has_result", "test_accuracy", "test_loss", "weights_sha256", "model_path", "first_step_time", "attempt", "replica_weights_sha256", "oom", "checkpoint_step", "resumed_step")
+    __slots__ = ("job_id", "role", "index", "state", "failure", "exit_code", "message", "in_use_bytes", "peak_bytes", "step", "total_steps", "loss", "examples_per_sec", "has_result", "test_accuracy", "test_loss", "weights_sha256", "model_path", "first_step_time", "attempt", "replica_weights_sha256", "oom", "checkpoint_step", "resumed_step", "training", "test_metrics")
+    class TestMetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -666,6 +684,8 @@ class TaskStatus(_message.Message):
     OOM_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
     RESUMED_STEP_FIELD_NUMBER: _ClassVar[int]
+    TRAINING_FIELD_NUMBER: _ClassVar[int]
+    TEST_METRICS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     role: str
     index: int
@@ -690,7 +710,9 @@ class TaskStatus(_message.Message):
     oom: OutOfMemory
     checkpoint_step: int
     resumed_step: int
-    def __init__(self, job_id: _Optional[str] = ..., role: _Optional[str] = ..., index: _Optional[int] = ..., state: _Optional[_Union[TaskState, str]] = ..., failure: _Optional[_Union[FailureKind, str]] = ..., exit_code: _Optional[int] = ..., message: _Optional[str] = ..., in_use_bytes: _Optional[int] = ..., peak_bytes: _Optional[int] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., loss: _Optional[float] = ..., examples_per_sec: _Optional[float] = ..., has_result: _Optional[bool] = ..., test_accuracy: _Optional[float] = ..., test_loss: _Optional[float] = ..., weights_sha256: _Optional[str] = ..., model_path: _Optional[str] = ..., first_step_time: _Optional[float] = ..., attempt: _Optional[int] = ..., replica_weights_sha256: _Optional[_Iterable[str]] = ..., oom: _Optional[_Union[OutOfMemory, _Mapping]] = ..., checkpoint_step: _Optional[int] = ..., resumed_step: _Optional[int] = ...) -> None: ...
+    training: str
+    test_metrics: _containers.ScalarMap[str, float]
+    def __init__(self, job_id: _Optional[str] = ..., role: _Optional[str] = ..., index: _Optional[int] = ..., state: _Optional[_Union[TaskState, str]] = ..., failure: _Optional[_Union[FailureKind, str]] = ..., exit_code: _Optional[int] = ..., message: _Optional[str] = ..., in_use_bytes: _Optional[int] = ..., peak_bytes: _Optional[int] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., loss: _Optional[float] = ..., examples_per_sec: _Optional[float] = ..., has_result: _Optional[bool] = ..., test_accuracy: _Optional[float] = ..., test_loss: _Optional[float] = ..., weights_sha256: _Optional[str] = ..., model_path: _Optional[str] = ..., first_step_time: _Optional[float] = ..., attempt: _Optional[int] = ..., replica_weights_sha256: _Optional[_Iterable[str]] = ..., oom: _Optional[_Union[OutOfMemory, _Mapping]] = ..., checkpoint_step: _Optional[int] = ..., resumed_step: _Optional[int] = ..., training: _Optional[str] = ..., test_metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class OutOfMemory(_message.Message):
     __slots__ = ("task", "allocation_bytes", "shape", "dtype", "op")

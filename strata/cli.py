@@ -492,6 +492,11 @@ def _print_status(job) -> None:
           + (f"; {m.examples_per_sec:,.0f} examples/s" if m.examples_per_sec else "")
           + (f"; test accuracy {m.test_accuracy:.4f}" if m.test_accuracy is not None else ""))
     print(f"  memory estimate {_fmt_bytes(job.estimated_memory_bytes)} per task")
+    if job.training:
+        print(f"  training with {job.training}")
+    if m.test_metrics:
+        print("  test metrics (its compile's): " + ", ".join(
+            f"{k} {v:.4f}" for k, v in sorted(m.test_metrics.items())))
     print(f"  created {_local_time(job.created_at)}"
           + (f"; finished {_local_time(job.finished_at)}" if job.finished_at else ""))
     if job.checkpoint_step or job.restarts:

@@ -149,11 +149,13 @@ def job_to_proto(j: Job, with_spec: bool = True) -> pb.Job:
             step=m.step, total_steps=m.total_steps, loss=m.loss or 0.0,
             test_accuracy=m.test_accuracy or 0.0, test_loss=m.test_loss or 0.0,
             has_test_accuracy=m.test_accuracy is not None, examples_per_sec=m.examples_per_sec,
+            test_metrics=m.test_metrics,
         ),
         tasks=[task_to_proto(t) for t in j.tasks],
         spec=spec_to_proto(j.spec) if j.spec is not None and with_spec else None,
         output_dir=j.output_dir, outputs=list(j.outputs), checkpoint_step=j.checkpoint_step,
         steps_repeated=j.steps_repeated, owner=j.owner, tensorboard_dir=j.tensorboard_dir,
+        training=j.training,
     )
 
 
@@ -171,11 +173,12 @@ def job_from_proto(m: pb.Job) -> Job:
             loss=mm.loss if mm.step else None,
             test_accuracy=mm.test_accuracy if mm.has_test_accuracy else None,
             test_loss=mm.test_loss if mm.has_test_accuracy else None,
-            examples_per_sec=mm.examples_per_sec,
+            examples_per_sec=mm.examples_per_sec, test_metrics=dict(mm.test_metrics),
         ),
         tasks=[task_from_proto(m.id, t) for t in m.tasks],
         output_dir=m.output_dir, outputs=list(m.outputs), checkpoint_step=m.checkpoint_step,
         steps_repeated=m.steps_repeated, owner=m.owner, tensorboard_dir=m.tensorboard_dir,
+        training=m.training,
     )
 
 
@@ -361,7 +364,8 @@ def report_to_proto(r: TaskReport) -> pb.TaskStatus:
         oom=pb.OutOfMemory(task=r.oom.task, allocation_bytes=r.oom.allocation_bytes,
                            shape=list(r.oom.shape), dtype=r.oom.dtype, op=r.oom.op)
         if r.oom is not None else None,
-        checkpoint_step=r.checkpoint_step, resumed_step=r.resumed_step,
+        checkpoint_step=r.checkpoint_step, resumed_step=r.resumed_step, training=r.training,
+        test_metrics=r.test_metrics,
     )
 
 
@@ -380,4 +384,6 @@ def report_from_proto(m: pb.TaskStatus) -> TaskReport:
                         shape=tuple(m.oom.shape)[:16], dtype=m.oom.dtype[:32], op=m.oom.op[:200])
         if m.HasField("oom") else None,
         checkpoint_step=max(0, m.checkpoint_step), resumed_step=max(0, m.resumed_step),
+        training=m.training[:1000],
+        test_metrics={k[:64]: v for k, v in list(m.test_metrics.items())[:64]},
     )

@@ -61,13 +61,30 @@ class OptimizerSpec:
     learning_rate: float = 0.001
 
 
+#: what trains a job that names no optimizer or loss, and whose model brings none (a
+#: ``code.model`` compiled with its own is trained with those: ``worker.runner``)
+DEFAULT_OPTIMIZER = OptimizerSpec()
+DEFAULT_LOSS = "sparse_categorical_crossentropy"
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainingSpec:
     epochs: int = 0
     steps: int = 0
-    optimizer: OptimizerSpec = OptimizerSpec()
-    loss: str = "sparse_categorical_crossentropy"
+    #: None, "": not given in the job (``optimizer_used``, ``loss_used``: what stands in)
+    optimizer: OptimizerSpec | None = None
+    loss: str = ""
     seed: int = 0
+
+    @property
+    def optimizer_used(self) -> OptimizerSpec:
+        """The optimizer the job names, else the default (a compiled ``code.model``'s own
+        optimizer is known only in the task)."""
+        return self.optimizer if self.optimizer is not None else DEFAULT_OPTIMIZER
+
+    @property
+    def loss_used(self) -> str:
+        return self.loss or DEFAULT_LOSS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,7 +183,9 @@ class JobSpec:
             "model": json.loads(json.dumps(self.model)),
             "data": {**dataclasses.asdict(self.data), "image_size": list(self.data.image_size),
                      "features": json.loads(json.dumps(self.data.features))},
-            "training": dataclasses.asdict(self.training),
+            # an optimizer or loss not given stays out: the task then knows it was not
+            "training": {k: v for k, v in dataclasses.asdict(self.training).items()
+                         if not (k in ("optimizer", "loss") and not v)},
             "memory": dataclasses.asdict(self.memory),
             "gradients": dataclasses.asdict(self.gradients),
             "checkpoint": {"every_steps": self.checkpoint_every_steps,
@@ -199,8 +218,8 @@ class JobSpec:
                 int(v) for v in sub("data").get("image_size") or ())}),
             training=TrainingSpec(
                 epochs=int(t.get("epochs", 0)), steps=int(t.get("steps", 0)),
-                optimizer=fill(OptimizerSpec, t.get("optimizer") or {}),
-                loss=str(t.get("loss") or TrainingSpec.loss), seed=int(t.get("seed", 0))),
+                optimizer=fill(OptimizerSpec, t["optimizer"]) if t.get("optimizer") else None,
+                loss=str(t.get("loss") or ""), seed=int(t.get("seed", 0))),
             memory=fill(MemorySpec, sub("memory")),
             gradients=fill(GradientSpec, sub("gradients")),
             checkpoint_every_steps=int(sub("checkpoint").get("every_steps", 0)),
@@ -428,11 +447,14 @@ def parse_job_spec(raw: Any) -> JobSpec:
     training = TrainingSpec(
         epochs=epochs,
         steps=steps,
+        # not given: the model's own compile (a code.model's), else the defaults
         optimizer=OptimizerSpec(
-            name=_choice(o, "name", "training.optimizer.name", "adam", OPTIMIZERS),
-            learning_rate=_float(o, "learning_rate", "training.optimizer.learning_rate", 0.001),
-        ),
-        loss=_choice(t, "loss", "training.loss", "sparse_categorical_crossentropy", LOSSES),
+            name=_choice(o, "name", "training.optimizer.name", DEFAULT_OPTIMIZER.name,
+                         OPTIMIZERS),
+            learning_rate=_float(o, "learning_rate", "training.optimizer.learning_rate",
+                                 DEFAULT_OPTIMIZER.learning_rate),
+        ) if t.get("optimizer") else None,
+        loss=_choice(t, "loss", "training.loss", DEFAULT_LOSS, LOSSES) if t.get("loss") else "",
         seed=_int(t, "seed", "training.seed", 0, hi=(1 << 31) - 1),
     )
 

@@ -106,6 +106,8 @@ class JobMetrics:
     test_accuracy: float | None = None
     test_loss: float | None = None
     examples_per_sec: float = 0.0
+    #: a compiled ``code.model``'s own metrics on the test split, by name
+    test_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -195,6 +197,8 @@ class Job:
     #: its TensorBoard logs (``tensorboard --logdir``): the shared directory while it runs,
     #: the coordinator's copy of its outputs once they are in (empty: not known)
     tensorboard_dir: str = ""
+    #: what trains it (optimizer, loss, where each came from), as its lead task says
+    training: str = ""
 
 
 @dataclasses.dataclass
@@ -339,11 +343,13 @@ def job_to_json(j: Job) -> dict[str, Any]:
         "estimated_memory_bytes": j.estimated_memory_bytes,
         "metrics": {"step": m.step, "total_steps": m.total_steps, "loss": _finite(m.loss),
                     "test_accuracy": _finite(m.test_accuracy), "test_loss": _finite(m.test_loss),
-                    "examples_per_sec": m.examples_per_sec},
+                    "examples_per_sec": m.examples_per_sec,
+                    "test_metrics": {k: _finite(v) for k, v in m.test_metrics.items()}},
         "tasks": [task_to_json(t) for t in j.tasks],
         "output_dir": j.output_dir or None, "outputs": list(j.outputs),
         "checkpoint_step": j.checkpoint_step, "steps_repeated": j.steps_repeated,
         "owner": j.owner, "tensorboard_dir": j.tensorboard_dir or None,
+        "training": j.training or None,
     }
 
 
@@ -395,6 +401,8 @@ class TaskReport:
     oom: OutOfMemory | None = None
     checkpoint_step: int = 0     # the latest checkpoint the task saved
     resumed_step: int = 0        # the checkpoint it resumed from (0: started afresh)
+    training: str = ""           # the optimizer and loss it trains with, and their source
+    test_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def key(self) -> tuple[str, str, int]:

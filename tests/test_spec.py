@@ -23,7 +23,16 @@ def test_defaults_fill_in():
     assert d["data"] == {"source": "digits", "path": "", "batch_size": 256, "examples": 0,
                          "test_path": "", "features": {}, "label": "", "image_size": [],
                          "test_fraction": 0.2}
-    assert d["training"]["epochs"] == 1 and d["training"]["optimizer"]["name"] == "adam"
+    # an optimizer and loss not given stay out (a compiled code.model brings its own); what
+    # stands in is the default's
+    assert d["training"]["epochs"] == 1 and "optimizer" not in d["training"]
+    assert "loss" not in d["training"]
+    assert s.training.optimizer_used.name == "adam" and s.training.optimizer is None
+    assert s.training.loss_used == "sparse_categorical_crossentropy" and s.training.loss == ""
+    given = parse_job_spec({"name": "x", "model": {"builtin": {}},
+                            "training": {"optimizer": {"name": "sgd"}, "loss": "mean_squared_error"}})
+    assert given.training.optimizer.name == "sgd" and given.training.optimizer.learning_rate == 0.001
+    assert parse_job_spec(given.to_dict()) == given
     assert d["memory"] == {"per_task_budget": "", "mixed_precision": "none", "recompute": False,
                            "profile": "auto"}
     assert parse_job_spec(d).to_dict() == d  # normalized specs are fixed points

@@ -226,6 +226,24 @@ def make_dataset(input_context, split):
     return ds.batch(batch)
 
 
+def compiled_sgd():
+    # compiled as TensorFlow's multi-worker Keras tutorial compiles its model
+    model = build_model()
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer=keras.optimizers.SGD(learning_rate=0.001),
+                  metrics=["accuracy", keras.metrics.SparseTopKCategoricalAccuracy(
+                      k=3, name="top3")])
+    return model
+
+
+def compiled_batch_mean_loss():
+    # a loss that averages the batch itself: a distributed step cannot honour it
+    model = build_model()
+    model.compile(optimizer="sgd", loss=lambda y, p: tf.reduce_mean(
+        keras.losses.sparse_categorical_crossentropy(y, p, from_logits=True)))
+    return model
+
+
 class TwoLayers(keras.Model):
     """A subclassed model: no declared inputs, no variables until its first call."""
 
@@ -342,6 +360,61 @@ def test_code_job_with_its_own_model_and_tfrecord_dataset(client, project, tmp_p
     assert "model.keras" in client.get(job.id).outputs
 
 
+def test_a_compiled_code_model_trains_with_its_own_compile_as_plain_keras_does(client, project):
+    """The user's compile is the job's: its optimizer, loss and metrics, said in the job; the
+    result is what plain Keras' fit gives on the same data, seed and steps."""
+    import keras
+    import tensorflow as tf
+
+    steps = 150
+    job_yaml = _job_file(project.parent, {
+        "name": "compiled", "strategy": "multi_worker_mirrored", "workers": 1,
+        "code": {"dir": "my_project", "model": "train:compiled_sgd",
+                 "dataset": "train:make_dataset"},
+        "data": {"batch_size": 64}, "training": {"steps": steps},
+        "memory": {"per_task_budget": "256MiB"}})
+    final = client.wait(client.submit(job_yaml).id, timeout=TIMEOUT_S)
+    assert final.state == JobState.SUCCEEDED, final.message
+    job = client.get(final.id)
+    assert job.training == ("optimizer SGD(learning_rate=0.001) from code.model; loss "
+                            "SparseCategoricalCrossentropy(from_logits=True) from code.model")
+    assert set(job.metrics.test_metrics) == {"accuracy", "top3"}
+    assert job.metrics.test_metrics["accuracy"] == pytest.approx(job.metrics.test_accuracy,
+                                                                 abs=1e-6)
+    # plain Keras, here: the same functions, seed and steps
+    sys.path.insert(0, str(project))
+    try:
+        import train
+
+        keras.utils.set_random_seed(0)
+        model = train.compiled_sgd()
+        ctx = tf.distribute.InputContext(1, 0, 1)
+        model.fit(train.make_dataset(ctx, "train").repeat(), steps_per_epoch=steps, epochs=1,
+                  verbose=0)
+        _, plain = model.evaluate(train.make_dataset(ctx, "test"), verbose=0)[:2]
+    finally:
+        sys.path.remove(str(project))
+        sys.modules.pop("train", None)
+        sys.modules.pop("settings", None)
+    assert abs(job.metrics.test_accuracy - plain) <= 0.02, (job.metrics.test_accuracy, plain)
+    # what the job gives overrides the compile, and says so
+    job_yaml = _job_file(project.parent, {
+        "name": "overridden", "strategy": "multi_worker_mirrored", "workers": 1,
+        "code": {"dir": "my_project", "model": "train:compiled_sgd",
+                 "dataset": "train:make_dataset"},
+        "data": {"batch_size": 64},
+        "training": {"steps": 5, "optimizer": {"name": "adam", "learning_rate": 0.003}},
+        "memory": {"per_task_budget": "256MiB"}})
+    other = client.wait(client.submit(job_yaml).id, timeout=TIMEOUT_S)
+    assert other.state == JobState.SUCCEEDED, other.message
+    assert client.get(other.id).training.startswith(
+        "optimizer Adam(learning_rate=0.003) from training.optimizer; loss "
+        "SparseCategoricalCrossentropy(from_logits=True) from code.model")
+    r = subprocess.run([sys.executable, "-m", "strata.cli", "status", other.id, "--coordinator",
+                        client.address], capture_output=True, text=True, timeout=60)
+    assert "training with optimizer Adam" in r.stdout, r.stdout
+
+
 def test_subclassed_code_model_is_built_on_the_dataset_and_trains(client, project):
     job_yaml = _job_file(project.parent, {
         "name": "code-subclassed", "strategy": "multi_worker_mirrored", "workers": 2,
@@ -378,6 +451,31 @@ def test_code_dataset_with_sample_weights_and_uneven_batches_in_slices(client, p
     assert final.state == JobState.SUCCEEDED, final.message
     # a model that never learned class 0, judged on class 0 alone (unweighted: about 0.9)
     assert final.metrics.test_accuracy < 0.2, final.metrics
+    # a compiled model's own optimizer, loss and metrics, in a parameter-server job too
+    job_yaml = _job_file(project.parent, {
+        "name": "compiled-ps", "strategy": "parameter_server", "workers": 1,
+        "parameter_servers": 1,
+        "code": {"dir": "my_project", "model": "train:compiled_sgd",
+                 "dataset": "train:make_dataset"},
+        "data": {"batch_size": 64}, "memory": {"per_task_budget": "256MiB"},
+        "training": {"steps": 5}})
+    final = client.wait(client.submit(job_yaml).id, timeout=TIMEOUT_S)
+    assert final.state == JobState.SUCCEEDED, final.message
+    job = client.get(final.id)
+    assert job.training.startswith("optimizer SGD(learning_rate=0.001) from code.model"), \
+        job.training
+    assert set(job.metrics.test_metrics) == {"accuracy", "top3"}
+
+
+def test_a_compiled_loss_that_reduces_the_batch_is_refused_naming_it(client, project):
+    from strata.types import FailureKind
+
+    final = _short_code_job(client, project, "batch-loss", "compiled_batch_mean_loss",
+                            "make_dataset")
+    assert final.state == JobState.FAILED
+    assert {t.failure for t in final.tasks} == {FailureKind.BAD_CONFIG}, final.message
+    assert "code.model" in final.message and "one number for a batch" in final.message, \
+        final.message
 
 
 @pytest.mark.parametrize("dataset,kind,words", [
@@ -522,3 +620,17 @@ def test_parameter_server_job_weighs_a_code_dataset(cluster, client, project):
     assert sorted(t.role for t in final.tasks) == ["chief", "ps", "worker"]
     # a model that never learned class 0, judged on class 0 alone (unweighted: about 0.9)
     assert final.metrics.test_accuracy < 0.2, final.metrics
+    # a compiled model's own optimizer, loss and metrics, in a parameter-server job too
+    job_yaml = _job_file(project.parent, {
+        "name": "compiled-ps", "strategy": "parameter_server", "workers": 1,
+        "parameter_servers": 1,
+        "code": {"dir": "my_project", "model": "train:compiled_sgd",
+                 "dataset": "train:make_dataset"},
+        "data": {"batch_size": 64}, "memory": {"per_task_budget": "256MiB"},
+        "training": {"steps": 5}})
+    final = client.wait(client.submit(job_yaml).id, timeout=TIMEOUT_S)
+    assert final.state == JobState.SUCCEEDED, final.message
+    job = client.get(final.id)
+    assert job.training.startswith("optimizer SGD(learning_rate=0.001) from code.model"), \
+        job.training
+    assert set(job.metrics.test_metrics) == {"accuracy", "top3"}

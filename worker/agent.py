@@ -15,6 +15,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import random
 import shutil
@@ -369,6 +370,11 @@ class TaskProcess:
             s.model_path = str(ev.get("model_path") or "")
             digests = ev.get("replica_weights_sha256") or []
             s.replica_weights_sha256 = [str(d) for d in digests][:4096]
+            metrics = ev.get("test_metrics") or {}
+            s.test_metrics = {str(k)[:64]: float(v) for k, v in list(metrics.items())[:64]
+                              if isinstance(v, (int, float)) and math.isfinite(v)}
+        elif kind == "setup":
+            s.training = str(ev.get("training") or "")[:1000]
         elif kind == "checkpoint":
             s.checkpoint_step = max(s.checkpoint_step, int(ev.get("step", 0)))
         elif kind == "resumed":

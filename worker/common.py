@@ -324,7 +324,17 @@ def training_loss(tf: Any, model: Any, loss_fn: Any, reduce: Any, x: Any, y: Any
     rows), both times ``scale`` (0 for a slice that only reruns the batch), plus ``share`` of
     the step's weight regularizers (the slices' shares add to one)."""
     out = model(x, training=True)
-    loss = reduce(weighted(tf, loss_fn(y, tf.cast(out, tf.float32)), w))
+    per_example = loss_fn(y, tf.cast(out, tf.float32))
+    if per_example.shape.rank == 0:
+        # a loss that already reduced the batch: averaged again over the global batch, its
+        # gradient would be off by the batch's size; refused rather than trained wrong
+        from strata.taskconfig import TaskConfigError
+
+        raise TaskConfigError("code.model", "its loss returns one number for a batch, not one "
+                                            "per example: a distributed step averages over the "
+                                            "global batch itself; return the per-example losses "
+                                            "(or give training.loss)")
+    loss = reduce(weighted(tf, per_example, w))
     own, weights = extra_losses(tf, model)
     if own is not None:
         loss = loss + tf.nn.scale_regularization_loss(own) * rows

@@ -105,7 +105,7 @@ class MirroredRunner(TrainingRunner):
             steps = wdata.total_steps(self.spec.training, n, self.gb)
             log(f"{self.spec.data.source} training split: {n:,} examples, {steps} steps")
         return Data(None, None, None, None,
-                    self.spec.training.loss in wdata.CLASSIFICATION_LOSSES, steps)
+                    self.loss_kind() in wdata.CLASSIFICATION_LOSSES, steps)
 
     def build(self) -> None:
         import keras
@@ -126,8 +126,8 @@ class MirroredRunner(TrainingRunner):
                 model, from_logits = wmodels.build_model(self.spec.model, self.mixed,
                                                          sync_batchnorm=self.n_replicas > 1,
                                                          blob_dir=self.cfg.agent.blob_dir)
-            optimizer = wmodels.build_optimizer(self.spec.training.optimizer, self.mixed)
-            loss_fn = wmodels.build_loss(self.spec.training.loss, from_logits)
+            optimizer, loss_fn, _kind, self.training_text = wmodels.training_setup(
+                self.spec.training, model, self.mixed, from_logits, bool(self.spec.code_model))
         self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
         gb, seed, x_train, y_train = self.gb, self.seed, d.x_train, d.y_train
         skip = self.start_step  # batches each worker's input skips (a resumed task)
@@ -137,16 +137,16 @@ class MirroredRunner(TrainingRunner):
 
             user_fn = load_callable(self.cfg, self.spec.code_dataset, "code.dataset")
             what = self.spec.code_dataset
+            loss_kind = self.loss_kind()
 
             def dataset_fn(ctx: Any) -> Any:
                 ds = user_dataset(tf, what, user_fn, ctx, "train",
-                                  max_rows=ctx.get_per_replica_batch_size(gb),
-                                  loss=self.spec.training.loss)
+                                  max_rows=ctx.get_per_replica_batch_size(gb), loss=loss_kind)
                 # the job runs training.steps steps, whatever its size
                 return ds.repeat().skip(skip) if skip else ds.repeat()
             self._user_dataset = (user_fn, what)
         elif self.spec.data.source in STREAMED_SOURCES:
-            data_spec, loss = self.spec.data, self.spec.training.loss
+            data_spec, loss = self.spec.data, self.loss_kind()
             names = tuple(getattr(t, "name", "") for t in model.inputs)
             dtypes = [str(t.dtype) for t in model.inputs]
             out_shape = tuple(int(v) for v in model.outputs[0].shape[1:])

@@ -289,3 +289,189 @@ def build_loss(name: str, from_logits: bool):
     if name == "mean_squared_error":
         return keras.losses.MeanSquaredError(reduction=None)
     raise ModelSpecError("training.loss", f"unknown loss {name!r}; use one of {', '.join(LOSSES)}")
+
+
+def _number(v: Any) -> str:
+    """A value of an optimizer's config as the user wrote it (0.001, not 0.0010000000474)."""
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    if isinstance(v, dict) and "class_name" in v:  # a learning-rate schedule
+        cfg = {k: x for k, x in (v.get("config") or {}).items() if k != "name"}
+        return f"{v['class_name']}(" + ", ".join(f"{k}={_number(x)}" for k, x in cfg.items()) \
+            + ")"
+    return repr(v)
+
+
+def describe_optimizer(optimizer: Any) -> str:
+    """``SGD(learning_rate=0.001, momentum=0.9, clipnorm=1.0)``: the class and every setting
+    that differs from the class's own default, the learning rate (or its schedule) always."""
+    inner = getattr(optimizer, "inner_optimizer", None)
+    if inner is not None:  # a LossScaleOptimizer: float16's loss scaling
+        return f"{describe_optimizer(inner)} with dynamic loss scaling"
+    cfg = optimizer.get_config()
+    try:
+        defaults = type(optimizer)().get_config()
+    except Exception:  # noqa: BLE001 - a class that needs arguments: show what it has
+        defaults = {}
+    shown = [f"learning_rate={_number(cfg.get('learning_rate'))}"]
+    for k, v in cfg.items():
+        if k in ("name", "learning_rate") or (k in defaults and defaults[k] == v):
+            continue
+        if v is None and k not in defaults:
+            continue
+        shown.append(f"{k}={_number(v)}")
+    return f"{type(optimizer).__name__}({', '.join(shown)})"
+
+
+def describe_loss(loss: Any) -> str:
+    if isinstance(loss, str):
+        return loss
+    cfg = getattr(loss, "get_config", lambda: {})() or {}
+    extra = [f"{k}={v!r}" for k, v in cfg.items()
+             if k not in ("name", "reduction", "dtype") and v not in (None, False, -1)]
+    name = type(loss).__name__ if not callable(loss) or hasattr(loss, "get_config") \
+        else getattr(loss, "__name__", type(loss).__name__)
+    return f"{name}({', '.join(extra)})" if extra else name
+
+
+def per_example_loss(loss: Any, field: str = "code.model") -> Any:
+    """A compiled model's loss as a per-example loss (``reduction=None``: the step averages
+    over the global batch, as ``tf.distribute`` needs). A loss given by name or as a function
+    is per example already; a ``keras.losses.Loss`` is rebuilt from its config with no
+    reduction. What cannot be (several outputs' losses, a Loss class that takes no reduction)
+    is refused naming ``field``: trained otherwise, it would not be the user's loss."""
+    import keras
+
+    if isinstance(loss, (dict, list, tuple)):
+        raise ModelSpecError(field, "the model is compiled with several losses (one per "
+                                    "output); a job trains one output with one loss")
+    if isinstance(loss, str):
+        try:
+            return keras.losses.get(loss)
+        except ValueError as e:
+            raise ModelSpecError(field, f"its compiled loss {loss!r}: {e}") from None
+    if isinstance(loss, keras.losses.Loss):
+        cfg = loss.get_config()
+        try:
+            return type(loss).from_config({**cfg, "reduction": None})
+        except Exception as e:  # noqa: BLE001 - the user's Loss subclass
+            raise ModelSpecError(field, f"its compiled loss {type(loss).__name__} cannot be "
+                                        "made per example (from_config with reduction=None: "
+                                        f"{type(e).__name__}: {e}); give training.loss, or "
+                                        "compile with a loss that takes a reduction") from None
+    if callable(loss):
+        return loss
+    raise ModelSpecError(field, f"its compiled loss is a {type(loss).__name__}, not a loss")
+
+
+def training_setup(training: Any, model: Any, mixed_precision: str, from_logits: bool,
+                   code_model: bool) -> tuple[Any, Any, str, str]:
+    """The optimizer and per-example loss a job trains with, and the words that say what they
+    are and where each came from: the job's ``training.optimizer`` / ``training.loss`` when
+    it gives them, else what a ``code.model`` was compiled with, else the defaults
+    (``strata.spec.DEFAULT_OPTIMIZER``, ``DEFAULT_LOSS``). Returns (optimizer, loss, the
+    loss's name as ``strata.worker.data`` knows losses, the description)."""
+    import keras
+
+    compiled = code_model and bool(getattr(model, "compiled", False))
+    if training.optimizer is not None:
+        optimizer, opt_from = build_optimizer(training.optimizer, mixed_precision), \
+            "training.optimizer"
+    elif compiled and getattr(model, "optimizer", None) is not None:
+        optimizer, opt_from = _fresh(model.optimizer), "code.model"
+        if mixed_precision == "float16" and not isinstance(
+                optimizer, keras.optimizers.LossScaleOptimizer):
+            optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+    else:
+        optimizer, opt_from = build_optimizer(training.optimizer_used, mixed_precision), \
+            "the defaults"
+    if training.loss:
+        loss_fn, name, loss_from = build_loss(training.loss, from_logits), training.loss, \
+            "training.loss"
+        shown = f"{training.loss} (from_logits={from_logits})"
+    elif compiled and getattr(model, "loss", None) is not None:
+        loss_fn, loss_from = per_example_loss(model.loss), "code.model"
+        shown = describe_loss(model.loss)
+        name = loss_kind(model.loss)
+    else:
+        name = training.loss_used
+        loss_fn, loss_from = build_loss(name, from_logits), "the defaults"
+        shown = f"{name} (from_logits={from_logits})"
+    text = (f"optimizer {describe_optimizer(optimizer)} from {opt_from}; loss {shown} from "
+            f"{loss_from}")
+    return optimizer, loss_fn, name, text
+
+
+def _fresh(optimizer: Any) -> Any:
+    """The same optimizer (class and config: learning rate or schedule, clipping, momentum,
+    ...) made anew here, under the caller's strategy scope, with no variables yet: the step
+    builds its slots where the strategy places them."""
+    import keras
+
+    inner = getattr(optimizer, "inner_optimizer", None)
+    try:
+        if inner is not None:
+            return keras.optimizers.LossScaleOptimizer(_fresh(inner))
+        return type(optimizer).from_config(optimizer.get_config())
+    except ModelSpecError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's optimizer class
+        raise ModelSpecError("code.model", f"its compiled optimizer {type(optimizer).__name__} "
+                                           "cannot be made again from its config "
+                                           f"({type(e).__name__}: {e}); give "
+                                           "training.optimizer") from None
+
+
+def loss_kind(loss: Any) -> str:
+    """Which of ``LOSSES`` a compiled loss is (how targets are shaped and accuracy counted);
+    the default's for any other."""
+    from strata.spec import DEFAULT_LOSS
+
+    name = loss if isinstance(loss, str) else (
+        (getattr(loss, "get_config", lambda: {})() or {}).get("name")
+        or getattr(loss, "__name__", ""))
+    aliases = {"mse": "mean_squared_error", "mean_squared_error": "mean_squared_error"}
+    name = aliases.get(str(name), str(name))
+    return name if name in LOSSES else DEFAULT_LOSS
+
+
+def compiled_metrics(model: Any, loss_name: str) -> list[Any]:
+    """Fresh objects of the metrics a ``code.model`` was compiled with (``metrics=[...]``), to
+    be updated on the test split in eager, outside any strategy. ``"accuracy"`` and
+    ``"crossentropy"`` are resolved as Keras resolves them, by the loss. Metrics of several
+    outputs (a dict or nested list) are not reported."""
+    import keras
+
+    if not getattr(model, "compiled", False):
+        return []
+    try:
+        listed = model.get_compile_config().get("metrics") or []
+    except Exception:  # noqa: BLE001 - a model whose compile config cannot be read
+        return []
+    if not isinstance(listed, list):
+        return []
+    sparse = loss_name == "sparse_categorical_crossentropy"
+    categorical = loss_name == "categorical_crossentropy"
+    out: list[Any] = []
+    for item in listed:
+        try:
+            if isinstance(item, str):
+                if item in ("accuracy", "acc"):
+                    cls = (keras.metrics.SparseCategoricalAccuracy if sparse else
+                           keras.metrics.CategoricalAccuracy if categorical else
+                           keras.metrics.BinaryAccuracy)
+                    out.append(cls(name=item))
+                elif item in ("crossentropy", "ce"):
+                    cls = (keras.metrics.SparseCategoricalCrossentropy if sparse else
+                           keras.metrics.CategoricalCrossentropy if categorical else
+                           keras.metrics.BinaryCrossentropy)
+                    out.append(cls(name=item))
+                else:
+                    m = keras.metrics.get(item)
+                    out.append(m if isinstance(m, keras.metrics.Metric)
+                               else keras.metrics.MeanMetricWrapper(m, name=item))
+            elif isinstance(item, dict):
+                out.append(keras.metrics.deserialize(item))
+        except (ValueError, TypeError):
+            continue  # one Keras cannot rebuild here: left out, the rest reported
+    return out

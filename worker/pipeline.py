@@ -442,7 +442,7 @@ class PipelineDriver(TrainingRunner):
         mixed, recompute, seed, gb = self.mixed, spec.memory.recompute, self.seed, self.gb
         wire = wire_dtype(tf, spec.gradients.compression)  # hybrid: the exchange's dtype
         layer_names, dev_of, chief_dev = self.layer_names, self.dev_of, self.chief_dev
-        loss_name = spec.training.loss
+        loss_name = spec.training.loss_used
         n_train = d.n_train
 
         # ---- layers, stage by stage (never the whole model in one place)
@@ -508,8 +508,14 @@ class PipelineDriver(TrainingRunner):
         for row in stages:
             for st in row:
                 with tf.device(st.device):
-                    st.optimizer = wmodels.build_optimizer(spec.training.optimizer, "none")
+                    st.optimizer = wmodels.build_optimizer(spec.training.optimizer_used, "none")
                     st.optimizer.build(st.tvars)
+        given = spec.training
+        self.training_text = (
+            f"optimizer {wmodels.describe_optimizer(stages[0][0].optimizer)} (one per stage) "
+            f"from {'training.optimizer' if given.optimizer else 'the defaults'}; loss "
+            f"{loss_name} (from_logits={from_logits}) from "
+            f"{'training.loss' if given.loss else 'the defaults'}")
 
         scaled = mixed == "float16"
         with tf.device(chief_dev):

@@ -260,7 +260,6 @@ def _build_placed(tf, strategy, spec: JobSpec, mixed: str, placement: dict[str, 
         raise TaskConfigError("strategy", "this Keras version does not expose the layer name scope "
                                     "that parameter_server placement needs") from None
 
-    loss_name = spec.training.loss
     with strategy.scope():
         # a scalar anchor on each PS task (TensorFlow places them round-robin)
         anchors: dict[int, object] = {}
@@ -295,8 +294,8 @@ def _build_placed(tf, strategy, spec: JobSpec, mixed: str, placement: dict[str, 
                 with tf.variable_creator_scope(place):
                     model, from_logits = wmodels.build_model(spec.model, mixed,
                                                              blob_dir=blob_dir)
-            optimizer = wmodels.build_optimizer(spec.training.optimizer, mixed)
-            loss_fn = wmodels.build_loss(loss_name, from_logits)
+            optimizer, loss_fn, _kind, training_text = wmodels.training_setup(
+                spec.training, model, mixed, from_logits, user_model is not None)
         except ModelSpecError as e:
             raise TaskConfigError(e.field, e.message) from None
 
@@ -317,9 +316,9 @@ def _build_placed(tf, strategy, spec: JobSpec, mixed: str, placement: dict[str, 
             job, task = _task_of(tf, vv.device)
             if job == "ps" and task in per_ps:
                 per_ps[task] += int(vv.shape.num_elements() or 0) * vv.dtype.size
-        return model, optimizer, loss_fn, per_ps
+        return model, optimizer, loss_fn, per_ps, training_text
     per_ps = _check_placement(tf, model, placement, slot_log, num_ps)
-    return model, optimizer, loss_fn, per_ps
+    return model, optimizer, loss_fn, per_ps, training_text
 
 
 # --------------------------------------------------------------------------------------------
@@ -367,10 +366,9 @@ class PsChiefRunner(TrainingRunner):
         assert d is not None and isinstance(self.cfg.section, ParameterServerSection)
         budgets = self.cfg.section.ps_budgets_bytes
         keras.utils.set_random_seed(seed)
-        model, optimizer, loss_fn, per_ps = _build_placed(tf, strategy, self.spec, self.mixed,
-                                                          self.placement, self.num_ps,
-                                                          self.cfg.agent.blob_dir,
-                                                          self._user_model_fn())
+        model, optimizer, loss_fn, per_ps, self.training_text = _build_placed(
+            tf, strategy, self.spec, self.mixed, self.placement, self.num_ps,
+            self.cfg.agent.blob_dir, self._user_model_fn())
         self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
         for k in range(self.num_ps):
             names = sorted(n for n, p in self.placement.items() if p == k)
@@ -407,7 +405,7 @@ class PsChiefRunner(TrainingRunner):
                                              num_replicas_in_sync=1)
             # checked here first: inside dataset_fn, traced for the workers, TensorFlow would
             # wrap the error in its own StagingError and the field would be lost
-            loss = self.spec.training.loss
+            loss = self.loss_kind()
             user_dataset(tf, what, user_fn, ctx, "train", max_rows=gb, loss=loss)
 
             def dataset_fn() -> Any:  # noqa: F811 - the job's own input pipeline instead

@@ -52,15 +52,17 @@ class Data:
 
 
 def load_data(cfg: TaskConfig, input_shape: tuple[int, ...],
-              output_shape: tuple[int, ...], input_dtype: str = "float32") -> Data:
+              output_shape: tuple[int, ...], input_dtype: str = "float32",
+              loss: str = "") -> Data:
     """Loads the spec's data for a model of these shapes (integer features for a model whose
-    input is integer: token ids for an Embedding). Raises ``TaskConfigError``."""
+    input is integer: token ids for an Embedding), targets shaped for ``loss`` (one of
+    ``strata.worker.data``'s; the job's by default). Raises ``TaskConfigError``."""
     import numpy as np
 
     from strata.worker import data as wdata
 
     spec = cfg.spec
-    loss = spec.training.loss
+    loss = loss or spec.training.loss_used
     field = "data.path" if spec.data.path else "data.source"
     try:
         splits = wdata.load_splits(spec.data, tuple(input_shape), tuple(output_shape),
@@ -228,6 +230,11 @@ class TrainingRunner:
         self.resume_from: Found | None = None
         self.start_step = 0
         self.scalars: Scalars | None = None
+        #: the optimizer and loss it trains with and where they came from (``build`` sets it)
+        self.training_text = ""
+        #: a compiled ``code.model``'s own metrics, evaluated on the test split (fresh objects
+        #: of this task's, outside the strategy: ``build`` sets them)
+        self.metrics: list[Any] = []
 
     # -- hooks
 
@@ -239,13 +246,14 @@ class TrainingRunner:
 
         if self.spec.code_dataset:
             return Data(None, None, None, None,
-                        self.spec.training.loss in wdata.CLASSIFICATION_LOSSES,
+                        self.loss_kind() in wdata.CLASSIFICATION_LOSSES,
                         self.spec.training.steps)
         if self.spec.code_model:
             model = self.user_model()
             inp = model.inputs[0]
             return load_data(self.cfg, tuple(int(d) for d in inp.shape[1:]),
-                             tuple(int(d) for d in model.outputs[0].shape[1:]), str(inp.dtype))
+                             tuple(int(d) for d in model.outputs[0].shape[1:]), str(inp.dtype),
+                             loss=self.loss_kind())
         assert self.profile is not None
         inputs = self.profile.model_inputs
         if len(inputs) != 1:
@@ -254,6 +262,20 @@ class TrainingRunner:
                                            f"data.source {self.spec.data.source} gives one")
         return load_data(self.cfg, self.profile.input_shape, self.profile.output_shape,
                          inputs[0].dtype)
+
+    def loss_kind(self) -> str:
+        """The loss as ``strata.worker.data`` knows losses (how targets are shaped, whether
+        accuracy is counted): ``training.loss`` when the job gives it, else what a compiled
+        ``code.model`` was compiled with, else the default."""
+        t = self.spec.training
+        if t.loss or not self.spec.code_model:
+            return t.loss_used
+        from strata.worker.models import loss_kind
+
+        model = self.user_model()
+        if getattr(model, "compiled", False) and getattr(model, "loss", None) is not None:
+            return loss_kind(model.loss)
+        return t.loss_used
 
     def param_count(self) -> int:
         model = getattr(self, "model", None)
@@ -428,6 +450,7 @@ class TrainingRunner:
             loss_sum, correct = self.eval_batch(d.x_test[i:i + bs], d.y_test[i:i + bs])
             total_loss += float(loss_sum)
             total_correct += float(correct)
+            self.update_metrics(d.x_test[i:i + bs], d.y_test[i:i + bs])
         test_loss = total_loss / max(1, n_test)
         test_acc = total_correct / max(1, n_test) if d.classify else 0.0
         return test_loss, test_acc
@@ -443,7 +466,7 @@ class TrainingRunner:
         ctx = tf.distribute.InputContext(num_input_pipelines=1, input_pipeline_id=0,
                                          num_replicas_in_sync=1)
         # only the job's own function's errors are the user's (``call`` marks them so)
-        ds = user_dataset(tf, what, user_fn, ctx, "test", loss=self.spec.training.loss) \
+        ds = user_dataset(tf, what, user_fn, ctx, "test", loss=self.loss_kind()) \
             if self.spec.code_dataset \
             else user_fn(ctx, "test")
         # With sample weights (a code.dataset's third element), as Keras's evaluate: the loss
@@ -454,6 +477,7 @@ class TrainingRunner:
             x, y, w = (*batch, None) if len(batch) == 2 else batch
             eval_batch = self._eval_batch  # type: ignore[attr-defined]
             loss_sum, correct = eval_batch(x, y) if w is None else eval_batch(x, y, w)
+            self.update_metrics(x, y, w)
             total_loss += float(loss_sum)
             total_correct += float(correct)
             b = int(tf.shape(tf.nest.flatten(y)[0])[0])
@@ -462,6 +486,25 @@ class TrainingRunner:
         assert self.data is not None
         acc = total_correct / counted if self.data.classify and counted > 0 else 0.0
         return total_loss / max(1, n), acc
+
+    def update_metrics(self, x: Any, y: Any, w: Any = None) -> None:
+        """One test batch into the compiled ``code.model``'s own metrics (``self.metrics``),
+        when it has any: a forward pass of its own, in eager, on this task's copy."""
+        if not self.metrics:
+            return
+        out = self.model(x, training=False)  # type: ignore[attr-defined]
+        out = self.tf.cast(out, self.tf.float32)
+        for m in self.metrics:
+            m.update_state(y, out, sample_weight=w)
+
+    def metric_results(self) -> dict[str, float]:
+        out = {}
+        for m in self.metrics:
+            try:
+                out[m.name] = float(m.result())
+            except (TypeError, ValueError):  # a metric of several values: not reported
+                continue
+        return out
 
     def run(self) -> int:
         t0 = time.time()
@@ -489,6 +532,9 @@ class TrainingRunner:
             self.build()
         except ModelSpecError as e:  # a model Keras refuses to build, optimizer, loss
             raise TaskConfigError(e.field, e.message) from None
+        if self.training_text:  # what trains it, and where each part came from
+            log(f"training with {self.training_text}")
+            self.events.emit("setup", training=self.training_text)
         if self.checkpointer is not None:
             self.checkpointer.attach(self.tf, self.checkpoint_objects(), self.checkpoint_meta(),
                                      self.checkpoint_device())
@@ -506,8 +552,16 @@ class TrainingRunner:
         t_train = time.time()
         self.train(steps)
         train_s = time.time() - t_train
+        if self.spec.code_model and not self.metrics:
+            from strata.worker.models import compiled_metrics
+
+            self.metrics = compiled_metrics(self.user_model(), self.loss_kind())
         test_loss, test_acc = self.evaluate()
         fields = self.result_fields()
+        if self.metrics:
+            fields["test_metrics"] = self.metric_results()
+            log("test metrics (code.model's compile): " + ", ".join(
+                f"{k} {v:.4f}" for k, v in fields["test_metrics"].items()))
         m = self.memory()
         if self.scalars is not None:
             self.scalars.write(steps, {"test/accuracy": test_acc, "test/loss": test_loss,

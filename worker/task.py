@@ -60,6 +60,18 @@ def run_task(config_path: str, events: Events) -> int:
     return runner(cfg, events)
 
 
+def _config_error_in(e: BaseException) -> TaskConfigError | None:
+    """The ``TaskConfigError`` ``e`` wraps (its causes and contexts), if any."""
+    seen = 0
+    cur: BaseException | None = e
+    while cur is not None and seen < 32:
+        if isinstance(cur, TaskConfigError):
+            return cur
+        cur = cur.__cause__ or cur.__context__
+        seen += 1
+    return None
+
+
 def main(argv: list[str] | None = None, watchdog: bool = True) -> None:
     """``watchdog``: start the parent watchdog (a warm process, ``strata.worker.warm``, started
     its own before it imported TensorFlow)."""
@@ -104,6 +116,11 @@ def main(argv: list[str] | None = None, watchdog: bool = True) -> None:
             log(msg)
             events.emit("error", kind=EXIT_KIND[TASK_EXIT_COLLECTIVE], message=msg)
             code = TASK_EXIT_COLLECTIVE
+        elif (bad := _config_error_in(e)) is not None:
+            # raised while a step was traced: TensorFlow's StagingError wraps it
+            log(f"bad config: {bad}")
+            events.emit("error", kind="bad_config", message=str(bad), field=bad.field)
+            code = TASK_EXIT_BAD_CONFIG
         elif (words := failed_batch_check(e)) is not None:
             log(f"bad config: {words}")
             events.emit("error", kind="bad_config", message=words, field="code.dataset")

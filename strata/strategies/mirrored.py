@@ -96,7 +96,7 @@ def _pipeline_hint(spec: JobSpec, profile: ModelProfile, workers: Sequence[Worke
         microbatches = 1
     try:
         k = suggest_stages(profile, largest, global_batch=spec.data.batch_size,
-                           microbatches=microbatches, optimizer=spec.training.optimizer.name,
+                           microbatches=microbatches, optimizer=spec.training.optimizer_used.name,
                            mixed_precision=spec.memory.mixed_precision,
                            label_bytes=label_bytes_of(spec.to_dict(), profile), data_bytes=0)
     except ValueError:

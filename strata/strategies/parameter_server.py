@@ -54,7 +54,7 @@ class ParameterServer(Strategy):
 
         p = plan_parameter_servers(
             profile, num_ps=spec.parameter_servers, workers=spec.workers,
-            optimizer=spec.training.optimizer.name, batch_size=spec.data.batch_size,
+            optimizer=spec.training.optimizer_used.name, batch_size=spec.data.batch_size,
             mixed_precision=spec.memory.mixed_precision,
             data_bytes=dataset_bytes(spec.to_dict(), profile),
             ps_budget_bytes=spec.memory.per_task_budget_bytes or None)

@@ -61,7 +61,7 @@ class Pipeline(Strategy):
         p = plan_pipeline(
             profile, slots, stages=spec.stages, microbatches=spec.microbatches,
             global_batch=spec.data.batch_size, replicas=replicas,
-            optimizer=spec.training.optimizer.name,
+            optimizer=spec.training.optimizer_used.name,
             mixed_precision=spec.memory.mixed_precision, recompute=spec.memory.recompute,
             label_bytes=label_bytes_of(spec.to_dict(), profile),
             # the driver keeps the training set in host memory, outside the allocator: only
