@@ -20,7 +20,7 @@ from typing import AsyncIterator, Iterable, Mapping
 from strata.coordinator.placement import Capacity
 from strata.dataroots import under_roots
 from strata.coordinator.store import WorkerRecord
-from strata.errors import DuplicateAgent, UnknownAgentSession
+from strata.errors import DuplicateAgent, SpecError, UnknownAgentSession
 from strata.memory import format_size
 from strata.taskconfig import TaskConfig
 from strata.spec import JobSpec
@@ -141,6 +141,16 @@ class Agents:
         if (live is not None and live.connected and heard - live.heard < heartbeat_timeout_s
                 and (live.record.address, live.pid) != (rec.address, pid)):
             raise DuplicateAgent(rec.name, live.record.address, live.pid)
+        if live is not None and pid and live.pid == pid and live.record.address == rec.address:
+            # the same process again (a reconnect): its device and budget are what they were;
+            # what its tasks report is judged against them (``confine``)
+            for field, was, now_ in (("budget_bytes", live.record.budget_bytes,
+                                      rec.budget_bytes),
+                                     ("device", live.record.device, rec.device)):
+                if was != now_:
+                    raise SpecError(field, f"agent {rec.name} registered with {was} and now "
+                                           f"says {now_}: a running agent's {field} does not "
+                                           "change (restart it to change it)")
         if live is None:
             live = self.workers[rec.name] = LiveWorker(record=rec)
         else:

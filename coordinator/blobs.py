@@ -40,7 +40,7 @@ import tempfile
 import time
 from typing import AsyncIterator, Callable, Iterable, Iterator
 
-from strata.coordinator.disk import DiskGuard
+from strata.coordinator.disk import DiskGuard, is_full
 from strata.errors import NotFoundError, QuotaExceeded, SpecError, UploadError
 from strata.memory import format_size
 from strata.uploads import (  # noqa: F401 (re-exported)
@@ -59,6 +59,8 @@ DEFAULT_MAX_JOB_OUTPUTS_BYTES = 8 << 30
 #: how long an upload is held before a job names it (a client uploads, then submits at once;
 #: a job refused at submit leaves its upload for this long so a corrected submit reuses it)
 DEFAULT_BLOB_GRACE_S = 3600.0
+#: the coordinator's temporary files among a job's outputs (an upload still arriving)
+TMP_PREFIX = ".strata-part-"
 
 
 def check_sha(sha: str, field: str = "sha256") -> str:
@@ -107,8 +109,10 @@ class BlobStore:
         self._logs: dict[str, tuple[str, int]] = {}
         #: owner -> bytes charged (blobs held + outputs + logs): kept as the above change
         self._usage: dict[str, int] = {}
-        #: owner -> bytes of its uploads still streaming (not charged yet)
+        #: owner -> bytes of its uploads still streaming (not charged yet); job id -> bytes of
+        #: its outputs still streaming
         self._inflight: dict[str, int] = {}
+        self._inflight_out: dict[str, int] = {}
         #: sha -> its file's size, for every blob on disk
         self._sizes: dict[str, int] = {}
 
@@ -152,6 +156,10 @@ class BlobStore:
                     pass
 
     # -- accounts
+
+    def holds(self, sha: str, owner: str) -> bool:
+        """Whether ``owner`` holds blob ``sha`` (uploaded it, or a job of its names it)."""
+        return owner in self._held.get(sha, {})
 
     def usage(self, owner: str) -> int:
         """Bytes charged to ``owner``: the blobs it holds and its jobs' outputs."""
@@ -340,43 +348,82 @@ class BlobStore:
         return os.path.join(self.outputs_root, job_id)
 
     def output_path(self, job_id: str, relpath: str) -> str:
-        """Where a job's output file goes (its directory made); the path stays inside it."""
-        path = os.path.join(self.output_dir(job_id), safe_relpath(relpath))
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        """Where a job's output file goes (its directory made); the path stays inside it, and
+        is none of the coordinator's own names (its temporary files)."""
+        rel = safe_relpath(relpath)
+        if any(part.startswith(TMP_PREFIX) for part in rel.split("/")):
+            raise UploadError(f"bad output path {relpath[:64]!r}: names starting "
+                              f"{TMP_PREFIX!r} are the coordinator's own")
+        path = os.path.join(self.output_dir(job_id), rel)
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            raise UploadError(f"bad output path {relpath[:64]!r}: a file of this job's "
+                              "outputs stands where it needs a directory") from None
+        if os.path.isdir(path):
+            raise UploadError(f"bad output path {relpath[:64]!r}: a directory of this job's "
+                              "outputs has that name")
         return path
 
     async def put_output(self, job_id: str, relpath: str, chunks: AsyncIterator[bytes],
-                         limit: int = MAX_OUTPUT_FILE_BYTES, owner: str = "") -> int:
+                         limit: int = MAX_OUTPUT_FILE_BYTES, owner: str = "",
+                         still_allowed: Callable[[], object] | None = None) -> int:
         """Stores one output file of ``owner``'s job from its streamed chunks; returns its
         size. Refused as it streams past ``limit``, the job's outputs cap, the owner's quota
-        or the disk's reserve. Written under a temporary name and renamed when whole, so a
-        broken upload leaves no partial file; a file uploaded again replaces the first."""
+        (other uploads of the job or the owner still streaming count in full) or the disk's
+        reserve. Written under a temporary name of its own and renamed when whole, so a broken
+        upload leaves no partial file; a file uploaded again replaces the first.
+        ``still_allowed`` is called again just before the rename, and refuses by raising: the
+        upload may have begun while the job ran, and a finished job's outputs never change."""
         path = self.output_path(job_id, relpath)
         rel = os.path.relpath(path, self.output_dir(job_id))
-        tmp = f"{path}.part"
         before = self._outputs.get(job_id, {}).get(rel, 0)
-        job_bytes = sum(self._outputs.get(job_id, {}).values()) - before
-        size = 0
+        what = f"output {relpath[:64]!r} of job {job_id}"
+        size = counted = 0  # counted: this upload's bytes in the in-flight tables
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=TMP_PREFIX)
         try:
-            with open(tmp, "wb") as f:
+            with os.fdopen(fd, "wb") as f:
                 async for data in chunks:
                     size += len(data)
                     if size > limit:
                         raise UploadError(f"output file {relpath!r} is over {limit:,} bytes")
-                    if job_bytes + size > self.max_job_outputs:
+                    # what is stored (less the file this one replaces), what streams in
+                    # (this upload's bytes so far among them) and this chunk
+                    streaming = self._inflight_out.get(job_id, 0) + len(data) - before
+                    if sum(self._outputs.get(job_id, {}).values()) + streaming \
+                            > self.max_job_outputs:
                         raise QuotaExceeded(
-                            f"output {relpath[:64]!r} would take job {job_id}'s outputs past "
+                            f"{what} would take the job's outputs past "
                             f"{format_size(self.max_job_outputs)} (--max-job-outputs)")
-                    self._check_quota(owner, size - before, f"output {relpath[:64]!r} of job "
-                                                            f"{job_id}")
-                    self._check_disk(len(data), f"output {relpath[:64]!r} of job {job_id}")
+                    self._check_quota(owner, self._inflight.get(owner, 0) + len(data) - before,
+                                      what)
+                    self._check_disk(len(data), what)
+                    self._inflight_out[job_id] = self._inflight_out.get(job_id, 0) + len(data)
+                    self._inflight[owner] = self._inflight.get(owner, 0) + len(data)
+                    counted += len(data)
                     await asyncio.to_thread(f.write, data)
-            os.replace(tmp, path)
+            if still_allowed is not None:
+                still_allowed()
+            try:
+                os.replace(tmp, path)
+            except OSError as e:
+                if is_full(e):
+                    raise
+                raise UploadError(f"{what} cannot be stored: {e.strerror or e}") from None
         finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+            self._settle(job_id, owner, counted)
+            _unlink(tmp)
         self._count_output(job_id, owner, rel, size)
         return size
+
+    def _settle(self, job_id: str, owner: str, size: int) -> None:
+        """An output upload ended: its bytes are in flight no more."""
+        for key, table in ((job_id, self._inflight_out), (owner, self._inflight)):
+            left = table.get(key, 0) - size
+            if left > 0:
+                table[key] = left
+            else:
+                table.pop(key, None)
 
     def _count_output(self, job_id: str, owner: str, rel: str, size: int) -> None:
         files = self._outputs.setdefault(job_id, {})
@@ -388,9 +435,13 @@ class BlobStore:
         """A small output the coordinator writes itself (``metrics.json``): not refused by
         quota or reserve, counted all the same."""
         path = self.output_path(job_id, relpath)
-        with open(f"{path}.part", "wb") as f:
-            f.write(data)
-        os.replace(f"{path}.part", path)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=TMP_PREFIX)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        finally:
+            _unlink(tmp)
         self._count_output(job_id, owner, os.path.relpath(path, self.output_dir(job_id)),
                            len(data))
 
@@ -403,7 +454,7 @@ class BlobStore:
         out = []
         for base, _dirs, files in os.walk(root):
             for name in files:
-                if not name.endswith(".part"):  # still arriving
+                if not name.startswith(TMP_PREFIX):  # still arriving
                     out.append(os.path.relpath(os.path.join(base, name), root))
         return sorted(out)
 

@@ -47,18 +47,37 @@ def step_limit(spec: JobSpec | None) -> int:
     return MAX_STEPS
 
 
-def check_report(r: TaskReport, spec: JobSpec | None, device_bytes: int, now: float) -> None:
-    """Refuses a report whose figures no task of this plan on this device could produce
-    (``SpecError`` naming the field of the ``TaskStatus`` message): memory beyond the agent's
-    whole device, an accuracy outside [0, 1], steps beyond the plan or the total reported, a
-    speed or a time no run has."""
+def memory_limit(budget_bytes: int, device_bytes: int) -> int:
+    """The most memory a task of this budget on this device can report: its allocator stops
+    at its budget (TensorFlow's BFC limit, or the GPU's ``memory_limit``, both in whole MiB
+    under it), and never beyond the agent's device. Some room is left over the budget: an
+    honest figure is never refused."""
+    device = device_bytes if device_bytes > 0 else MAX_BYTES
+    if budget_bytes <= 0:
+        return device
+    return min(device, budget_bytes + budget_bytes // 10 + MEMORY_SLACK_BYTES)
+
+
+#: room over a task's budget its memory figures may show (the allocator's own rounding)
+MEMORY_SLACK_BYTES = 16 << 20
+#: names a task's metrics may have at most
+MAX_METRICS = 64
+
+
+def check_report(r: TaskReport, spec: JobSpec | None, device_bytes: int, now: float,
+                 budget_bytes: int = 0) -> None:
+    """Refuses a report whose figures no task of this plan, budget and device could produce
+    (``SpecError`` naming the field of the ``TaskStatus`` message): memory beyond its budget
+    (``memory_limit``), an accuracy outside [0, 1], steps beyond the plan or the total
+    reported, a speed or a time no run has, metrics that are not numbers."""
     def refuse(field: str, message: str) -> None:
         raise SpecError(f"status.{field}", message)
 
-    device = device_bytes if device_bytes > 0 else MAX_BYTES
+    limit = memory_limit(budget_bytes, device_bytes)
     for field, value in (("in_use_bytes", r.in_use_bytes), ("peak_bytes", r.peak_bytes)):
-        if value < 0 or value > device:
-            refuse(field, f"{value} bytes is beyond the agent's device ({device} bytes)")
+        if value < 0 or value > limit:
+            refuse(field, f"{value} bytes is beyond what the task's allocator can hold "
+                          f"({limit} bytes: its budget, on the agent's device)")
     limit = step_limit(spec)
     for field, value in (("total_steps", r.total_steps), ("step", r.step),
                          ("checkpoint_step", r.checkpoint_step),
@@ -78,3 +97,6 @@ def check_report(r: TaskReport, spec: JobSpec | None, device_bytes: int, now: fl
         refuse("first_step_time", f"{r.first_step_time!r} is more than a day from now")
     if r.oom is not None and not 0 <= r.oom.allocation_bytes <= MAX_BYTES:
         refuse("oom.allocation_bytes", f"{r.oom.allocation_bytes} bytes is beyond any device")
+    if len(r.test_metrics) > MAX_METRICS or any(
+            not math.isfinite(v) for v in r.test_metrics.values()):
+        refuse("test_metrics", f"at most {MAX_METRICS} metrics, each a finite number")

@@ -34,6 +34,7 @@ from strata.coordinator.blobs import (
     DEFAULT_USER_QUOTA_BYTES, BlobStore,
 )
 from strata.coordinator.confine import check_report, job_blobs
+from strata.uploads import safe_relpath
 from strata.coordinator.disk import DEFAULT_RESERVE_BYTES, DiskGuard
 from strata.coordinator.jobtable import JobTable
 from strata.coordinator.logs import DEFAULT_MAX_JOB_LOG_BYTES, JobLogs
@@ -96,6 +97,8 @@ MAX_DELAY_ALLOWANCE = 5.0
 EXPIRY_INTERVAL_S = 60.0
 # how long a job waits, after its probe ended, for the probe's remaining tasks to report their end
 PROBE_SETTLE_S = 30.0
+#: refused outputs of a job that become events (an agent that retries writes no more)
+MAX_REFUSAL_EVENTS = 5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -355,6 +358,8 @@ class Coordinator:
         self._metrics_saved: dict[str, float] = {}
         self._stops_sent: dict[tuple[str, str, str, int], float] = {}
         self._implausible_said: dict[str, float] = {}
+        #: job id -> outputs refused so far (``output_refused``: a few become events)
+        self._refusals_said: dict[str, int] = {}
         self._disk_full_said = 0.0
         self._stopping = False
         #: job id -> its memory probe's job id (``memory.profile``), while the job waits for it.
@@ -383,7 +388,12 @@ class Coordinator:
         self._wake.set()
 
     def _event(self, job: Job, kind: str, message: str) -> None:
-        self.store.add_event(job.id, self.clock(), kind, message)
+        """An event of the job: what it says, for its watchers. With the disk full it is
+        logged and not kept: a state change that was written stands without its event."""
+        try:
+            self.store.add_event(job.id, self.clock(), kind, message)
+        except DiskFull as e:
+            log.error("job %s: event not kept (%s): %s", job.id, e, message)
         log.info("job %s: %s", job.id, message)
         self._notify(job.id)
 
@@ -392,13 +402,19 @@ class Coordinator:
     def _set_job_state(self, job: Job, target: JobState, message: str) -> None:
         if not can_transition(job.state, target):
             raise InvalidTransition("job", job.state.value, target.value)
+        before = (job.state, job.message, job.finished_at)
         job.state = target
         job.message = message
         if target.final:
             job.finished_at = self.clock()
+        try:
+            self.store.put_job(job)
+        except BaseException:  # not written (a full disk): not changed
+            job.state, job.message, job.finished_at = before
+            raise
+        if target.final:
             self._ending.add(job.id)
             heapq.heappush(self._ended, (job.finished_at, job.id))
-        self.store.put_job(job)
         self._event(job, "state", f"{target.value}: {message}" if message else target.value)
         if target == JobState.SUCCEEDED and not job.recovery.probe_of:  # a probe keeps no files
             self._write_metrics(job)
@@ -743,7 +759,7 @@ class Coordinator:
                            "outputs the job keeps")
         if job.recovery.probe_of:
             raise NotYours(f"job {job.id} is a memory probe: it keeps figures, no outputs")
-        if path.replace("\\", "/").strip("/") == "metrics.json":
+        if safe_relpath(path) == "metrics.json":  # however spelt (./metrics.json, a/../...)
             raise NotYours("metrics.json is written by the coordinator")
         return job
 
@@ -771,7 +787,7 @@ class Coordinator:
         self._needs.pop(job.id, None)
         if job.recovery.request_id:
             self._by_request.pop(job.recovery.request_id, None)
-        for d in (self._metrics_saved, self._scheduled_at):
+        for d in (self._metrics_saved, self._scheduled_at, self._refusals_said):
             d.pop(job.id, None)
         self.store.delete_job(job.id)
         self.series.forget(job.id)
@@ -964,7 +980,8 @@ class Coordinator:
                 return
             job, task = found, mine
         try:
-            check_report(r, job.spec, live.record.budget_bytes, self.clock())
+            check_report(r, job.spec, live.record.budget_bytes, self.clock(),
+                         task.memory_budget_bytes)
         except SpecError as e:
             if strict:
                 raise
@@ -984,9 +1001,11 @@ class Coordinator:
             task.model_path = r.model_path
         lead = strategy.is_lead(task)
         if lead and r.training and r.training != job.training:
+            said = bool(job.training)
             job.training = r.training  # what its model trains with, and where it came from
             self.store.put_job(job)
-            self._event(job, "message", f"training with {r.training}")
+            if not said:  # an event once: a lead that says it again and again writes no more
+                self._event(job, "message", f"training with {r.training}")
         if lead and r.checkpoint_step > job.checkpoint_step:
             job.checkpoint_step = r.checkpoint_step
             self.store.put_job(job)
@@ -1028,6 +1047,10 @@ class Coordinator:
                 self._fail_task(job, task, r.failure, r.message, exit_code=r.exit_code)
                 return
             if can_transition(task.state, r.state):
+                # written before it is changed (``_fail_task``)
+                self.store.put_tasks([dataclasses.replace(
+                    task, state=r.state, exit_code=r.exit_code,
+                    message=task.message if task.failure == FailureKind.OOM else r.message)])
                 self._set_task_state(task, r.state)
                 task.exit_code = r.exit_code
                 if task.failure != FailureKind.OOM:  # keep the account of an OOM it caused
@@ -1076,8 +1099,12 @@ class Coordinator:
                             culprit.estimated_memory_bytes, culprit.peak_memory_bytes, r.oom,
                             strategy.oom_levers(job, culprit), reporter=reporter_name)
         alloc = r.oom.allocation_bytes if r.oom is not None else 0
-        self._remember_peak(job, culprit, needed_bytes(
-            culprit.memory_budget_bytes, culprit.peak_memory_bytes, alloc))
+        # what it learns is never more than the device it ran on: an agent's report is no
+        # more to be believed than its device (and the need is kept for every job like it)
+        where = self.agents.get(culprit.worker)
+        device = where.record.budget_bytes if where is not None else 0
+        need = needed_bytes(culprit.memory_budget_bytes, culprit.peak_memory_bytes, alloc)
+        self._remember_peak(job, culprit, min(need, device) if device else need)
         if culprit is not reporter:
             culprit.failure = FailureKind.OOM
             culprit.message = text
@@ -1090,6 +1117,10 @@ class Coordinator:
 
     def _fail_task(self, job: Job, task: Task, failure: FailureKind, message: str,
                    exit_code: int = 0) -> None:
+        # written before it is changed: a full disk leaves the task as it was, for the
+        # agent's report to be tried again
+        self.store.put_tasks([dataclasses.replace(task, state=TaskState.FAILED, failure=failure,
+                                                  exit_code=exit_code, message=message)])
         self._set_task_state(task, TaskState.FAILED)
         task.failure = failure
         task.exit_code = exit_code
@@ -1437,13 +1468,13 @@ class Coordinator:
                 if t.worker == w.name and not t.state.final:
                     self._fail_task(job, t, FailureKind.LOST, f"worker {w.name} lost ({why})")
 
-    def revoke_agents(self, match: Callable[[Caller], bool], why: str) -> list[str]:
-        """The connected agents whose credential ``match``es are LOST at once: their
+    def revoke_agents(self, match: Callable[[Caller, str], bool], why: str) -> list[str]:
+        """The connected agents whose credential (and name) ``match`` are LOST at once: their
         sessions end, their tasks fail as a lost agent's do (their jobs restart elsewhere
         from their checkpoints), nothing more is placed on them. Returns their names."""
         lost = []
         for w in list(self.agents.values()):
-            if w.connected and w.caller is not None and match(w.caller):
+            if w.connected and w.caller is not None and match(w.caller, w.name):
                 self._mark_lost(w, f"its credentials were revoked: {why}")
                 lost.append(w.name)
         if lost:
@@ -1452,8 +1483,14 @@ class Coordinator:
 
     def output_refused(self, job: Job, path: str, why: str) -> None:
         """An output the job's agent could not store (a quota, a cap, the disk): the job
-        says so, as its outputs will lack it."""
-        self._event(job, "message", f"output {path[:64]!r} not kept: {why}")
+        says so, as its outputs will lack it; the first few times (an agent that tries again
+        and again writes no event each time)."""
+        n = self._refusals_said.get(job.id, 0)
+        self._refusals_said[job.id] = n + 1
+        if n < MAX_REFUSAL_EVENTS:
+            self._event(job, "message", f"output {path[:64]!r} not kept: {why}"
+                        + ("; later refusals are not recorded" if n + 1 == MAX_REFUSAL_EVENTS
+                           else ""))
 
     def disk_status(self) -> CoordinatorDisk:
         """What ``--state-dir`` holds by kind, and what its file system has left."""

@@ -53,7 +53,7 @@ from strata.coordinator.blobs import (
 )
 from strata.coordinator.disk import DEFAULT_RESERVE_BYTES, is_full
 from strata.coordinator.logs import DEFAULT_MAX_JOB_LOG_BYTES
-from strata.types import JobState, TaskReport, WorkerState
+from strata.types import Job, JobState, TaskReport, WorkerState
 
 log = logging.getLogger("strata.coordinator")
 
@@ -200,6 +200,9 @@ def _checked_message(self: Any, name: str, msg: Any, context: Any) -> Any:
             auth.check(CALLER.get(), name, agent)
         except Denied as e:
             raise PermissionDenied(e.message) from None
+        calls: OpenCalls | None = getattr(self, "calls", None)
+        if calls is not None:
+            calls.acting_as(agent)
     return msg
 
 
@@ -211,14 +214,22 @@ class OpenCalls:
     handler's wrapper (``rpc``) turns that cancellation into the refusal."""
 
     def __init__(self) -> None:
-        self._calls: dict[asyncio.Task[Any], Caller] = {}
+        #: each call's credential, and the agent it acts as (cluster API; "" until known)
+        self._calls: dict[asyncio.Task[Any], tuple[Caller, str]] = {}
         self._revoked: dict[asyncio.Task[Any], str] = {}
 
-    def enter(self, caller: Caller | None) -> asyncio.Task[Any] | None:
+    def enter(self, caller: Caller | None, agent: str = "") -> asyncio.Task[Any] | None:
         task = asyncio.current_task() if caller is not None else None
         if task is not None and caller is not None:
-            self._calls[task] = caller
+            self._calls[task] = (caller, agent)
         return task
+
+    def acting_as(self, agent: str) -> None:
+        """The current call acts as agent ``agent`` (a stream's messages name it)."""
+        task = asyncio.current_task()
+        entry = self._calls.get(task) if task is not None else None
+        if entry is not None and entry[1] != agent:
+            self._calls[task] = (entry[0], agent)  # type: ignore[index]
 
     def leave(self, task: asyncio.Task[Any] | None) -> None:
         if task is not None:
@@ -228,11 +239,12 @@ class OpenCalls:
     def __len__(self) -> int:
         return len(self._calls)
 
-    def revoke(self, match: Callable[[Caller], bool], why: str) -> int:
-        """Ends every call whose caller ``match``es; returns how many."""
+    def revoke(self, match: Callable[[Caller, str], bool], why: str) -> int:
+        """Ends every call whose caller (and the agent it acts as) ``match``; returns how
+        many."""
         n = 0
-        for task, caller in list(self._calls.items()):
-            if task not in self._revoked and match(caller):
+        for task, (caller, agent) in list(self._calls.items()):
+            if task not in self._revoked and match(caller, agent):
                 self._revoked[task] = f"the credentials of {caller.name} were revoked ({why})"
                 task.cancel()
                 n += 1
@@ -250,9 +262,11 @@ class OpenCalls:
         await context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
 
 
-def _enter(self: Any) -> tuple[OpenCalls | None, asyncio.Task[Any] | None]:
+def _enter(self: Any, request: Any) -> tuple[OpenCalls | None, asyncio.Task[Any] | None]:
     calls: OpenCalls | None = getattr(self, "calls", None)
-    return calls, calls.enter(CALLER.get()) if calls is not None else None
+    agent = getattr(request, "name", "") if isinstance(request, Message) else ""
+    return calls, calls.enter(CALLER.get(), agent if isinstance(agent, str) else "") \
+        if calls is not None else None
 
 
 def rpc(method: F) -> F:
@@ -270,7 +284,7 @@ def rpc(method: F) -> F:
             calls = task = None
             try:
                 await _authorize(self, name, request, context)
-                calls, task = _enter(self)
+                calls, task = _enter(self, request if name in CLUSTER else None)
                 try:
                     request = _checked(self, name, request, context)
                     async for item in method(self, request, context):
@@ -295,7 +309,7 @@ def rpc(method: F) -> F:
         calls = task = None
         try:
             await _authorize(self, name, request, context)
-            calls, task = _enter(self)
+            calls, task = _enter(self, request if name in CLUSTER else None)
             try:
                 request = _checked(self, name, request, context)
                 return await method(self, request, context)
@@ -429,7 +443,7 @@ class Revocations:
         self.auth, self.calls, self.coord = auth, calls, coord
         auth.set_revoked(coord.store.load_revoked())
 
-    def _close(self, match: Callable[[Caller], bool], why: str) -> tuple[int, list[str]]:
+    def _close(self, match: Callable[[Caller, str], bool], why: str) -> tuple[int, list[str]]:
         closed = self.calls.revoke(match, why)
         lost = self.coord.revoke_agents(match, why)
         if closed or lost:
@@ -438,12 +452,15 @@ class Revocations:
         return closed, lost
 
     def keys(self, keys: set[str], why: str) -> tuple[int, list[str]]:
-        return self._close(lambda c: c.key in keys, why) if keys else (0, [])
+        return self._close(lambda c, _agent: c.key in keys, why) if keys else (0, [])
 
     def name(self, name: str) -> tuple[int, list[str]]:
         self.coord.store.put_revoked(name, self.coord.clock())
         self.auth.revoked.add(name)
-        return self._close(lambda c: c.name == name, "strata admin revoke")
+        # the name's own credentials, and whatever acts as the agent of that name (a
+        # cluster-wide agent certificate acting as it)
+        return self._close(lambda c, agent: c.name == name or agent == name,
+                           "strata admin revoke")
 
     def restore(self, name: str) -> None:
         self.coord.store.delete_revoked(name)
@@ -458,12 +475,19 @@ class JobServicer(pb_grpc.JobServiceServicer):
         self.calls = calls
         self.revocations = revocations
 
-    def _stored_files(self, msg: pb.JobSpec) -> pb.JobSpec:
+    def _stored_files(self, msg: pb.JobSpec, owner: str) -> pb.JobSpec:
         """The spec with what the coordinator itself holds of its uploaded files: a
-        ``.keras`` file's config is read from the stored copy, never taken from the client."""
+        ``.keras`` file's config is read from the stored copy, never taken from the client.
+        A job names only files its owner uploaded (or its earlier jobs named): a digest seen
+        in another user's job is not a way to another user's file."""
+        def mine(sha: str, field: str) -> None:
+            if self.coord.blobs.exists(sha) and not self.coord.blobs.holds(sha, owner):
+                raise SpecError(field, "was not uploaded by you: submit through the client, "
+                                       "which uploads the file first")
         if msg.model.HasField("keras_file"):
             kf = msg.model.keras_file
             check_sha(kf.sha256, "model.keras_file.sha256")
+            mine(kf.sha256, "model.keras_file")
             kf.config = self.coord.blobs.keras_config(kf.sha256, kf.name or "model.keras")
             kf.size = self.coord.blobs.size(kf.sha256)
         if msg.HasField("code") and (msg.code.sha256 or msg.code.model or msg.code.dataset):
@@ -474,6 +498,7 @@ class JobServicer(pb_grpc.JobServiceServicer):
                     "up does, for one user on loopback); or give the model as "
                     "model.keras_file / model.keras_json")
             check_sha(msg.code.sha256, "code.dir")
+            mine(msg.code.sha256, "code.dir")
             if not self.coord.blobs.exists(msg.code.sha256):
                 raise SpecError("code.dir", f"{msg.code.dir_name or 'the code directory'} was "
                                             "not uploaded to this coordinator; submit through "
@@ -492,7 +517,8 @@ class JobServicer(pb_grpc.JobServiceServicer):
         if done is not None:  # a retry whose first reply was lost
             return convert.job_to_proto(done, with_spec=False)
         self.coord.disk.check(0, "new jobs")
-        spec = convert.spec_from_proto(await asyncio.to_thread(self._stored_files, request.spec))
+        spec = convert.spec_from_proto(await asyncio.to_thread(self._stored_files, request.spec,
+                                                               owner))
         # Planning profiles the model and may run the stage planner: kept off the event loop.
         offers = self.coord.offers_for(spec, free=False)
         prepared = await asyncio.to_thread(prepare, spec, offers, dict(self.coord.measured))
@@ -575,7 +601,9 @@ class JobServicer(pb_grpc.JobServiceServicer):
 
     @rpc
     async def PlanJob(self, request: pb.PlanJobRequest, context: Any) -> pb.Plan:
-        spec = convert.spec_from_proto(await asyncio.to_thread(self._stored_files, request.spec))
+        caller = CALLER.get()
+        spec = convert.spec_from_proto(await asyncio.to_thread(
+            self._stored_files, request.spec, caller.name if caller is not None else ""))
         offers = self.coord.offers_for(spec, free=True)
         prepared = await asyncio.to_thread(prepare, spec, offers, dict(self.coord.measured))
         return convert.plan_to_proto(self.coord.plan(prepared))
@@ -704,8 +732,10 @@ class ClusterServicer(pb_grpc.ClusterServiceServicer):
             first = await it.__anext__()
         except StopAsyncIteration:
             raise MalformedRequest("an output upload with no chunk") from None
-        job = self.coord.output_task(first.name, first.session, first.job_id, first.role,
-                                     first.index, first.attempt, first.chunk.path)
+        def allowed() -> Job:  # checked again once the file is whole, before it is kept
+            return self.coord.output_task(first.name, first.session, first.job_id, first.role,
+                                          first.index, first.attempt, first.chunk.path)
+        job = allowed()
 
         async def chunks() -> AsyncIterator[bytes]:
             yield first.chunk.data
@@ -715,8 +745,9 @@ class ClusterServicer(pb_grpc.ClusterServiceServicer):
                 yield msg.chunk.data
         try:
             size = await self.coord.blobs.put_output(job.id, first.chunk.path, chunks(),
-                                                     MAX_OUTPUT_FILE_BYTES, owner=job.owner)
-        except (QuotaExceeded, DiskFull, UploadError) as e:
+                                                     MAX_OUTPUT_FILE_BYTES, owner=job.owner,
+                                                     still_allowed=allowed)
+        except (QuotaExceeded, DiskFull) as e:
             self.coord.output_refused(job, first.chunk.path, str(e))
             raise
         return pb.UploadOutputResponse(size=size)

@@ -233,6 +233,12 @@ class SqliteStore(Store):
                                "use a new --state-dir")
         self._next_seq: dict[str, int] = {}
 
+    def _rollback(self) -> None:
+        """Ends a failed transaction, if SQLite has not ended it already (a write that found
+        the disk full may have): the error that matters is the write's, not this one's."""
+        if self._db.in_transaction:
+            self._db.execute("ROLLBACK")
+
     @_writes
     def put_job(self, job: Job) -> None:
         m = dataclasses.asdict(job.metrics)
@@ -260,7 +266,7 @@ class SqliteStore(Store):
                 self._db.executemany("INSERT OR REPLACE INTO tasks VALUES (?,?,?,?)", rows)
                 self._db.execute("COMMIT")
             except BaseException:
-                self._db.execute("ROLLBACK")
+                self._rollback()
                 raise
 
     def job_for_request(self, request_id: str) -> str | None:
@@ -280,7 +286,7 @@ class SqliteStore(Store):
                 self._db.executemany("INSERT OR REPLACE INTO tasks VALUES (?,?,?,?)", rows)
                 self._db.execute("COMMIT")
             except BaseException:
-                self._db.execute("ROLLBACK")  # never leave the connection inside a transaction
+                self._rollback()  # never leave the connection inside a transaction
                 raise
 
     def load_jobs(self) -> list[Job]:

@@ -140,8 +140,10 @@ def certificate_caller(cert: bytes) -> Caller:
     cns = c.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
     ous = [str(a.value) for a in c.subject.get_attributes_for_oid(
         NameOID.ORGANIZATIONAL_UNIT_NAME)]
-    name = str(cns[0].value) if cns else ""
-    role = next((r for r in ous if r in ROLES), "")
+    name = str(cns[0].value) if len(cns) == 1 else ""
+    roles = {r for r in ous if r in ROLES}
+    # one role, one name that a NAME can be (so it can be revoked): else no role at all
+    role = roles.pop() if len(roles) == 1 and NAME_RE.match(name) else ""
     return Caller(role, name, key="cert:" + c.fingerprint(hashes.SHA256()).hex()[:32],
                   any_agent=role == "agent" and name == ANY_AGENT_CN)
 
@@ -244,6 +246,9 @@ class Auth:
         if method not in ALLOWED.get(caller.role, frozenset()):
             raise Denied(grpc.StatusCode.PERMISSION_DENIED,
                          f"{caller.name} ({caller.role}) may not call {method}")
+        if agent_name is not None and agent_name in self.revoked:
+            raise Denied(grpc.StatusCode.PERMISSION_DENIED,
+                         f"agent {agent_name[:64]!r} was revoked (strata admin revoke)")
         if (caller.role == "agent" and agent_name is not None
                 and agent_name != caller.name and not caller.any_agent):
             what = "certificate" if caller.key.startswith("cert:") else "token"

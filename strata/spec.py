@@ -799,6 +799,11 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
                 example = text if plain else "..."
                 raise SpecError("--set", f"{key}: {e.problem}; to give text, quote it: "
                                          f"--set '{key}=\"{example}\"'") from None
+            if value is None and text.strip() not in ("null", "Null", "NULL", "~"):
+                # YAML reads a lone document marker or a comment as nothing: not what was meant
+                raise SpecError("--set", f"{key}: {text.strip()[:40]!r} is no value (YAML reads "
+                                         f"it as nothing); to give text, quote it: --set "
+                                         f"'{key}=\"...\"'")
             nodes += _expanded_nodes(value, {})
             if nodes > safeyaml.MAX_NODES:
                 raise SpecError("--set", f"{key}: the values of --set come to more than "

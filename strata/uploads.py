@@ -78,6 +78,9 @@ def keras_config(path: str, name: str = "the file") -> str:
         json.loads(text)
     except (UnicodeDecodeError, ValueError):
         raise SpecError("model.keras_file", f"{name}'s config.json is not JSON") from None
+    except RecursionError:
+        raise SpecError("model.keras_file", f"{name}'s config.json is nested too deeply to "
+                                            "be a model") from None
     return text
 
 
@@ -169,4 +172,13 @@ def safe_relpath(path: str) -> str:
     if not path or os.path.isabs(p) or p == "." or p.startswith("..") or "\0" in p:
         raise UploadError(f"bad output path {str(path)[:200]!r}: must be relative, inside the "
                           "job's output directory")
+    parts = p.split("/")
+    if len(p) > MAX_OUTPUT_PATH_CHARS or any(len(x.encode()) > 255 for x in parts) \
+            or len(parts) > 32:
+        raise UploadError(f"bad output path {str(path)[:64]!r}: at most "
+                          f"{MAX_OUTPUT_PATH_CHARS} characters, 32 levels, 255 bytes a name")
     return p
+
+
+#: an output path's length: what a job's outputs need (model.keras, tensorboard/ROLE-INDEX/...)
+MAX_OUTPUT_PATH_CHARS = 1024

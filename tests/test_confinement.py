@@ -232,8 +232,27 @@ def test_an_agent_acts_only_on_its_live_task_and_claims_only_the_possible(shared
             assert evil.upload(a.id, "worker", 0, 1, "model.keras", b"v1")[0] == \
                 grpc.StatusCode.OK
             assert evil.logs(a.id, "worker", 0, 1, b"hello from a\n")[0] == grpc.StatusCode.OK
+            # an upload begun while the job runs and finished after it ended is not kept
+            go_on, held = threading.Event(), []
+
+            def chunks():
+                for i, data in enumerate((b"forged-", b"after-success")):
+                    if i:
+                        go_on.wait(30)
+                    yield pb.OutputChunk(name=evil.name, session=evil.session, job_id=a.id,
+                                         role="worker", index=0, attempt=1,
+                                         chunk=pb.FileChunk(path="model.keras", data=data))
+
+            def late_upload():
+                held.append(evil.call("UploadOutput", chunks())[0])
+            t = threading.Thread(target=late_upload, daemon=True)
+            t.start()
+            time.sleep(0.5)
             assert evil.report(start, state=pb.SUCCEEDED, step=10, total_steps=10,
                                has_result=True, test_accuracy=0.5)[0] == grpc.StatusCode.OK
+            go_on.set()
+            t.join(30)
+            assert held == [DENIED]
             done = alice.wait(a.id, timeout=30)
             assert done.state == JobState.SUCCEEDED
             # a finished job's outputs and logs are as they were

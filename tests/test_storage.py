@@ -20,7 +20,7 @@ from strata.coordinator.blobs import BlobStore
 from strata.coordinator.confine import check_report, job_blobs
 from strata.coordinator.disk import DiskGuard, is_full
 from strata.coordinator.logs import JobLogs
-from strata.errors import DiskFull, NotYours, QuotaExceeded, SpecError
+from strata.errors import DiskFull, NotYours, QuotaExceeded, SpecError, UploadError
 from strata.spec import parse_job_spec
 from strata.types import JobState, TaskReport, TaskState
 
@@ -460,7 +460,7 @@ def test_revoking_ends_the_open_calls_of_that_credential():
         tasks = [asyncio.create_task(call(c)) for c in (alice, bob)]
         await asyncio.sleep(0)
         assert len(calls) == 2
-        assert calls.revoke(lambda c: c.key == "k1", "removed from --auth-tokens") == 1
+        assert calls.revoke(lambda c, _agent: c.key == "k1", "removed from --auth-tokens") == 1
         await asyncio.sleep(0)
         assert tasks[0].done() and not tasks[1].done()
         with pytest.raises(RuntimeError, match="aborted"):  # what grpc's abort raises
@@ -488,3 +488,186 @@ def test_the_store_keeps_holdings_and_revocations(tmp_path):
     s.delete_blob_owner(sha, "alice")
     s.delete_revoked("mole")
     assert s.load_blob_owners() == [] and s.load_revoked() == []
+
+
+# --- what an outside review tried (each once a hole) ------------------------------------------
+
+def test_metrics_json_is_the_coordinators_however_it_is_spelt(env):
+    coord, *_ = env
+    job, s = running(coord)
+    lead = next(t for t in job.tasks if t.index == 0)
+    for path in ("metrics.json", "./metrics.json", "x/../metrics.json", "metrics.json/.",
+                 "/metrics.json"):
+        with pytest.raises((NotYours, UploadError)):
+            coord.output_task(lead.worker, s[lead.worker], job.id, lead.role, lead.index,
+                              lead.attempt, path)
+
+
+def test_outputs_that_collide_or_are_named_as_temporary_files_are_refused(tmp_path):
+    store = BlobStore(str(tmp_path))
+    asyncio.run(store.put_output("j", "d", _chunks(b"x")))
+    for path in ("d/x", ".strata-part-x", "a/.strata-part-y", "n" * 300, "a/" * 40 + "b"):
+        with pytest.raises(UploadError):
+            asyncio.run(store.put_output("j", path, _chunks(b"y")))
+    asyncio.run(store.put_output("j", "e/x", _chunks(b"z")))
+    with pytest.raises(UploadError, match="a directory"):
+        asyncio.run(store.put_output("j", "e", _chunks(b"z")))
+    assert store.outputs("j") == ["d", "e/x"]
+
+
+def test_an_upload_that_outlives_its_permission_is_not_kept(tmp_path):
+    store = BlobStore(str(tmp_path))
+    asyncio.run(store.put_output("j", "model.keras", _chunks(b"v1")))
+
+    def ended():
+        raise NotYours("job j has ended")
+    with pytest.raises(NotYours):
+        asyncio.run(store.put_output("j", "model.keras", _chunks(b"forged"),
+                                     still_allowed=ended))
+    with open(os.path.join(store.output_dir("j"), "model.keras"), "rb") as f:
+        assert f.read() == b"v1"
+    assert store.outputs("j") == ["model.keras"] and store._inflight_out == {}
+
+
+def test_output_uploads_in_parallel_cannot_run_past_the_job_cap_or_the_quota(tmp_path):
+    store = BlobStore(str(tmp_path), user_quota=10_000, max_job_outputs=100)
+
+    async def main():
+        gate = asyncio.Event()
+
+        async def slow(n):
+            yield b"p" * n
+            await gate.wait()
+            yield b"q" * n
+        tasks = [asyncio.create_task(store.put_output("j", f"f{i}", slow(30), owner="alice"))
+                 for i in range(4)]
+        await asyncio.sleep(0.05)
+        gate.set()
+        return await asyncio.gather(*tasks, return_exceptions=True)
+    results = asyncio.run(main())
+    assert any(isinstance(r, QuotaExceeded) for r in results)
+    assert sum(r for r in results if isinstance(r, int)) <= 100
+    assert store.usage("alice") <= 100 and store._inflight_out == {}
+    store.check()
+
+
+def test_an_oom_report_teaches_no_more_than_the_device_it_ran_on(env):
+    from strata.oom import OutOfMemory
+    from strata.types import FailureKind
+
+    coord, *_ = env
+    job, s = running(coord)
+    t = job.tasks[0]
+    coord.report(t.worker, s[t.worker], TaskReport(
+        job.id, t.role, t.index, TaskState.FAILED, attempt=t.attempt, failure=FailureKind.OOM,
+        oom=OutOfMemory(allocation_bytes=1 << 49)), strict=True)
+    assert max(coord.measured.values()) <= GiB  # each agent registered 1 GiB
+
+
+def test_a_running_agent_cannot_say_its_device_grew(env):
+    coord, *_ = env
+    coord.register("a", "127.0.0.1", "CPU", GiB, [6000], [], pid=4242)
+    with pytest.raises(SpecError, match="budget_bytes") as e:
+        coord.register("a", "127.0.0.1", "CPU", 1 << 50, [6000], [], pid=4242)
+    assert e.value.field == "budget_bytes"
+    coord.register("a", "127.0.0.1", "CPU", GiB, [6000], [], pid=4242)  # the same: fine
+
+
+def test_refused_outputs_write_a_few_events_not_one_each(env):
+    coord, *_ = env
+    job, _ = running(coord)
+    before = len(coord.store.events(job.id))
+    for _ in range(50):
+        coord.output_refused(job, "model.keras", "over the quota")
+    assert len(coord.store.events(job.id)) - before == 5
+
+
+def test_a_full_disk_during_a_tasks_end_changes_nothing_and_the_report_can_come_again(env):
+    coord, *_ = env
+    job, s = running(coord)
+    t = job.tasks[0]
+    real = coord.store.put_tasks
+    calls = {"n": 0}
+
+    def full_once(tasks):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise DiskFull("the coordinator's disk is full")
+        return real(tasks)
+    coord.store.put_tasks = full_once
+    end = TaskReport(job.id, t.role, t.index, TaskState.FAILED, attempt=t.attempt,
+                     message="boom")
+    with pytest.raises(DiskFull):
+        coord.report(t.worker, s[t.worker], end, strict=True)
+    assert t.state == TaskState.RUNNING and job.state == JobState.RUNNING
+    coord.report(t.worker, s[t.worker], end, strict=True)  # the agent's retry
+    assert t.state == TaskState.FAILED and job.state == JobState.FAILED
+
+
+def test_a_job_names_only_files_its_owner_uploaded(env):
+    from strata.coordinator.service import JobServicer
+    from strata.protos import strata_pb2 as pb
+
+    coord, *_ = env
+    sha, _ = asyncio.run(coord.blobs.put(_chunks(b"alice's code"), "alice"))
+    msg = pb.JobSpec()
+    msg.code.sha256, msg.code.dir_name = sha, "proj"
+    coord.allow_user_code = True
+    with pytest.raises(SpecError, match="not uploaded by you") as e:
+        JobServicer(coord)._stored_files(msg, "bob")
+    assert e.value.field == "code.dir"
+    assert JobServicer(coord)._stored_files(msg, "alice").code.size == len(b"alice's code")
+
+
+def test_certificates_with_a_name_no_revocation_can_name_have_no_role(tmp_path):
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    from strata.tls import make_ca
+
+    ca_key, ca = make_ca()
+
+    def cert(attrs):
+        key = ec.generate_private_key(ec.SECP256R1())
+        now = datetime.datetime.now(datetime.timezone.utc)
+        c = (x509.CertificateBuilder().subject_name(x509.Name(attrs)).issuer_name(ca.subject)
+             .public_key(key.public_key()).serial_number(x509.random_serial_number())
+             .not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1))
+             .sign(ca_key, hashes.SHA256()))
+        from cryptography.hazmat.primitives import serialization
+        return c.public_bytes(serialization.Encoding.PEM)
+    ou = lambda r: x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, r)  # noqa: E731
+    cn = lambda n: x509.NameAttribute(NameOID.COMMON_NAME, n)  # noqa: E731
+    assert certificate_caller(cert([ou("admin"), cn("root")])).role == "admin"
+    for attrs in ([ou("admin")], [ou("admin"), cn("bad name")], [ou("admin"), cn("x\x01y")],
+                  [ou("viewer"), ou("admin"), cn("eve")], [ou("admin"), cn("a"), cn("b")]):
+        assert certificate_caller(cert(attrs)).role == "", attrs
+
+
+def test_revoking_an_agents_name_stops_whatever_credential_acts_as_it(tmp_path):
+    a = Auth(certificates=True)
+    anyone = Caller("agent", "agent", key="cert:x", any_agent=True)
+    a.check(anyone, "RegisterAgent", "w1")
+    a.revoked.add("w1")
+    with pytest.raises(Denied, match="w1"):
+        a.check(anyone, "RegisterAgent", "w1")
+    a.check(anyone, "RegisterAgent", "w2")
+
+
+def test_a_keras_file_nested_beyond_reason_is_refused_naming_the_field(tmp_path):
+    import zipfile
+
+    from strata.uploads import keras_config
+
+    path = tmp_path / "deep.keras"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("config.json", "[" * 100_000 + "]" * 100_000)
+        z.writestr("model.weights.h5", b"")
+        z.writestr("metadata.json", "{}")
+    with pytest.raises(SpecError) as e:
+        keras_config(str(path), "deep.keras")
+    assert e.value.field == "model.keras_file"
