@@ -202,6 +202,15 @@ def probe_spec(spec: JobSpec) -> JobSpec:
         checkpoint_every_steps=0, max_restarts=0)
 
 
+def _sizes(sizes: list[int]) -> str:
+    """``3 x 1 GiB, 512 MiB``: sizes, largest first, equal ones counted."""
+    out: list[str] = []
+    for size in sorted(set(sizes), reverse=True):
+        n = sizes.count(size)
+        out.append(f"{n} x {format_size(size)}" if n > 1 else format_size(size))
+    return ", ".join(out[:6]) + (", ..." if len(out) > 6 else "")
+
+
 @functools.lru_cache(maxsize=1024)  # a thousand waiting jobs share a handful of messages
 def _shape(message: str) -> str:
     """A message with its numbers left out: what kind of thing it says."""
@@ -557,9 +566,12 @@ class Coordinator:
                                 f"start or cancel some")
 
     def submit(self, spec: JobSpec | Mapping[str, Any] | PreparedJob,
-               request_id: str = "", owner: str = "") -> Job:
+               request_id: str = "", owner: str = "", queue_for_capacity_s: float = 0.0
+               ) -> Job:
         """Accepts a job. ``request_id``: the client's id of this submission; a retry with the
-        same id (its first reply lost) returns the job the first created."""
+        same id (its first reply lost) returns the job the first created. A job the cluster
+        has never had the workers for is refused (``_check_capacity``), unless it may wait
+        ``queue_for_capacity_s`` for them (then it fails if not placed by then)."""
         done = self.job_for_request(request_id, owner)
         if done is not None:
             return done
@@ -572,14 +584,18 @@ class Coordinator:
             raise InfeasibleError(f"job {spec.name!r} cannot run on this cluster: {plan.reason}",
                                   estimate_bytes=plan.largest_estimate,
                                   largest_budget_bytes=max(budgets, default=0))
+        if not queue_for_capacity_s:
+            self._check_capacity(spec, plan)
+        deadline = self.clock() + queue_for_capacity_s if queue_for_capacity_s else 0.0
         if not wants_probe(spec, plan) or measured_kinds(spec, self.measured):
-            return self._add_job(spec, plan, request_id=request_id, owner=owner)
+            return self._add_job(spec, plan, request_id=request_id, owner=owner,
+                                 deadline=deadline)
         # memory.profile: a short run of the same plan measures every task first; the job
         # waits for it, then is planned with what it measured (``_after_probe``)
         probing = probe_spec(spec)
         probe = self._add_job(probing, plan, note=f"memory probe of job {spec.name!r}",
                               owner=owner, probe_of=spec.name)
-        job = self._add_job(spec, plan, request_id=request_id, owner=owner)
+        job = self._add_job(spec, plan, request_id=request_id, owner=owner, deadline=deadline)
         probe.recovery.probe_of = job.id
         self.store.put_job(probe)
         self._probe_of[job.id] = probe.id
@@ -590,8 +606,33 @@ class Coordinator:
                                     "task's peak; the job is planned with those figures")
         return job
 
+    def _check_capacity(self, spec: JobSpec, plan: JobPlan) -> None:
+        """Refuses a job that the workers this coordinator has known (connected now or not,
+        draining or lost: all it has been offered) could never hold together: it would wait
+        for ever. A cluster with no workers yet is starting: its jobs wait for them."""
+        needs = Needs.of(spec)
+        known = [w for w in self.agents.values() if needs.met_by(w.record)]
+        if not known:
+            return
+        demands = [TaskDemand(t.role, t.index, t.memory_budget_bytes) for t in plan.tasks]
+        if place(demands, [Capacity(w.name, w.record.budget_bytes, w.record.budget_bytes)
+                           for w in known]).placed:
+            return
+        sizes = sorted((d.budget_bytes for d in demands), reverse=True)
+        have = sorted((w.record.budget_bytes for w in known), reverse=True)
+        fit = sum(1 for b in have if b >= sizes[-1])
+        raise InfeasibleError(
+            f"job {spec.name!r} needs {len(demands)} workers, one task each "
+            f"({_sizes(sizes)}), and this cluster has had {len(known)} "
+            + ("that meet its needs " if needs != NO_NEEDS else "")
+            + f"({_sizes(have)}; {fit} with {format_size(sizes[-1])} or more): it would wait "
+            "for ever. Add workers, ask for fewer (workers, parameter_servers, stages), or "
+            "submit with --queue-for-capacity DURATION to wait for workers that will come",
+            estimate_bytes=plan.largest_estimate, largest_budget_bytes=have[0])
+
     def _add_job(self, spec: JobSpec, plan: JobPlan, note: str = "",
-                 request_id: str = "", owner: str = "", probe_of: str = "") -> Job:
+                 request_id: str = "", owner: str = "", probe_of: str = "",
+                 deadline: float = 0.0) -> Job:
         now = self.clock()
         job_id = f"{spec.name}-{secrets.token_hex(3)}"
         while job_id in self.jobs:
@@ -601,6 +642,7 @@ class Coordinator:
                   message="waiting for workers")
         job.recovery.request_id = request_id
         job.recovery.probe_of = probe_of
+        job.recovery.capacity_deadline = deadline
         job.owner = owner
         job.tasks = _tasks_of(job_id, plan)
         self.store.put_job(job)
@@ -680,9 +722,16 @@ class Coordinator:
         self._notify(job.id)
 
     def plan(self, spec: JobSpec | Mapping[str, Any] | PreparedJob) -> Plan:
-        """What the coordinator would run now, on the free budgets of the connected workers."""
+        """What the coordinator would run now, on the free budgets of the connected workers;
+        infeasible, with the reason, where submit would refuse it (``_check_capacity``)."""
         prepared = self._prepared(spec, free=True)
-        return plan_on(prepared, self._capacities(Needs.of(prepared.spec)), self.measured)
+        shown = plan_on(prepared, self._capacities(Needs.of(prepared.spec)), self.measured)
+        if shown.feasible:
+            try:
+                self._check_capacity(prepared.spec, prepared.plan)
+            except InfeasibleError as e:
+                return dataclasses.replace(shown, feasible=False, reason=str(e))
+        return shown
 
     async def watch(self, job_id: str, after_seq: int = 0,
                     max_interval_s: float = 5.0) -> AsyncIterator[JobEvent]:
@@ -1375,6 +1424,11 @@ class Coordinator:
         # a copy: scheduling a job may end another (a failed probe fails its job)
         for job in list(self._order):
             if job.state == JobState.PENDING:
+                deadline = job.recovery.capacity_deadline
+                if deadline and now > deadline:
+                    self._stop_job(job, JobState.FAILED, "not placed by its --queue-for-capacity "
+                                                         f"deadline: {job.message}")
+                    continue
                 if job.id in self._probe_of and not self._after_probe(job):
                     continue
                 self._try_schedule(job)

@@ -340,6 +340,8 @@ def _observe(method: str, start: float, context: Any) -> None:
     RPC_SECONDS.labels(method, label).observe(time.perf_counter() - start)
 
 
+#: the longest a job may wait for workers the cluster has not had (``--queue-for-capacity``)
+MAX_CAPACITY_WAIT_S = 30 * 86400.0
 DEFAULT_PAGE_SIZE = 100
 MAX_PAGE_SIZE = 1000
 T = TypeVar("T")
@@ -511,6 +513,10 @@ class JobServicer(pb_grpc.JobServiceServicer):
         request_id = request.request_id
         if len(request_id) > 128:
             raise SpecError("request_id", f"at most 128 characters, got {len(request_id)}")
+        wait = request.queue_for_capacity_s
+        if not 0 <= wait <= MAX_CAPACITY_WAIT_S:
+            raise SpecError("queue_for_capacity_s", f"0 to {MAX_CAPACITY_WAIT_S:g} seconds (30 "
+                                                    f"days), got {wait:g}")
         caller = CALLER.get()
         owner = caller.name if caller is not None else ""
         done = self.coord.job_for_request(request_id, owner)
@@ -522,7 +528,8 @@ class JobServicer(pb_grpc.JobServiceServicer):
         # Planning profiles the model and may run the stage planner: kept off the event loop.
         offers = self.coord.offers_for(spec, free=False)
         prepared = await asyncio.to_thread(prepare, spec, offers, dict(self.coord.measured))
-        return convert.job_to_proto(self.coord.submit(prepared, request_id, owner=owner),
+        return convert.job_to_proto(self.coord.submit(prepared, request_id, owner=owner,
+                                                      queue_for_capacity_s=wait),
                                     with_spec=False)
 
     @rpc

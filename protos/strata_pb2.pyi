@@ -328,7 +328,7 @@ class TaskInfo(_message.Message):
     def __init__(self, role: _Optional[str] = ..., index: _Optional[int] = ..., worker: _Optional[str] = ..., state: _Optional[_Union[TaskState, str]] = ..., stage: _Optional[int] = ..., memory_budget_bytes: _Optional[int] = ..., peak_memory_bytes: _Optional[int] = ..., in_use_bytes: _Optional[int] = ..., estimated_memory_bytes: _Optional[int] = ..., failure: _Optional[_Union[FailureKind, str]] = ..., exit_code: _Optional[int] = ..., message: _Optional[str] = ..., address: _Optional[str] = ..., weights_sha256: _Optional[str] = ..., model_path: _Optional[str] = ..., replica: _Optional[int] = ..., layers: _Optional[_Iterable[str]] = ..., replica_weights_sha256: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("id", "name", "state", "strategy", "message", "restarts", "created_at", "finished_at", "metrics", "tasks", "spec", "estimated_memory_bytes", "started_at", "output_dir", "outputs", "checkpoint_step", "steps_repeated", "tensorboard_dir", "owner", "training")
+    __slots__ = ("id", "name", "state", "strategy", "message", "restarts", "created_at", "finished_at", "metrics", "tasks", "spec", "estimated_memory_bytes", "started_at", "output_dir", "outputs", "checkpoint_step", "steps_repeated", "tensorboard_dir", "owner", "training", "probe_of")
     ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -349,6 +349,7 @@ class Job(_message.Message):
     TENSORBOARD_DIR_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
     TRAINING_FIELD_NUMBER: _ClassVar[int]
+    PROBE_OF_FIELD_NUMBER: _ClassVar[int]
     id: str
     name: str
     state: JobState
@@ -369,7 +370,8 @@ class Job(_message.Message):
     tensorboard_dir: str
     owner: str
     training: str
-    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., strategy: _Optional[str] = ..., message: _Optional[str] = ..., restarts: _Optional[int] = ..., created_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., metrics: _Optional[_Union[JobMetrics, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[TaskInfo, _Mapping]]] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., estimated_memory_bytes: _Optional[int] = ..., started_at: _Optional[float] = ..., output_dir: _Optional[str] = ..., outputs: _Optional[_Iterable[str]] = ..., checkpoint_step: _Optional[int] = ..., steps_repeated: _Optional[int] = ..., tensorboard_dir: _Optional[str] = ..., owner: _Optional[str] = ..., training: _Optional[str] = ...) -> None: ...
+    probe_of: str
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., strategy: _Optional[str] = ..., message: _Optional[str] = ..., restarts: _Optional[int] = ..., created_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., metrics: _Optional[_Union[JobMetrics, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[TaskInfo, _Mapping]]] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., estimated_memory_bytes: _Optional[int] = ..., started_at: _Optional[float] = ..., output_dir: _Optional[str] = ..., outputs: _Optional[_Iterable[str]] = ..., checkpoint_step: _Optional[int] = ..., steps_repeated: _Optional[int] = ..., tensorboard_dir: _Optional[str] = ..., owner: _Optional[str] = ..., training: _Optional[str] = ..., probe_of: _Optional[str] = ...) -> None: ...
 
 class JobEvent(_message.Message):
     __slots__ = ("seq", "time", "kind", "message", "job")
@@ -480,12 +482,14 @@ class DiskStatus(_message.Message):
     def __init__(self, used_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
 
 class SubmitJobRequest(_message.Message):
-    __slots__ = ("spec", "request_id")
+    __slots__ = ("spec", "request_id", "queue_for_capacity_s")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_FOR_CAPACITY_S_FIELD_NUMBER: _ClassVar[int]
     spec: JobSpec
     request_id: str
-    def __init__(self, spec: _Optional[_Union[JobSpec, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    queue_for_capacity_s: float
+    def __init__(self, spec: _Optional[_Union[JobSpec, _Mapping]] = ..., request_id: _Optional[str] = ..., queue_for_capacity_s: _Optional[float] = ...) -> None: ...
 
 class DrainWorkerRequest(_message.Message):
     __slots__ = ("name",)

@@ -290,7 +290,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     import tempfile
 
     _check_job(DEMO_SPEC, args.set)  # a bad --set is refused before a cluster starts
-    if args.state_dir is None:
+    made = args.state_dir is None  # a directory of its own: removed when the demo ends
+    if made:
         args.state_dir = tempfile.mkdtemp(prefix="strata-demo-")
     print("starting a local cluster: a coordinator and 2 worker agents ...", flush=True)
     cluster = _start_local(args, 2, args.memory_budget, quiet=True)
@@ -313,6 +314,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
             return EXIT_FAILED
     finally:
         cluster.stop()
+        if made:
+            shutil.rmtree(args.state_dir, ignore_errors=True)
 
 
 # --- client commands --------------------------------------------------------------------------
@@ -393,7 +396,23 @@ def _follow(client, job_id: str):
             last_line, last_print = line, time.monotonic()
     if tty and last_line:
         print()
-    return client.get(job_id) if job is None or not job.state.final else job
+    return _settled(client, job_id)
+
+
+#: how long ``--follow`` waits, once a job ended, for its tasks to end too (its servers are
+#: stopped after its lead succeeded): the last table then shows how each ended
+SETTLE_S = 15.0
+
+
+def _settled(client, job_id: str):
+    """The job once it and (up to ``SETTLE_S``) each of its tasks have ended."""
+    job = client.get(job_id)
+    deadline = time.monotonic() + SETTLE_S
+    while job.state.final and any(not t.state.final for t in job.tasks) \
+            and time.monotonic() < deadline:
+        time.sleep(0.5)
+        job = client.get(job_id)
+    return job
 
 
 #: seconds a job file and its --set flags may take to parse; a real one takes milliseconds
@@ -441,8 +460,10 @@ def _check_job(job: Any, overrides: list[str] | None) -> None:
 
 def cmd_submit(args: argparse.Namespace) -> int:
     _check_job(args.job, args.set)
+    wait = _duration("--queue-for-capacity", args.queue_for_capacity) \
+        if args.queue_for_capacity else 0.0
     with _client(args) as c:
-        job = c.submit(args.job, overrides=args.set)
+        job = c.submit(args.job, overrides=args.set, queue_for_capacity_s=wait)
         print(job.id, flush=True)
         if not args.follow:
             return EXIT_OK
@@ -462,6 +483,8 @@ def cmd_jobs(args: argparse.Namespace) -> int:
 
     with _client(args) as c:
         jobs = c.jobs(states=args.state)
+    if not args.all:  # a memory probe is part of its job: shown with --all
+        jobs = [j for j in jobs if not j.recovery.probe_of]
     if args.json:
         _print_json([job_to_json(j) for j in jobs])
         return EXIT_OK
@@ -473,7 +496,8 @@ def cmd_jobs(args: argparse.Namespace) -> int:
         m = j.metrics
         rows.append([j.id, j.state.value, j.strategy, str(len(j.tasks)), f"{m.step}/{m.total_steps}",
                      str(j.restarts), f"{m.test_accuracy:.4f}" if m.test_accuracy is not None else "-",
-                     time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(j.created_at)), j.message[:60]])
+                     time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(j.created_at)),
+                     j.message])  # whole: the last column, and why a job waits
     _table(rows, ["ID", "STATE", "STRATEGY", "TASKS", "STEP", "RESTARTS", "ACCURACY", "CREATED",
                   "MESSAGE"])
     return EXIT_OK
@@ -504,9 +528,14 @@ def _print_status(job) -> None:
               f"trained again {job.steps_repeated}")
     rows = [[f"{t.role}:{t.index}", t.worker or "-", t.state.value, str(t.stage),
              _fmt_bytes(t.memory_budget_bytes), _fmt_bytes(t.in_use_bytes), _fmt_bytes(t.peak_memory_bytes),
-             (t.failure.value if t.failure.value != "NONE" else "") + (f" {t.message[:70]}" if t.message else "")]
+             (t.failure.value if t.failure.value != "NONE" else "")
+             + (f" {t.message.splitlines()[0][:70]}" if t.message.strip() else "")]
             for t in job.tasks]
     _table(rows, ["  TASK", "WORKER", "STATE", "STAGE", "BUDGET", "IN USE", "PEAK", "NOTE"])
+    for t in job.tasks:  # a message of several lines (a traceback) in full, its lines kept
+        if t.message.count("\n"):
+            print(f"  {t.role}:{t.index}:")
+            print("\n".join(f"    {line}" for line in t.message.splitlines()))
     for t in job.tasks:
         if t.model_path:
             print(f"  model saved by {t.role}:{t.index} on {t.worker}: {t.model_path}")
@@ -597,6 +626,13 @@ def cmd_validate(args: argparse.Namespace) -> int:
     _check_job(args.job, args.set)
     spec = local_spec(args.job, args.set)
     plan = prepare(spec).plan  # the model profiled, the strategy's plan without workers
+    _check_local_data(spec, plan)
+    if args.coordinator:  # and every check that needs the cluster: what submit would say
+        with _client(args) as c:
+            seen = c.plan(args.job, overrides=args.set)
+        if not seen.feasible:
+            return _fail(f"{args.job}: rejected by {args.coordinator}: {seen.reason}",
+                         EXIT_USAGE)
     if not plan.tasks:  # stages are cut to fit the workers' budgets
         print(f"{args.job}: valid - {spec.name}, {spec.strategy}; its stages are planned "
               f"against the workers' budgets (strata plan {args.job} --workers N "
@@ -605,6 +641,30 @@ def cmd_validate(args: argparse.Namespace) -> int:
     print(f"{args.job}: valid - {spec.name}, {spec.strategy}, {len(plan.tasks)} task(s), "
           f"about {_fmt_bytes(plan.largest_estimate)} for the largest")
     return EXIT_OK
+
+
+#: a local data file validate reads whole to check its shapes, at most (larger: the task does)
+VALIDATE_READ_BYTES = 256 << 20
+
+
+def _check_local_data(spec, plan) -> None:
+    """The job's data against its model, where this machine can see the data: an npz file's
+    arrays' shapes (read only when small). Raises SpecError naming ``data.path``."""
+    from strata.errors import SpecError
+
+    if spec.code or spec.data.source != "npz" or not os.path.isfile(spec.data.path) or \
+            os.path.getsize(spec.data.path) > VALIDATE_READ_BYTES:
+        return
+    from strata.modelspec import ModelSpecError, profile_model
+    from strata.worker import data as wdata
+
+    try:
+        profile = profile_model(dict(spec.model))
+        wdata.load_splits(spec.data, profile.input_shape, profile.output_shape)
+    except ModelSpecError:
+        return  # the model's own checks said what there is to say
+    except wdata.DataError as e:
+        raise SpecError(e.field, e.message) from None
 
 
 def cmd_health(args: argparse.Namespace) -> int:
@@ -963,9 +1023,14 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a field, e.g. --set training.epochs=3 (repeatable)")
     sp.add_argument("--follow", action="store_true", help="show live progress until the job ends")
+    sp.add_argument("--queue-for-capacity", default="", metavar="DURATION",
+                    help="a job wider or larger than any the cluster has had workers for is "
+                         "refused; with this it waits that long for them (30m, 12h), then fails")
 
     sp = add("jobs", cmd_jobs, "list jobs")
     sp.add_argument("--json", action="store_true", help=JSON_HELP)
+    sp.add_argument("--all", action="store_true",
+                    help="also the memory probes (NAME-probe-...) jobs run before they start")
     sp.add_argument("--state", action="append", default=[], type=str.upper,
                     choices=[s.value for s in JobState], metavar="STATE",
                     help="only jobs in this state (repeatable): "
@@ -1024,8 +1089,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="how old the last heartbeat may be; also the coordinator probe's "
                          "timeout")
     sp = add("validate", cmd_validate, "check a job file on this machine, as the coordinator "
-                                       "would: fields, model, memory estimate; nothing is sent",
-             client=False)
+                                       "would: fields, model, memory estimate, the data it can "
+                                       "see; nothing is sent. With --coordinator, also what "
+                                       "that cluster would say: whether it fits there")
     sp.add_argument("job", metavar="JOB.yaml", help="the job file")
     sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a field (repeatable)")

@@ -209,7 +209,8 @@ class Client:
             raise _wrap(e, self.address) from None
 
     def submit(self, spec: SpecInput, overrides: list[str] | None = None, *,
-               retry_s: float = SUBMIT_RETRY_S, request_id: str | None = None) -> Job:
+               retry_s: float = SUBMIT_RETRY_S, request_id: str | None = None,
+               queue_for_capacity_s: float = 0.0) -> Job:
         """Submits a job (a path to YAML/JSON, a mapping, or a JobSpec), uploading the files it
         names first. Raises JobRejected with the field name for an invalid spec, Infeasible if
         no worker could ever hold it.
@@ -217,9 +218,13 @@ class Client:
         While the coordinator cannot be reached (restarting) the submission is retried for
         ``retry_s`` seconds with backoff and jitter, always with the same ``request_id`` (one
         is made per call): a retry after a reply that was lost returns the job the first
-        attempt created, never a second one."""
+        attempt created, never a second one.
+
+        A job the cluster has never had the workers for is refused (Infeasible, with the
+        numbers); with ``queue_for_capacity_s`` it waits that long for them instead."""
         msg, files = _spec_proto(spec, overrides)
-        request = pb.SubmitJobRequest(spec=msg, request_id=request_id or uuid.uuid4().hex)
+        request = pb.SubmitJobRequest(spec=msg, request_id=request_id or uuid.uuid4().hex,
+                                      queue_for_capacity_s=queue_for_capacity_s)
         deadline = time.monotonic() + retry_s
         backoff = 0.2
         while True:

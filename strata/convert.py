@@ -15,8 +15,9 @@ from strata.taskconfig import (
 )
 from strata.oom import OutOfMemory
 from strata.types import (
-    CoordinatorDisk, DiskStatus, FailureKind, Job, JobEvent, JobMetrics, JobState, MemoryStatus, Plan, Task, TaskPlan,
-    TaskReport, TaskState, WorkerInfo, WorkerState, WorkerTask,
+    CoordinatorDisk, DiskStatus, FailureKind, Job, JobEvent, JobMetrics, JobRecovery, JobState,
+    MemoryStatus, Plan, Task, TaskPlan, TaskReport, TaskState, WorkerInfo, WorkerState,
+    WorkerTask,
 )
 
 
@@ -155,7 +156,7 @@ def job_to_proto(j: Job, with_spec: bool = True) -> pb.Job:
         spec=spec_to_proto(j.spec) if j.spec is not None and with_spec else None,
         output_dir=j.output_dir, outputs=list(j.outputs), checkpoint_step=j.checkpoint_step,
         steps_repeated=j.steps_repeated, owner=j.owner, tensorboard_dir=j.tensorboard_dir,
-        training=j.training,
+        training=j.training, probe_of=j.recovery.probe_of,
     )
 
 
@@ -178,7 +179,7 @@ def job_from_proto(m: pb.Job) -> Job:
         tasks=[task_from_proto(m.id, t) for t in m.tasks],
         output_dir=m.output_dir, outputs=list(m.outputs), checkpoint_step=m.checkpoint_step,
         steps_repeated=m.steps_repeated, owner=m.owner, tensorboard_dir=m.tensorboard_dir,
-        training=m.training,
+        training=m.training, recovery=JobRecovery(probe_of=m.probe_of),
     )
 
 

@@ -165,6 +165,9 @@ class JobRecovery:
     #: a memory probe (``memory.profile``): the id of the job it measures. Its tasks keep
     #: their figures and save no model, and it keeps no outputs
     probe_of: str = ""
+    #: ``--queue-for-capacity``: when a job not placed yet fails (0: it waits as long as it
+    #: must, on a cluster that has had the workers for it)
+    capacity_deadline: float = 0.0
 
 
 @dataclasses.dataclass
@@ -349,7 +352,7 @@ def job_to_json(j: Job) -> dict[str, Any]:
         "output_dir": j.output_dir or None, "outputs": list(j.outputs),
         "checkpoint_step": j.checkpoint_step, "steps_repeated": j.steps_repeated,
         "owner": j.owner, "tensorboard_dir": j.tensorboard_dir or None,
-        "training": j.training or None,
+        "training": j.training or None, "probe_of": j.recovery.probe_of or None,
     }
 
 

@@ -203,3 +203,64 @@ def test_malformed_agent_status_is_invalid_argument(coord):
             stub.RegisterAgent(pb.RegisterAgentRequest(
                 name="odd", budget_bytes=1, tasks=[pb.TaskStatus(job_id="j", state=99)]), timeout=5)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_what_the_cli_says_is_what_the_coordinator_would_do(tmp_path):
+    """A job wider than the cluster has ever been is refused at submit with the numbers (and
+    by validate --coordinator), or waits with --queue-for-capacity; the jobs table shows a
+    waiting job's reason whole and folds memory probes into their jobs (--all shows them);
+    validate reads an npz file's shapes against the model."""
+    import numpy as np
+
+    from strata.protos import strata_pb2 as pb
+    from strata.protos import strata_pb2_grpc as pb_grpc
+    from strata.tls import ClientTls, channel
+
+    c = LocalCluster(workers=0, state_dir=str(tmp_path / "c"))
+    try:
+        c.start_coordinator()
+        ch = channel(c.address, ClientTls())
+        try:  # one agent, by hand: no TensorFlow needed to be a cluster of one
+            pb_grpc.ClusterServiceStub(ch).RegisterAgent(pb.RegisterAgentRequest(
+                name="solo", host="127.0.0.1", budget_bytes=1 << 30, free_ports=[41001]),
+                timeout=20)
+        finally:
+            ch.close()
+        wide = write_job(tmp_path)  # 2 workers
+        r = strata("submit", wide, "--coordinator", c.address)
+        assert r.returncode == 2 and "needs 2 workers" in r.stderr and "has had 1" in r.stderr
+        assert "--queue-for-capacity" in r.stderr, r.stderr
+        assert strata("validate", wide).returncode == 0  # on this machine alone: valid
+        r = strata("validate", wide, "--coordinator", c.address)
+        assert r.returncode == 2 and "needs 2 workers" in r.stderr, r.stderr
+        r = strata("submit", wide, "--queue-for-capacity", "10m", "--coordinator", c.address)
+        assert r.returncode == 0, r.stderr
+        waiting = r.stdout.strip()
+        r = strata("status", waiting, "--json", "--coordinator", c.address)
+        reason = json.loads(r.stdout)["message"]
+        assert len(reason) > 60
+        r = strata("jobs", "--coordinator", c.address)
+        assert reason in r.stdout  # whole, not cut
+        # a job measured first: its probe is part of it
+        probed = tmp_path / "probed"
+        probed.mkdir()
+        r = strata("submit", write_job(probed, workers=1, memory={"profile": True}),
+                   "--coordinator", c.address)
+        assert r.returncode == 0, r.stderr
+        shown = [j["id"] for j in json.loads(strata("jobs", "--json", "--coordinator",
+                                                    c.address).stdout)]
+        every = json.loads(strata("jobs", "--json", "--all", "--coordinator", c.address).stdout)
+        probes = [j for j in every if j["probe_of"]]
+        assert len(probes) == 1 and probes[0]["id"] not in shown
+        assert probes[0]["probe_of"] in shown
+    finally:
+        c.stop()
+    # data the model cannot take, seen before anything is sent
+    data = tmp_path / "data.npz"
+    rows = np.zeros((20, 10), np.float32)
+    np.savez(data, x_train=rows, y_train=np.zeros(20, np.int64), x_test=rows,
+             y_test=np.zeros(20, np.int64))
+    job = write_job(tmp_path, workers=1, data={"source": "npz", "path": str(data),
+                                               "batch_size": 4})
+    r = strata("validate", job)
+    assert r.returncode == 2 and "data.path" in r.stderr and "[10]" in r.stderr, r.stderr

@@ -542,3 +542,29 @@ def test_kept_room_matches_a_full_scan_through_random_cluster_events(env):
         coord.check_room()
     placed = [t for j in jobs for t in j.tasks if t.worker]
     assert len(placed) > 20 and sum(t.state.final for t in placed) > 10, len(placed)
+
+
+def test_a_job_wider_than_the_cluster_has_ever_been_is_refused_with_the_numbers(env):
+    coord, clock, *_ = env
+    # no workers yet: a cluster starting, its jobs wait
+    early = coord.submit({**SPEC, "workers": 4, "data": {"source": "digits", "batch_size": 64}})
+    assert early.state == JobState.PENDING
+    register(coord, "a")
+    register(coord, "b")
+    with pytest.raises(InfeasibleError) as e:
+        coord.submit({**SPEC, "workers": 4, "data": {"source": "digits", "batch_size": 64}})
+    msg = str(e.value)
+    assert "needs 4 workers" in msg and "has had 2" in msg and "--queue-for-capacity" in msg
+    # a worker lost or draining was offered all the same: it counts
+    coord._mark_lost(coord.workers["b"])
+    coord.submit(SPEC)
+    # allowed to wait, it waits its time, then fails saying why
+    waiting = coord.submit({**SPEC, "workers": 4, "data": {"source": "digits",
+                                                           "batch_size": 64}},
+                           queue_for_capacity_s=60)
+    coord.tick()
+    assert waiting.state == JobState.PENDING
+    clock.now += 61
+    coord.tick()
+    assert waiting.state == JobState.FAILED and "--queue-for-capacity" in waiting.message
+    assert "waiting for 4 workers" in waiting.message

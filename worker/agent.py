@@ -683,8 +683,9 @@ class Agent:
         with self.lock:
             live = [t for t in self.tasks.values() if t.running]
             in_use = sum(t.status.in_use_bytes for t in live)
-            # Peak: the highest sum of the live tasks' allocator peaks seen since the agent started.
-            self.peak_bytes = max(self.peak_bytes, sum(t.status.peak_bytes for t in live))
+            # Peak: what the tasks running now reached, together (an earlier job's is gone
+            # with it: each task's own stays with the task, in its job)
+            self.peak_bytes = sum(t.status.peak_bytes for t in live)
             reserved = sum(t.budget for t in live)
         return MemoryStatus(budget_bytes=self.cfg.budget_bytes, reserved_bytes=reserved,
                             in_use_bytes=in_use, peak_bytes=self.peak_bytes)

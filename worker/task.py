@@ -95,8 +95,8 @@ def main(argv: list[str] | None = None, watchdog: bool = True) -> None:
     except UserCodeError as e:
         log(f"user code failed: {e}\n{e.details}")
         tail = e.details.strip().splitlines()
-        events.emit("error", kind="user_code", message=f"{e}; traceback (most recent call "
-                                                       f"last): " + " | ".join(tail[-6:]))
+        events.emit("error", kind="user_code", message=f"{e}\ntraceback (most recent call "
+                                                       f"last):\n" + "\n".join(tail[-12:]))
         code = TASK_EXIT_USER_CODE
     except BaseException as e:  # noqa: BLE001 - every failure must become an event and a code
         if is_oom(e):
