@@ -14,11 +14,12 @@ $(BIN)/python:
 $(STAMP): pyproject.toml | $(BIN)/python
 	@# an older checkout installed itself as `strata` with top-level coordinator/worker/protos
 	-$(BIN)/pip uninstall --quiet --yes strata 2>/dev/null
-	$(BIN)/pip install --quiet -e '.[cpu]'
+	@# (setuptools warns of editable installs at every one: PYTHONWARNINGS quiets the build)
+	PYTHONWARNINGS=ignore $(BIN)/pip install --quiet -e '.[cpu]'
 	touch $@
 
 $(TEST_STAMP): pyproject.toml $(STAMP)
-	$(BIN)/pip install --quiet -e '.[cpu,test]'
+	PYTHONWARNINGS=ignore $(BIN)/pip install --quiet -e '.[cpu,test]'
 	touch $@
 
 demo: $(STAMP)

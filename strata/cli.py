@@ -552,11 +552,39 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     with _client(args) as c:
         job = c.get(args.job_id)
-    if args.json:
-        _print_json(job_to_json(job))
-    else:
-        _print_status(job)
+        if args.json:
+            _print_json(job_to_json(job))
+            return EXIT_OK
+        running = [t.worker for t in job.tasks if t.worker and not t.state.final]
+        workers = c.workers() if running else []
+    _print_status(job)
+    for line in _sharing(job, workers):
+        print(f"  {line}")
     return EXIT_OK
+
+
+def _sharing(job, workers) -> list[str]:
+    """What shares the job's running tasks' workers and hosts: other tasks on the same device
+    take its memory and time, and agents on one host share its CPUs (a reason a job runs
+    slowly)."""
+    by_name = {w.name: w for w in workers}
+    mine = {t.worker for t in job.tasks if t.worker and not t.state.final}
+    out = []
+    for name in sorted(mine):
+        w = by_name.get(name)
+        others = [f"{t.job_id} {t.role}:{t.index}" for t in (w.tasks if w else [])
+                  if t.job_id != job.id and not t.state.final]
+        if others:
+            out.append(f"{name} also runs {', '.join(others)}")
+    hosts: dict[str, list[str]] = {}
+    for name in sorted(mine):
+        if name in by_name:
+            hosts.setdefault(by_name[name].address, []).append(name)
+    for host, names in sorted(hosts.items()):
+        if len(names) > 1:
+            out.append(f"{', '.join(names)} share host {host} (its CPUs, and its GPU if they "
+                       "name the same one)")
+    return out
 
 
 def cmd_download(args: argparse.Namespace) -> int:

@@ -69,6 +69,11 @@ def test_cancel_leaves_no_task_process(cluster, client):
     job = client.submit(spec(name="long", training={"steps": 1_000_000}))
     wait_until(lambda: client.get(job.id).state == JobState.RUNNING, 120, what="RUNNING")
     assert len(task_processes(job.id)) == 2
+    # the two local agents share this host's CPUs: status says so
+    r = subprocess.run([sys.executable, "-m", "strata.cli", "status", job.id,
+                        "--coordinator", cluster.address], capture_output=True, text=True,
+                       timeout=60)
+    assert "worker-0, worker-1 share host" in r.stdout, r.stdout
     client.cancel(job.id)
     final = client.wait(job.id, timeout=60)
     assert final.state == JobState.CANCELLED
