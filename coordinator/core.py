@@ -369,6 +369,8 @@ class Coordinator:
         self._implausible_said: dict[str, float] = {}
         #: job id -> outputs refused so far (``output_refused``: a few become events)
         self._refusals_said: dict[str, int] = {}
+        #: job id -> the notes its tasks sent that are events already
+        self._notes_said: dict[str, set[str]] = {}
         self._disk_full_said = 0.0
         self._stopping = False
         #: job id -> its memory probe's job id (``memory.profile``), while the job waits for it.
@@ -836,7 +838,8 @@ class Coordinator:
         self._needs.pop(job.id, None)
         if job.recovery.request_id:
             self._by_request.pop(job.recovery.request_id, None)
-        for d in (self._metrics_saved, self._scheduled_at, self._refusals_said):
+        for d in (self._metrics_saved, self._scheduled_at, self._refusals_said,
+                  self._notes_said):
             d.pop(job.id, None)
         self.store.delete_job(job.id)
         self.series.forget(job.id)
@@ -1049,6 +1052,11 @@ class Coordinator:
         if r.model_path:
             task.model_path = r.model_path
         lead = strategy.is_lead(task)
+        for note in r.notes:  # said once per job, whichever task says it
+            seen = self._notes_said.setdefault(job.id, set())
+            if note not in seen and len(seen) < 8:
+                seen.add(note)
+                self._event(job, "note", note)
         if lead and r.training and r.training != job.training:
             said = bool(job.training)
             job.training = r.training  # what its model trains with, and where it came from

@@ -366,7 +366,7 @@ def report_to_proto(r: TaskReport) -> pb.TaskStatus:
                            shape=list(r.oom.shape), dtype=r.oom.dtype, op=r.oom.op)
         if r.oom is not None else None,
         checkpoint_step=r.checkpoint_step, resumed_step=r.resumed_step, training=r.training,
-        test_metrics=r.test_metrics,
+        test_metrics=r.test_metrics, notes=r.notes,
     )
 
 
@@ -387,4 +387,5 @@ def report_from_proto(m: pb.TaskStatus) -> TaskReport:
         checkpoint_step=max(0, m.checkpoint_step), resumed_step=max(0, m.resumed_step),
         training=m.training[:1000],
         test_metrics={k[:64]: v for k, v in list(m.test_metrics.items())[:64]},
+        notes=[n[:500] for n in m.notes[:8]],
     )

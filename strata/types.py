@@ -406,6 +406,7 @@ class TaskReport:
     resumed_step: int = 0        # the checkpoint it resumed from (0: started afresh)
     training: str = ""           # the optimizer and loss it trains with, and their source
     test_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    notes: list[str] = dataclasses.field(default_factory=list)  # for the job's events, once
 
     @property
     def key(self) -> tuple[str, str, int]:

@@ -236,6 +236,20 @@ def compiled_sgd():
     return model
 
 
+def unbatched():
+    # no argument, single examples: the whole input, batched and sharded by Strata and the
+    # strategy (tf.distribute's experimental_distribute_dataset)
+    files = sorted(glob.glob(os.path.join(DATA_DIR, "train-*.tfrecord")))
+    return tf.data.TFRecordDataset(files).map(_parse)
+
+
+def unsharded(input_context, split):
+    # each replica's batches, but every worker reads all of the data
+    files = sorted(glob.glob(os.path.join(DATA_DIR, f"{split}-*.tfrecord")))
+    return tf.data.TFRecordDataset(files).map(_parse).batch(
+        input_context.get_per_replica_batch_size(GLOBAL_BATCH))
+
+
 def compiled_batch_mean_loss():
     # a loss that averages the batch itself: a distributed step cannot honour it
     model = build_model()
@@ -451,20 +465,34 @@ def test_code_dataset_with_sample_weights_and_uneven_batches_in_slices(client, p
     assert final.state == JobState.SUCCEEDED, final.message
     # a model that never learned class 0, judged on class 0 alone (unweighted: about 0.9)
     assert final.metrics.test_accuracy < 0.2, final.metrics
-    # a compiled model's own optimizer, loss and metrics, in a parameter-server job too
-    job_yaml = _job_file(project.parent, {
-        "name": "compiled-ps", "strategy": "parameter_server", "workers": 1,
-        "parameter_servers": 1,
-        "code": {"dir": "my_project", "model": "train:compiled_sgd",
-                 "dataset": "train:make_dataset"},
-        "data": {"batch_size": 64}, "memory": {"per_task_budget": "256MiB"},
-        "training": {"steps": 5}})
-    final = client.wait(client.submit(job_yaml).id, timeout=TIMEOUT_S)
+
+
+def test_tensorflows_multi_worker_tutorial_runs_as_it_is_written(client):
+    """examples/tutorial: the tutorial's mnist_setup.py (data loading changed) with its
+    global-batch dataset function and its compiled model, on two workers."""
+    job = client.submit(os.path.join(ROOT, "examples", "tutorial", "tutorial.yaml"),
+                        overrides=["training.steps=40", "memory.per_task_budget=256MiB"])
+    final = client.wait(job.id, timeout=TIMEOUT_S)
     assert final.state == JobState.SUCCEEDED, final.message
-    job = client.get(final.id)
-    assert job.training.startswith("optimizer SGD(learning_rate=0.001) from code.model"), \
-        job.training
-    assert set(job.metrics.test_metrics) == {"accuracy", "top3"}
+    got = client.get(job.id)
+    assert got.training.startswith("optimizer SGD(learning_rate=0.001) from code.model; loss "
+                                   "SparseCategoricalCrossentropy(from_logits=True)"), got.training
+    assert got.metrics.test_accuracy is None  # the tutorial's dataset has no test split
+    events = " ".join(e.message for e in client.watch(job.id, timeout=10))
+    assert "does not shard" not in events and "auto-sharding off" not in events
+
+
+def test_datasets_of_single_examples_and_unsharded_ones(client, project):
+    final = _short_code_job(client, project, "unbatched", "build_model", "unbatched",
+                            workers=2)
+    assert final.state == JobState.SUCCEEDED, final.message
+    assert final.metrics.test_accuracy is None
+    final = _short_code_job(client, project, "unsharded", "build_model", "unsharded",
+                            workers=2)
+    assert final.state == JobState.SUCCEEDED, final.message
+    assert final.metrics.test_accuracy is not None  # it has a test split
+    events = " ".join(e.message for e in client.watch(final.id, timeout=10))
+    assert "does not shard by input_context" in events, events[-2000:]
 
 
 def test_a_compiled_loss_that_reduces_the_batch_is_refused_naming_it(client, project):

@@ -202,6 +202,8 @@ class TaskProcess:
                                  state=TaskState.PENDING, attempt=self.attempt)
         self.proc: subprocess.Popen | None = None
         self.stop_requested = False
+        #: the task sent its result (with or without test figures)
+        self.has_result = False
         self.finished_at = 0.0
         self.error_kind = ""
         self._log_buf = bytearray()
@@ -364,8 +366,11 @@ class TaskProcess:
             s.loss = float(ev["loss"]) if ev.get("loss") is not None else float("nan")
             s.examples_per_sec = float(ev.get("examples_per_sec") or 0.0)
         elif kind == "result":
-            s.test_accuracy = float(ev.get("test_accuracy") or 0.0)
-            s.test_loss = float(ev["test_loss"]) if ev.get("test_loss") is not None else float("nan")
+            self.has_result = True
+            acc = ev.get("test_accuracy")  # None: the job has no test split
+            s.test_accuracy = float(acc) if acc is not None else None
+            s.test_loss = float(ev["test_loss"]) if ev.get("test_loss") is not None else (
+                float("nan") if acc is not None else None)
             s.weights_sha256 = str(ev.get("weights_sha256") or "")
             s.model_path = str(ev.get("model_path") or "")
             digests = ev.get("replica_weights_sha256") or []
@@ -375,6 +380,10 @@ class TaskProcess:
                               if isinstance(v, (int, float)) and math.isfinite(v)}
         elif kind == "setup":
             s.training = str(ev.get("training") or "")[:1000]
+        elif kind == "note":
+            note = str(ev.get("message") or "")[:500]
+            if note and note not in s.notes and len(s.notes) < 8:
+                s.notes.append(note)
         elif kind == "checkpoint":
             s.checkpoint_step = max(s.checkpoint_step, int(ev.get("step", 0)))
         elif kind == "resumed":
@@ -409,7 +418,7 @@ class TaskProcess:
                 refusal.append(self._refused())
             return refusal[0]
         outcome = classify_exit(
-            code, stopped=self.stop_requested, has_result=self.status.test_accuracy is not None,
+            code, stopped=self.stop_requested, has_result=self.has_result,
             error_kind=self.error_kind, message=self.status.message,
             peak=self.status.peak_bytes, budget=self.budget, log_tail=self._log_tail,
             refused=refused)

@@ -132,19 +132,47 @@ class MirroredRunner(TrainingRunner):
         gb, seed, x_train, y_train = self.gb, self.seed, d.x_train, d.y_train
         skip = self.start_step  # batches each worker's input skips (a resumed task)
 
+        global_input = None  # the whole input, for the strategy to shard (``DatasetCall``)
         if self.spec.code_dataset:
-            from strata.worker.usercode import load_callable, user_dataset
+            from strata.worker.usercode import DatasetCall, load_callable, reads_whole
+            from strata.worker.usercode import user_dataset
 
             user_fn = load_callable(self.cfg, self.spec.code_dataset, "code.dataset")
             what = self.spec.code_dataset
             loss_kind = self.loss_kind()
+            how = DatasetCall.of(user_fn, what)
+            inputs = getattr(model, "inputs", None)
+            rank = len(inputs[0].shape) if inputs and len(inputs) == 1 else None
 
             def dataset_fn(ctx: Any) -> Any:
-                ds = user_dataset(tf, what, user_fn, ctx, "train",
-                                  max_rows=ctx.get_per_replica_batch_size(gb), loss=loss_kind)
+                rows = ctx.get_per_replica_batch_size(gb)
+                ds = user_dataset(tf, what, user_fn, ctx, "train", max_rows=rows,
+                                  loss=loss_kind, how=how, global_batch=gb, model_rank=rank,
+                                  batch=rows)
                 # the job runs training.steps steps, whatever its size
                 return ds.repeat().skip(skip) if skip else ds.repeat()
-            self._user_dataset = (user_fn, what)
+            self._user_dataset = (user_fn, what, how)
+            if how.context:
+                if self.n_workers > 1:
+                    ctx = tf.distribute.InputContext(self.n_workers, self.index, self.n_replicas)
+                    if reads_whole(tf, user_dataset(tf, what, user_fn, ctx, "train", how=how,
+                                                    global_batch=gb)):
+                        self.notes.append(
+                            f"code.dataset {what} does not shard by input_context: every "
+                            "worker reads the whole training data, so the workers train on "
+                            "the same examples (shard by input_context.input_pipeline_id)")
+            else:
+                ds = user_dataset(tf, what, user_fn, None, "train", max_rows=gb,
+                                  loss=loss_kind, how=how, global_batch=gb, model_rank=rank,
+                                  batch=gb)
+                off = tf.data.experimental.AutoShardPolicy.OFF
+                if self.n_workers > 1 and \
+                        ds.options().experimental_distribute.auto_shard_policy == off:
+                    self.notes.append(
+                        f"code.dataset {what} turns auto-sharding off: every worker reads the "
+                        "whole training data and the workers train on the same examples")
+                ds = ds.repeat()
+                global_input = ds.skip(skip) if skip else ds
         elif self.spec.data.source in STREAMED_SOURCES:
             data_spec, loss = self.spec.data, self.loss_kind()
             names = tuple(getattr(t, "name", "") for t in model.inputs)
@@ -169,7 +197,7 @@ class MirroredRunner(TrainingRunner):
             def test_fn(ctx: Any, split: str) -> Any:
                 return wdata.stream(data_spec, "test", input_names=names).map(prepare) \
                     .batch(max(1, self.per_replica))
-            self._user_dataset = (test_fn, f"data.source {data_spec.source}")
+            self._user_dataset = (test_fn, f"data.source {data_spec.source}", None)
         else:
             def dataset_fn(ctx: Any) -> Any:
                 wid, nw = ctx.input_pipeline_id, ctx.num_input_pipelines
@@ -179,7 +207,9 @@ class MirroredRunner(TrainingRunner):
 
         # the input pipeline (and its transient second copy of the shard while the iterator is
         # created) comes before the optimizer slots exist, which keeps this start-up peak low
-        self.iterator = iter(strategy.distribute_datasets_from_function(dataset_fn))
+        self.iterator = iter(strategy.experimental_distribute_dataset(global_input)
+                             if global_input is not None
+                             else strategy.distribute_datasets_from_function(dataset_fn))
         with strategy.scope():
             optimizer.build(model.trainable_variables)
         g = self.spec.gradients

@@ -393,11 +393,17 @@ class PsChiefRunner(TrainingRunner):
             return ds.prefetch(1)
 
         if self.spec.code_dataset:
-            from strata.worker.usercode import load_callable, user_dataset
+            from strata.worker.usercode import DatasetCall, load_callable, user_dataset
 
             user_fn = load_callable(self.cfg, self.spec.code_dataset, "code.dataset")
             what = self.spec.code_dataset
-            self._user_dataset = (user_fn, what)
+            how = DatasetCall.of(user_fn, what)
+            self._user_dataset = (user_fn, what, how)
+            inputs = getattr(self.model, "inputs", None)
+            rank = len(inputs[0].shape) if inputs and len(inputs) == 1 else None
+            # each worker reads its own input and a step is one global batch: whichever way the
+            # function is written, it gives one worker's whole batches here
+            take = dict(how=how, global_batch=gb, model_rank=rank, batch=gb)
 
             # a step is one whole batch on one worker, so the context is one pipeline of one
             # replica: get_per_replica_batch_size(gb) = gb
@@ -406,10 +412,11 @@ class PsChiefRunner(TrainingRunner):
             # checked here first: inside dataset_fn, traced for the workers, TensorFlow would
             # wrap the error in its own StagingError and the field would be lost
             loss = self.loss_kind()
-            user_dataset(tf, what, user_fn, ctx, "train", max_rows=gb, loss=loss)
+            user_dataset(tf, what, user_fn, ctx, "train", max_rows=gb, loss=loss, **take)
 
             def dataset_fn() -> Any:  # noqa: F811 - the job's own input pipeline instead
-                ds = user_dataset(tf, what, user_fn, ctx, "train", max_rows=gb, loss=loss)
+                ds = user_dataset(tf, what, user_fn, ctx, "train", max_rows=gb, loss=loss,
+                                  **take)
                 return ds.repeat().prefetch(1)
         self.per_worker_iter = iter(self.coordinator.create_per_worker_dataset(dataset_fn))
 

@@ -232,6 +232,8 @@ class TrainingRunner:
         self.scalars: Scalars | None = None
         #: the optimizer and loss it trains with and where they came from (``build`` sets it)
         self.training_text = ""
+        #: what the job's events should say of how it trains (``build`` adds them)
+        self.notes: list[str] = []
         #: a compiled ``code.model``'s own metrics, evaluated on the test split (fresh objects
         #: of this task's, outside the strategy: ``build`` sets them)
         self.metrics: list[Any] = []
@@ -339,7 +341,10 @@ class TrainingRunner:
         fn = load_callable(self.cfg, what, "code.dataset")
         ctx = tf.distribute.InputContext(num_input_pipelines=1, input_pipeline_id=0,
                                          num_replicas_in_sync=1)
-        features = user_dataset(tf, what, fn, ctx, "train").element_spec[0]
+        from strata.worker.usercode import DatasetCall
+
+        features = user_dataset(tf, what, fn, ctx, "train", how=DatasetCall.of(fn, what),
+                                global_batch=self.gb).element_spec[0]
 
         def zeros(spec: Any) -> Any:
             if not isinstance(spec, tf.TensorSpec):
@@ -438,7 +443,8 @@ class TrainingRunner:
                 progress.report(step, read_loss())
             self.after_step(step)
 
-    def evaluate(self) -> tuple[float, float]:
+    def evaluate(self) -> tuple[float, float] | None:
+        """(test loss, test accuracy), None when the job has no test split."""
         if hasattr(self, "_user_dataset"):
             return self.evaluate_stream()
         assert self.data is not None
@@ -455,18 +461,26 @@ class TrainingRunner:
         test_acc = total_correct / max(1, n_test) if d.classify else 0.0
         return test_loss, test_acc
 
-    def evaluate_stream(self) -> tuple[float, float]:
-        """The test split of a pipeline given as ``self._user_dataset`` (``(fn, what)``, fn
-        ``(input_context, split) -> tf.data.Dataset`` of batches: the job's ``code.dataset``,
-        or a streamed source), whole, through ``self._eval_batch``."""
+    def evaluate_stream(self) -> tuple[float, float] | None:
+        """The test split of a pipeline given as ``self._user_dataset`` (``(fn, what, how)``:
+        the job's ``code.dataset`` called as ``how`` says, or a streamed source's
+        ``(input_context, split)`` function, ``how`` None), whole, through
+        ``self._eval_batch``. None for a function that gives no test split."""
         from strata.worker.usercode import user_dataset
 
         tf = self.tf
-        user_fn, what = self._user_dataset  # type: ignore[attr-defined]
+        user_fn, what, how = self._user_dataset  # type: ignore[attr-defined]
+        if how is not None and not how.split:
+            log(f"no test split: {what} takes no split argument; the job has no test figures")
+            return None
         ctx = tf.distribute.InputContext(num_input_pipelines=1, input_pipeline_id=0,
                                          num_replicas_in_sync=1)
+        inputs = getattr(getattr(self, "model", None), "inputs", None)
+        rank = len(inputs[0].shape) if inputs and len(inputs) == 1 else None
         # only the job's own function's errors are the user's (``call`` marks them so)
-        ds = user_dataset(tf, what, user_fn, ctx, "test", loss=self.loss_kind()) \
+        ds = user_dataset(tf, what, user_fn, ctx, "test", loss=self.loss_kind(), how=how,
+                          global_batch=self.eval_batch_size(), model_rank=rank,
+                          batch=self.eval_batch_size()) \
             if self.spec.code_dataset \
             else user_fn(ctx, "test")
         # With sample weights (a code.dataset's third element), as Keras's evaluate: the loss
@@ -535,6 +549,9 @@ class TrainingRunner:
         if self.training_text:  # what trains it, and where each part came from
             log(f"training with {self.training_text}")
             self.events.emit("setup", training=self.training_text)
+        for note in self.notes:  # what the job's events should say of how it trains
+            log(f"note: {note}")
+            self.events.emit("note", message=note)
         if self.checkpointer is not None:
             self.checkpointer.attach(self.tf, self.checkpoint_objects(), self.checkpoint_meta(),
                                      self.checkpoint_device())
@@ -556,7 +573,8 @@ class TrainingRunner:
             from strata.worker.models import compiled_metrics
 
             self.metrics = compiled_metrics(self.user_model(), self.loss_kind())
-        test_loss, test_acc = self.evaluate()
+        evaluated = self.evaluate()
+        test_loss, test_acc = evaluated if evaluated is not None else (None, None)
         fields = self.result_fields()
         if self.metrics:
             fields["test_metrics"] = self.metric_results()
@@ -564,12 +582,14 @@ class TrainingRunner:
                 f"{k} {v:.4f}" for k, v in fields["test_metrics"].items()))
         m = self.memory()
         if self.scalars is not None:
-            self.scalars.write(steps, {"test/accuracy": test_acc, "test/loss": test_loss,
-                                       "memory/peak_bytes": m["peak"]})
+            self.scalars.write(steps, {"memory/peak_bytes": m["peak"]} if evaluated is None
+                               else {"test/accuracy": test_acc, "test/loss": test_loss,
+                                     "memory/peak_bytes": m["peak"]})
         self.events.emit("result", test_accuracy=test_acc, test_loss=test_loss, memory=m,
                          steps=steps, train_seconds=train_s, **fields)
         digest = str(fields.get("weights_sha256") or "")
-        log(f"result: test accuracy {test_acc:.4f} test loss {test_loss:.4f} after {steps} "
+        log("result: " + (f"test accuracy {test_acc:.4f} test loss {test_loss:.4f}"
+                          if evaluated is not None else "no test split") + f" after {steps} "
             f"steps ({train_s:.1f} s); peak memory {format_mib(m['peak'])}; weights "
             f"{digest[:12]}" + (f"; saved {fields['model_path']}" if fields.get("model_path")
                                 else ""))

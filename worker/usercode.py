@@ -13,7 +13,9 @@ them like any other task process, with the same memory budget and no more privil
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import inspect
 import os
 import re
 import sys
@@ -97,9 +99,9 @@ def load_callable(cfg: TaskConfig, ref: str, field: str) -> Callable[..., Any]:
     return fn
 
 
-def call(what: str, fn: Callable[..., Any], *args: Any) -> Any:
+def call(what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     try:
-        return fn(*args)
+        return fn(*args, **kwargs)
     except Exception as e:  # noqa: BLE001 - whatever the user's code raises is its failure
         raise UserCodeError(what, e) from None
 
@@ -111,8 +113,103 @@ def failed_batch_check(e: BaseException) -> str | None:
     return m.group(1) if m else None
 
 
+#: parameter names that mean "the ``tf.distribute.InputContext``"
+CONTEXT_NAMES = ("input_context", "context", "ctx", "input_ctx", "inputcontext")
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetCall:
+    """How a ``code.dataset`` function is called, read off its parameters, as
+    ``tf.distribute`` users write them:
+
+    - ``(input_context, split)``, or ``(input_context)``: the function builds each replica's
+      input (``distribute_datasets_from_function``): it shards by the context and batches by
+      ``input_context.get_per_replica_batch_size(...)``;
+    - ``(batch_size)`` (one parameter that is not a context: TensorFlow's multi-worker tutorial
+      writes ``mnist_dataset(global_batch_size)``), or no parameter: the function builds the
+      whole input (``experimental_distribute_dataset``), its batches the global batch; the
+      strategy shards it across the workers (its auto-shard policy) and splits each batch
+      among the replicas.
+
+    Either may yield elements not yet batched; Strata batches them (per replica, or by the
+    global batch). A function that takes ``split`` (a parameter of that name, or a second
+    one) is called for ``"train"`` and ``"test"``; one that does not gives the training data
+    only, and the job has no test figures."""
+
+    context: bool
+    batch: bool
+    split: str  # "": takes none; "keyword": split=...; "positional": a second argument
+
+    @classmethod
+    def of(cls, fn: Callable[..., Any], what: str) -> "DatasetCall":
+        try:
+            params = list(inspect.signature(fn).parameters.values())
+        except (TypeError, ValueError):
+            return cls(context=True, batch=False, split="positional")  # as before
+        required = [p for p in params if p.default is p.empty and p.kind in (
+            p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        others = [p for p in required if p.name != "split"]
+        if any(p.name == "split" for p in params):
+            split = "keyword"
+        elif len(others) == 2:
+            split, others = "positional", others[:1]
+        else:
+            split = ""
+        if len(others) > 1:
+            raise TaskConfigError("code.dataset", f"{what} takes {len(required)} arguments; a "
+                                                  "dataset function takes an input_context (or "
+                                                  "the batch size, or nothing), and the split")
+        first = others[0] if others else None
+        context = first is not None and (first.name.lower() in CONTEXT_NAMES
+                                         or "InputContext" in str(first.annotation)
+                                         or split == "positional")
+        return cls(context=context, batch=first is not None and not context, split=split)
+
+    def call(self, fn: Callable[..., Any], what: str, ctx: Any, split: str,
+             global_batch: int) -> Any:
+        args: list[Any] = [ctx] if self.context else [global_batch] if self.batch else []
+        if self.split == "positional":
+            return call(what, fn, *args, split)
+        if self.split == "keyword":
+            return call(what, fn, *args, split=split)
+        return call(what, fn, *args)
+
+
+def batched(tf: Any, ds: Any, model_rank: int | None, batch: int) -> tuple[Any, bool]:
+    """``ds`` batched by ``batch`` if its elements are single examples (their features one
+    axis short of the model's input); returns it and whether it was batched here."""
+    if model_rank is None:
+        return ds, False
+    features = tf.nest.flatten(ds.element_spec[0] if isinstance(ds.element_spec, tuple)
+                               else ds.element_spec)[0]
+    rank = features.shape.rank
+    if rank is not None and rank == model_rank - 1:
+        return ds.batch(batch, drop_remainder=True), True
+    return ds, False
+
+
+def reads_whole(tf: Any, ds: Any) -> bool:
+    """Whether nothing in ``ds``'s pipeline shards it and the strategy is told not to
+    (``AutoShardPolicy.OFF``) or cannot (a function's per-replica input): every worker then
+    reads all of it. Looks for a ``shard`` among the pipeline's stages (``_inputs``: TF's
+    own walk; a TF without it says nothing)."""
+    def sharded(d: Any, depth: int = 0) -> bool:
+        if depth > 500:
+            return True
+        if "Shard" in type(d).__name__:
+            return True
+        inputs = getattr(d, "_inputs", None)
+        try:
+            return any(sharded(x, depth + 1) for x in (inputs() if inputs else []))
+        except Exception:  # noqa: BLE001 - an internal walk: unknown means "do not warn"
+            return True
+    return not sharded(ds)
+
+
 def user_dataset(tf: Any, what: str, fn: Callable[..., Any], ctx: Any, split: str,
-                 max_rows: int | None = None, loss: str = "") -> Any:
+                 max_rows: int | None = None, loss: str = "",
+                 how: DatasetCall | None = None, global_batch: int = 0,
+                 model_rank: int | None = None, batch: int = 0) -> Any:
     """The job's ``code.dataset`` called for ``split``, checked to be what Keras's ``fit``
     takes: a ``tf.data.Dataset`` of ``(features, labels)`` or ``(features, labels,
     sample_weights)`` batches (features and labels may be dicts or tuples of tensors). Anything
@@ -126,8 +223,14 @@ def user_dataset(tf: Any, what: str, fn: Callable[..., Any], ctx: Any, split: st
 
     With ``loss`` (``training.loss``), labels of the other cross-entropy's kind (one-hot rows
     for the sparse one, class indices for the other) are refused naming ``training.loss``,
-    rather than failing inside the traced step in TensorFlow's words."""
-    ds = call(what, fn, ctx, split)
+    rather than failing inside the traced step in TensorFlow's words.
+
+    ``how`` says how the function is called (``DatasetCall``; by default ``(input_context,
+    split)``), with ``global_batch`` for one that takes the batch size. Elements that are
+    single examples (features one axis short of ``model_rank``, the model's input's) are
+    batched here by ``batch``."""
+    how = how or DatasetCall(context=True, batch=False, split="positional")
+    ds = how.call(fn, what, ctx, split, global_batch)
     if not isinstance(ds, tf.data.Dataset):
         raise TaskConfigError("code.dataset", f"{what} returned {type(ds).__name__} for the "
                                               f"{split!r} split, not a tf.data.Dataset")
@@ -137,11 +240,15 @@ def user_dataset(tf: Any, what: str, fn: Callable[..., Any], ctx: Any, split: st
         raise TaskConfigError("code.dataset", f"{what} for the {split!r} split yields {got}, "
                                               "not (features, labels) or (features, labels, "
                                               "sample_weights) batches")
+    if batch:
+        ds, _ = batched(tf, ds, model_rank, batch)
+        spec = ds.element_spec
     _check_labels(what, split, spec[1], loss)
     if max_rows is None:
         return ds
     advice = (f"batches of at most {max_rows} rows are planned for: batch by "
-              "input_context.get_per_replica_batch_size(data.batch_size)")
+              + ("input_context.get_per_replica_batch_size(data.batch_size)" if how.context
+                 else "data.batch_size, the global batch"))
     first = tf.nest.flatten(spec[1])[0]
     rows = first.shape[0] if first.shape.rank else None
     if rows is not None and rows > max_rows:
