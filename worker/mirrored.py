@@ -133,6 +133,7 @@ class MirroredRunner(TrainingRunner):
         skip = self.start_step  # batches each worker's input skips (a resumed task)
 
         global_input = None  # the whole input, for the strategy to shard (``DatasetCall``)
+        after_input: Callable[[], None] = lambda: None  # noqa: E731 - looks at the input made
         if self.spec.code_dataset:
             from strata.worker.usercode import DatasetCall, load_callable, reads_whole
             from strata.worker.usercode import user_dataset
@@ -149,19 +150,20 @@ class MirroredRunner(TrainingRunner):
                 ds = user_dataset(tf, what, user_fn, ctx, "train", max_rows=rows,
                                   loss=loss_kind, how=how, global_batch=gb, model_rank=rank,
                                   batch=rows)
+                built.append(ds)  # looked at once the strategy made its input (below)
                 # the job runs training.steps steps, whatever its size
                 return ds.repeat().skip(skip) if skip else ds.repeat()
+            built: list[Any] = []
             self._user_dataset = (user_fn, what, how)
-            if how.context:
-                if self.n_workers > 1:
-                    ctx = tf.distribute.InputContext(self.n_workers, self.index, self.n_replicas)
-                    if reads_whole(tf, user_dataset(tf, what, user_fn, ctx, "train", how=how,
-                                                    global_batch=gb)):
+            if how.context and self.n_workers > 1:
+                def unsharded() -> None:
+                    if built and reads_whole(tf, built[0]):
                         self.notes.append(
                             f"code.dataset {what} does not shard by input_context: every "
                             "worker reads the whole training data, so the workers train on "
                             "the same examples (shard by input_context.input_pipeline_id)")
-            else:
+                after_input = unsharded
+            elif not how.context:
                 ds = user_dataset(tf, what, user_fn, None, "train", max_rows=gb,
                                   loss=loss_kind, how=how, global_batch=gb, model_rank=rank,
                                   batch=gb)
@@ -210,6 +212,7 @@ class MirroredRunner(TrainingRunner):
         self.iterator = iter(strategy.experimental_distribute_dataset(global_input)
                              if global_input is not None
                              else strategy.distribute_datasets_from_function(dataset_fn))
+        after_input()
         with strategy.scope():
             optimizer.build(model.trainable_variables)
         g = self.spec.gradients
