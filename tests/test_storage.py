@@ -213,6 +213,13 @@ async def _chunks(*parts):
         yield p
 
 
+async def _held(gate, n):
+    """An upload of two chunks of ``n`` bytes that waits for ``gate`` between them."""
+    yield b"p" * n
+    await gate.wait()
+    yield b"q" * n
+
+
 def test_uploads_are_held_charged_once_and_collected_when_no_job_names_them(tmp_path):
     clock = Clock()
     rows: dict[tuple[str, str], int] = {}
@@ -316,17 +323,11 @@ def test_uploads_in_parallel_cannot_run_past_the_quota(tmp_path):
 
     async def main():
         gate = asyncio.Event()
-
-        async def slow(n):
-            yield b"p" * n
-            await gate.wait()
-            yield b"q" * n
-
-        first = asyncio.create_task(store.put(slow(40), "alice"))
+        first = asyncio.create_task(store.put(_held(gate, 40), "alice"))
         await asyncio.sleep(0.05)
-        second = asyncio.create_task(store.put(slow(40), "alice"))
+        second = asyncio.create_task(store.put(_held(gate, 40), "alice"))
         await asyncio.sleep(0.05)
-        third = asyncio.create_task(store.put(slow(40), "alice"))
+        third = asyncio.create_task(store.put(_held(gate, 40), "alice"))
         await asyncio.sleep(0.05)
         gate.set()
         return await asyncio.gather(first, second, third, return_exceptions=True)
@@ -534,13 +535,8 @@ def test_output_uploads_in_parallel_cannot_run_past_the_job_cap_or_the_quota(tmp
 
     async def main():
         gate = asyncio.Event()
-
-        async def slow(n):
-            yield b"p" * n
-            await gate.wait()
-            yield b"q" * n
-        tasks = [asyncio.create_task(store.put_output("j", f"f{i}", slow(30), owner="alice"))
-                 for i in range(4)]
+        tasks = [asyncio.create_task(store.put_output("j", f"f{i}", _held(gate, 30),
+                                                      owner="alice")) for i in range(4)]
         await asyncio.sleep(0.05)
         gate.set()
         return await asyncio.gather(*tasks, return_exceptions=True)
