@@ -416,6 +416,17 @@ def groupnorm(name, cfg, ins, kw):
     return Out([tuple(shape)], params, 0, 8 * _prod(shape))
 
 
+def normalization(name, cfg, ins, kw):
+    """The ``Normalization`` preprocessing layer inside a model (keras.applications'
+    EfficientNet has one): ``(x - mean) / sqrt(variance)`` per channel with fixed statistics,
+    from its config, its saved weights, or (never adapted) 0 and 1. Not trained."""
+    shape = _one(name, ins, "Normalization")
+    axis = cfg.get("axis", -1)
+    axes = _norm_axes(list(axis) if isinstance(axis, (list, tuple)) else axis, len(shape), name)
+    c = _prod(shape[a] for a in axes)
+    return Out([tuple(shape)], 2 * c + 1, 2 * c + 1, 2 * _prod(shape))
+
+
 def rmsnorm(name, cfg, ins, kw):
     shape = _one(name, ins, "RMSNormalization")
     c = _prod(shape[a] for a in _norm_axes(cfg.get("axis", -1), len(shape), name))
@@ -757,6 +768,7 @@ RULES: dict[str, Callable[..., Out]] = {
     "ZeroPadding3D": zeropad(3, "ZeroPadding3D"),
     "BatchNormalization": batchnorm, "LayerNormalization": layernorm,
     "GroupNormalization": groupnorm, "RMSNormalization": rmsnorm,
+    "Normalization": normalization,
     "Flatten": flatten, "Reshape": reshape, "Permute": permute, "RepeatVector": repeat_vector,
     "Resizing": resizing, "CenterCrop": center_crop,
     "Add": merge("Add"), "Subtract": merge("Subtract"), "Multiply": merge("Multiply"),
@@ -785,7 +797,6 @@ REFUSED = {
     "HashedCrossing": "preprocessing belongs in the input pipeline (`code.dataset`)",
     "Discretization": "preprocessing belongs in the input pipeline (`code.dataset`)",
     "CategoryEncoding": "preprocessing belongs in the input pipeline (`code.dataset`)",
-    "Normalization": "an adapted preprocessing layer; normalise in the input pipeline",
     "ConvLSTM1D": "convolutional recurrent layers are not supported yet",
     "ConvLSTM2D": "convolutional recurrent layers are not supported yet",
     "ConvLSTM3D": "convolutional recurrent layers are not supported yet",

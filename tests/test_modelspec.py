@@ -270,3 +270,16 @@ def test_pure_modules_do_not_import_tensorflow():
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                        env=dict(os.environ, PYTHONPATH=ROOT), timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("app", ["EfficientNetB0"])
+def test_keras_applications_profile_as_keras_counts_them(app):
+    """keras.applications at a small input, weights=None: every layer kind they use has a
+    rule (EfficientNet's Normalization layer among them), and the counts are Keras's."""
+    import keras
+
+    model = getattr(keras.applications, app)(input_shape=(32, 32, 3), weights=None, classes=10)
+    p = profile_model({"keras_json": model.to_json()})
+    assert p.total_params == model.count_params()
+    assert p.trainable_params == sum(int(_prod(w.shape)) for w in model.trainable_weights)
+    assert list(p.layers[-1].output_shape) == [10]
