@@ -60,7 +60,7 @@ from strata.tfconfig import build_tf_config
 from strata.auth import Caller
 from strata.types import (
     CoordinatorDisk, DiskStatus, FailureKind, Job, JobEvent, JobPlan, JobState, MemoryStatus,
-    Plan, Task, TaskReport, TaskState, WorkerInfo, WorkerOffer, WorkerState, WorkerTask,
+    Plan, Task, TaskPlan, TaskReport, TaskState, WorkerInfo, WorkerOffer, WorkerState, WorkerTask,
     can_transition,
 )
 
@@ -95,6 +95,15 @@ LOOP_STALL_S = 2.0
 MAX_DELAY_ALLOWANCE = 5.0
 #: how often finished jobs are checked against --retention
 EXPIRY_INTERVAL_S = 60.0
+# The first probe of a model only the job's code builds gets this per task (it has no estimate:
+# the job itself is planned at a whole worker until measured). Most users' models train in less
+# (the tutorial's CNN peaks under 100 MiB, keras.applications' ResNet50 at 32x32 and batch 32
+# under 600 MiB); one that needs more runs out of memory within its first step and is probed
+# again with PROBE_GROWTH times as much (or half again what it was seen to need): a few extra
+# probe starts (~10 s each on 2 cores) for a large model instead of a whole worker held for
+# every small one.
+PROBE_FIRST_BYTES = 256 << 20
+PROBE_GROWTH = 4
 # how long a job waits, after its probe ended, for the probe's remaining tasks to report their end
 PROBE_SETTLE_S = 30.0
 #: refused outputs of a job that become events (an agent that retries writes no more)
@@ -130,7 +139,8 @@ def plan_on(prepared: PreparedJob, capacities: Sequence[Capacity],
 
 
 def prepare(spec: JobSpec | Mapping[str, Any], workers: Sequence[WorkerOffer] = (),
-            measured: Mapping[str, int] | None = None, *, probed: bool = False) -> PreparedJob:
+            measured: Mapping[str, int] | None = None, *, probed: bool = False,
+            largest: Mapping[str, int] | None = None) -> PreparedJob:
     """Validates a spec (unless already parsed) and has its strategy plan the tasks against
     ``workers`` (a snapshot: see ``Coordinator.worker_offers``), with estimates raised to what
     earlier runs ``measured`` (``strata.measured``), or with ``probed`` set to it (a probe run
@@ -146,7 +156,11 @@ def prepare(spec: JobSpec | Mapping[str, Any], workers: Sequence[WorkerOffer] = 
         except ModelSpecError as e:
             raise SpecError(e.field, e.message) from None
     plan = strategies.get(spec.strategy).plan(spec, list(workers), profile)
-    plan = apply_measured(spec, plan, measured or {}, list(workers), lower=probed)
+    # a model only its code builds has no estimate (its plan holds a whole worker): what a
+    # run of it measured replaces that, as a probe's figures do
+    placeholder = bool(spec.code_model) and not spec.memory.per_task_budget
+    plan = apply_measured(spec, plan, measured or {}, list(workers), lower=probed or placeholder,
+                          largest=largest)
     offered = {w.name: w.bytes for w in workers}
     if plan.feasible and any(t.worker in offered and t.memory_budget_bytes > offered[t.worker]
                              for t in plan.tasks):
@@ -186,6 +200,28 @@ def wants_probe(spec: JobSpec, plan: JobPlan) -> bool:
         return bool(uncalibrated_kinds(profile_model(dict(spec.model))))
     except ModelSpecError:
         return True
+
+
+def first_probe_budget(spec: JobSpec, plan: JobPlan) -> int:
+    """The per-task budget of a job's first probe: for a model only its code builds (no
+    estimate; planned at a whole worker, ``code_model_plan``) ``PROBE_FIRST_BYTES``, so that
+    the probe runs beside other jobs instead of waiting for whole workers; a probe that runs
+    out of memory is started again with more (``Coordinator._grow_probe``). 0 (the plan's own
+    budgets) for every other job: their estimates size the probe."""
+    if not spec.code_model or spec.memory.per_task_budget:
+        return 0
+    smallest = min((t.memory_budget_bytes for t in plan.tasks), default=0)
+    return PROBE_FIRST_BYTES if PROBE_FIRST_BYTES < smallest else 0
+
+
+def probe_plan(plan: JobPlan, budget: int) -> JobPlan:
+    """``plan`` with every task's budget (and estimate) at most ``budget`` (0: as it is)."""
+    if not budget:
+        return plan
+    return dataclasses.replace(plan, tasks=tuple(
+        dataclasses.replace(t, memory_budget_bytes=min(t.memory_budget_bytes, budget),
+                            estimated_memory_bytes=min(t.estimated_memory_bytes, budget))
+        for t in plan.tasks))
 
 
 def probe_spec(spec: JobSpec) -> JobSpec:
@@ -380,6 +416,10 @@ class Coordinator:
         #: the re-plan must give that task more (in memory: after a coordinator restart the
         #: measured need, which is stored, raises the plan anyway)
         self._oom_budget: dict[str, tuple[str, int, int]] = {}
+        #: per task kind (``strata.measured``), the largest single allocation a task reported
+        #: (its all-reduce pack): a budget made from a probe keeps room for it. In memory only:
+        #: a job planned after a restart of the coordinator has its estimators' room
+        self.largest_alloc: dict[str, int] = {}
 
     # --- notifications ------------------------------------------------------------------------
 
@@ -594,19 +634,34 @@ class Coordinator:
                                  deadline=deadline)
         # memory.profile: a short run of the same plan measures every task first; the job
         # waits for it, then is planned with what it measured (``_after_probe``)
-        probing = probe_spec(spec)
-        probe = self._add_job(probing, plan, note=f"memory probe of job {spec.name!r}",
-                              owner=owner, probe_of=spec.name)
+        budget = first_probe_budget(spec, plan)
+        probe = self._add_job(probe_spec(spec), probe_plan(plan, budget),
+                              note=f"memory probe of job {spec.name!r}", owner=owner,
+                              probe_of=spec.name)
         job = self._add_job(spec, plan, request_id=request_id, owner=owner, deadline=deadline)
+        self._start_probe(job, probe, budget)
+        return job
+
+    def _start_probe(self, job: Job, probe: Job | JobPlan, budget: int) -> None:
+        """Has ``job`` wait for its probe run (``memory.profile``): ``probe``, or a new one of
+        this plan with each task's budget at most ``budget`` (0: the plan's own)."""
+        assert job.spec is not None
+        if isinstance(probe, JobPlan):
+            probe = self._add_job(probe_spec(job.spec), probe_plan(probe, budget),
+                                  note=f"memory probe of job {job.spec.name!r}",
+                                  owner=job.owner, probe_of=job.id)
+        probing = probe.spec
+        assert probing is not None
         probe.recovery.probe_of = job.id
         self.store.put_job(probe)
         self._probe_of[job.id] = probe.id
         job.message = f"waiting for its memory probe {probe.id}"
         self.store.put_job(job)
+        at = (f" with {format_size(budget)} per task (it grows if that runs out)" if budget
+              else "")
         self._event(job, "message", f"memory.profile: probe job {probe.id} runs "
-                                    f"{probing.training.steps} steps of this plan to measure each "
-                                    "task's peak; the job is planned with those figures")
-        return job
+                                    f"{probing.training.steps} steps of this plan{at} to measure "
+                                    "each task's peak; the job is planned with those figures")
 
     def _check_capacity(self, spec: JobSpec, plan: JobPlan) -> None:
         """Refuses a job that the workers this coordinator has known (connected now or not,
@@ -1045,6 +1100,10 @@ class Coordinator:
                   job.metrics.test_accuracy)
         task.in_use_bytes = r.in_use_bytes
         task.peak_memory_bytes = max(task.peak_memory_bytes, r.peak_bytes)
+        if r.largest_alloc_bytes and job.spec is not None:
+            kind = task_kind(job.spec, task.role, task.index, task.first_layer, task.last_layer)
+            if r.largest_alloc_bytes > self.largest_alloc.get(kind, 0):
+                self.largest_alloc[kind] = r.largest_alloc_bytes
         if r.weights_sha256:
             task.weights_sha256 = r.weights_sha256
         if r.replica_weights_sha256:
@@ -1475,6 +1534,8 @@ class Coordinator:
             self._event(job, "message", "memory probe did not finish; planned on the estimates")
             return True
         oom = any(t.failure == FailureKind.OOM for t in probe.tasks)
+        if probe.state == JobState.FAILED and oom and self._grow_probe(job, probe):
+            return False
         if probe.state == JobState.FAILED and not oom:
             self._stop_job(job, JobState.FAILED, f"its memory probe {probe.id} failed: "
                                                  f"{probe.message}")
@@ -1484,7 +1545,8 @@ class Coordinator:
             # on the event loop, once per probed job: the stage planner takes tens of ms, up
             # to ~0.7 s on its stress case (bench/planner_speed.py), under a heartbeat timeout
             plan = prepare(job.spec, self.worker_offers(free=False), self.measured,
-                           probed=probe.state == JobState.SUCCEEDED).plan
+                           probed=probe.state == JobState.SUCCEEDED,
+                           largest=self.largest_alloc).plan
         except SpecError as e:
             self._stop_job(job, JobState.FAILED, f"after its memory probe: {e}")
             return False
@@ -1516,7 +1578,35 @@ class Coordinator:
         self.store.put_job(job)
         self._event(job, "message", f"memory probe {probe.id} {probe.state.value}; estimates "
                                     + ("set to its measured peaks: " + ", ".join(changes)
+                                       + ("" if job.spec.memory.per_task_budget else
+                                          " (budgets: each peak plus 25%, at least 16 MiB, or "
+                                          "room for the task's largest allocation)")
                                        if changes else "kept"))
+        return True
+
+    def _grow_probe(self, job: Job, probe: Job) -> bool:
+        """After ``probe`` ran out of memory under a first budget smaller than the job's plan
+        (``first_probe_budget``): a new probe with more, at least ``PROBE_GROWTH`` times as
+        much and half again what the failed one was seen to need, up to the plan's budget.
+        False when the probe already had the plan's budget: the job is planned on what it
+        needed (``_after_probe``)."""
+        had = max((t.memory_budget_bytes for t in probe.tasks), default=0)
+        cap = min((t.memory_budget_bytes for t in job.tasks), default=0)
+        if not had or had >= cap:
+            return False
+        needed = max((self.measured.get(task_kind(job.spec, t.role, t.index, t.first_layer,
+                                                  t.last_layer), 0) for t in job.tasks
+                      if job.spec is not None), default=0)
+        budget = min(cap, max(had * PROBE_GROWTH, needed * 3 // 2))
+        plan = JobPlan(job.strategy, True, "", tuple(
+            TaskPlan(t.role, t.index, t.estimated_memory_bytes, t.memory_budget_bytes,
+                     stage=t.stage, replica=t.replica, first_layer=t.first_layer,
+                     last_layer=t.last_layer) for t in job.tasks))
+        self._event(job, "message", f"memory probe {probe.id} ran out of memory at "
+                                    f"{format_size(had)} per task (it needed at least "
+                                    f"{format_size(needed)}); probing again at "
+                                    f"{format_size(budget)}")
+        self._start_probe(job, plan, budget)
         return True
 
     def _mark_lost(self, w: LiveWorker, why: str = "") -> None:

@@ -656,7 +656,7 @@ class ListWorkersResponse(_message.Message):
     def __init__(self, workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., coordinator_disk: _Optional[_Union[CoordinatorDisk, _Mapping]] = ...) -> None: ...
 
 class TaskStatus(_message.Message):
-    __slots__ = ("job_id", "role", "index", "state", "failure", "exit_code", "message", "in_use_bytes", "peak_bytes", "step", "total_steps", "loss", "examples_per_sec", "has_result", "test_accuracy", "test_loss", "weights_sha256", "model_path", "first_step_time", "attempt", "replica_weights_sha256", "oom", "checkpoint_step", "resumed_step", "training", "test_metrics", "notes")
+    __slots__ = ("job_id", "role", "index", "state", "failure", "exit_code", "message", "in_use_bytes", "peak_bytes", "step", "total_steps", "loss", "examples_per_sec", "has_result", "test_accuracy", "test_loss", "weights_sha256", "model_path", "first_step_time", "attempt", "replica_weights_sha256", "oom", "checkpoint_step", "resumed_step", "training", "test_metrics", "notes", "largest_alloc_bytes")
     class TestMetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -691,6 +691,7 @@ class TaskStatus(_message.Message):
     TRAINING_FIELD_NUMBER: _ClassVar[int]
     TEST_METRICS_FIELD_NUMBER: _ClassVar[int]
     NOTES_FIELD_NUMBER: _ClassVar[int]
+    LARGEST_ALLOC_BYTES_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     role: str
     index: int
@@ -718,7 +719,8 @@ class TaskStatus(_message.Message):
     training: str
     test_metrics: _containers.ScalarMap[str, float]
     notes: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, job_id: _Optional[str] = ..., role: _Optional[str] = ..., index: _Optional[int] = ..., state: _Optional[_Union[TaskState, str]] = ..., failure: _Optional[_Union[FailureKind, str]] = ..., exit_code: _Optional[int] = ..., message: _Optional[str] = ..., in_use_bytes: _Optional[int] = ..., peak_bytes: _Optional[int] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., loss: _Optional[float] = ..., examples_per_sec: _Optional[float] = ..., has_result: _Optional[bool] = ..., test_accuracy: _Optional[float] = ..., test_loss: _Optional[float] = ..., weights_sha256: _Optional[str] = ..., model_path: _Optional[str] = ..., first_step_time: _Optional[float] = ..., attempt: _Optional[int] = ..., replica_weights_sha256: _Optional[_Iterable[str]] = ..., oom: _Optional[_Union[OutOfMemory, _Mapping]] = ..., checkpoint_step: _Optional[int] = ..., resumed_step: _Optional[int] = ..., training: _Optional[str] = ..., test_metrics: _Optional[_Mapping[str, float]] = ..., notes: _Optional[_Iterable[str]] = ...) -> None: ...
+    largest_alloc_bytes: int
+    def __init__(self, job_id: _Optional[str] = ..., role: _Optional[str] = ..., index: _Optional[int] = ..., state: _Optional[_Union[TaskState, str]] = ..., failure: _Optional[_Union[FailureKind, str]] = ..., exit_code: _Optional[int] = ..., message: _Optional[str] = ..., in_use_bytes: _Optional[int] = ..., peak_bytes: _Optional[int] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., loss: _Optional[float] = ..., examples_per_sec: _Optional[float] = ..., has_result: _Optional[bool] = ..., test_accuracy: _Optional[float] = ..., test_loss: _Optional[float] = ..., weights_sha256: _Optional[str] = ..., model_path: _Optional[str] = ..., first_step_time: _Optional[float] = ..., attempt: _Optional[int] = ..., replica_weights_sha256: _Optional[_Iterable[str]] = ..., oom: _Optional[_Union[OutOfMemory, _Mapping]] = ..., checkpoint_step: _Optional[int] = ..., resumed_step: _Optional[int] = ..., training: _Optional[str] = ..., test_metrics: _Optional[_Mapping[str, float]] = ..., notes: _Optional[_Iterable[str]] = ..., largest_alloc_bytes: _Optional[int] = ...) -> None: ...
 
 class OutOfMemory(_message.Message):
     __slots__ = ("task", "allocation_bytes", "shape", "dtype", "op")

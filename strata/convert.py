@@ -366,7 +366,7 @@ def report_to_proto(r: TaskReport) -> pb.TaskStatus:
                            shape=list(r.oom.shape), dtype=r.oom.dtype, op=r.oom.op)
         if r.oom is not None else None,
         checkpoint_step=r.checkpoint_step, resumed_step=r.resumed_step, training=r.training,
-        test_metrics=r.test_metrics, notes=r.notes,
+        test_metrics=r.test_metrics, notes=r.notes, largest_alloc_bytes=r.largest_alloc_bytes,
     )
 
 
@@ -388,4 +388,5 @@ def report_from_proto(m: pb.TaskStatus) -> TaskReport:
         training=m.training[:1000],
         test_metrics={k[:64]: v for k, v in list(m.test_metrics.items())[:64]},
         notes=[n[:500] for n in m.notes[:8]],
+        largest_alloc_bytes=m.largest_alloc_bytes,
     )

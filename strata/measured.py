@@ -77,23 +77,26 @@ def measured_kinds(spec: JobSpec, measured: Mapping[str, int]) -> int:
 
 
 def apply_measured(spec: JobSpec, plan: JobPlan, measured: Mapping[str, int],
-                   workers: Sequence[WorkerOffer], *, lower: bool = False) -> JobPlan:
+                   workers: Sequence[WorkerOffer], *, lower: bool = False,
+                   largest: Mapping[str, int] | None = None) -> JobPlan:
     """``plan`` with every task's estimate raised to what an earlier run measured for its kind
     (and its default budget with it). With ``lower`` (the figures come from a probe run of
     this very plan: ``memory.profile``) an estimate above the measured figure is lowered to
     it as well: the estimate becomes the measurement. The changed plan is checked again
     against ``workers``: a task planned on a named worker must fit that worker, any other the
-    largest."""
+    largest. ``largest``: per kind, the largest single allocation a run reported (the
+    all-reduce pack): the new budget keeps room for it as one chunk."""
     if not measured:
         return plan
     fp = spec_fingerprint(spec)
     tasks: list[TaskPlan] = []
     changed: list[tuple[TaskPlan, int]] = []
     for t in plan.tasks:
-        m = int(measured.get(task_kind(fp, t.role, t.index, t.first_layer, t.last_layer), 0))
+        kind = task_kind(fp, t.role, t.index, t.first_layer, t.last_layer)
+        m = int(measured.get(kind, 0))
         if m > t.estimated_memory_bytes or (lower and 0 < m < t.estimated_memory_bytes):
-            budget = spec.memory.per_task_budget_bytes or default_budget(
-                m, _largest_alloc(t))
+            alloc = max(_largest_alloc(t), int((largest or {}).get(kind, 0)))
+            budget = spec.memory.per_task_budget_bytes or default_budget(m, alloc)
             changed.append((t, m))
             t = dataclasses.replace(t, estimated_memory_bytes=m, memory_budget_bytes=budget)
         tasks.append(t)

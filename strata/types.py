@@ -407,6 +407,7 @@ class TaskReport:
     training: str = ""           # the optimizer and loss it trains with, and their source
     test_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
     notes: list[str] = dataclasses.field(default_factory=list)  # for the job's events, once
+    largest_alloc_bytes: int = 0  # its largest single allocation (the all-reduce pack)
 
     @property
     def key(self) -> tuple[str, str, int]:

@@ -8,6 +8,7 @@ import pytest
 from strata.coordinator.core import Coordinator, StartTaskCommand, StopTaskCommand
 from strata.spec import load_spec_file
 from strata.errors import InfeasibleError, InvalidTransition, NotFoundError, UnknownAgentSession
+from strata.oom import OutOfMemory
 from strata.types import FailureKind, JobState, MemoryStatus, TaskReport, TaskState
 
 from conftest import queued as drain
@@ -568,3 +569,98 @@ def test_a_job_wider_than_the_cluster_has_ever_been_is_refused_with_the_numbers(
     coord.tick()
     assert waiting.state == JobState.FAILED and "--queue-for-capacity" in waiting.message
     assert "waiting for 4 workers" in waiting.message
+
+
+CODE_SPEC = {"name": "c", "workers": 2, "code": {"sha256": "a" * 64, "size": 10,
+                                                  "model": "m:build", "dataset": "m:data"},
+             "data": {"batch_size": 64}, "training": {"steps": 10}}
+
+
+def test_a_code_models_probe_starts_small_and_grows_when_it_runs_out(env):
+    """A model only the job's code builds has no estimate: its probe starts at
+    PROBE_FIRST_BYTES per task, not a whole worker, so it runs beside other jobs; one that runs
+    out of memory is probed again with more, and the job is planned on the probe that fit."""
+    from strata.coordinator.core import PROBE_FIRST_BYTES, PROBE_GROWTH
+
+    coord, *_ = env
+    sessions = {n: register(coord, n, budget=8 * GiB) for n in ("a", "b")}
+    job = coord.submit(CODE_SPEC)
+    probe = next(j for j in coord.list_jobs() if j.id != job.id)
+    # the job itself is planned at a whole worker until measured; its probe is not
+    assert {t.memory_budget_bytes for t in job.tasks} == {8 * GiB}
+    assert {t.memory_budget_bytes for t in probe.tasks} == {PROBE_FIRST_BYTES}
+    # the small probe leaves room: another job of 7 GiB per task runs beside it
+    other = coord.submit({**SPEC, "name": "o", "memory": {"per_task_budget": "7GiB",
+                                                          "profile": False}})
+    coord.tick()
+    assert probe.state == JobState.SCHEDULED and other.state == JobState.SCHEDULED
+    start_all(coord, sessions, probe)
+    t = probe.tasks[0]
+    coord.report(t.worker, sessions[t.worker], TaskReport(
+        probe.id, t.role, t.index, TaskState.FAILED, attempt=t.attempt,
+        failure=FailureKind.OOM, exit_code=75, message="out of memory", peak_bytes=250 << 20,
+        oom=OutOfMemory(task=f"{t.role}:{t.index}", allocation_bytes=400 << 20)))
+    for o in probe.tasks[1:]:
+        coord.report(o.worker, sessions[o.worker], TaskReport(
+            probe.id, o.role, o.index, TaskState.CANCELLED, attempt=o.attempt))
+    assert probe.state == JobState.FAILED
+    coord.tick()
+    # a second probe with more: PROBE_GROWTH times the first, or half again what it needed
+    assert job.state == JobState.PENDING
+    second = coord.get(coord._probe_of[job.id])
+    needed = PROBE_FIRST_BYTES + (400 << 20)
+    want = max(PROBE_FIRST_BYTES * PROBE_GROWTH, needed * 3 // 2)
+    assert {t.memory_budget_bytes for t in second.tasks} == {want}
+    events = [e.message for e in coord.store.events(job.id, 0)]
+    assert any("ran out of memory at 256 MiB per task" in m and "probing again" in m
+               for m in events), events
+    coord.cancel(other.id)
+    for o in other.tasks:
+        coord.report(o.worker, sessions[o.worker], TaskReport(
+            other.id, o.role, o.index, TaskState.CANCELLED, attempt=o.attempt))
+    coord.tick()
+    start_all(coord, sessions, second)
+    for o in second.tasks:
+        coord.report(o.worker, sessions[o.worker], TaskReport(
+            second.id, o.role, o.index, TaskState.SUCCEEDED, attempt=o.attempt,
+            peak_bytes=700 << 20, largest_alloc_bytes=300 << 20))
+    coord.tick()
+    # planned on what the probe that fit measured (and the first one's need, below it), with
+    # room for its largest allocation (the all-reduce pack) in one piece
+    assert job.state == JobState.SCHEDULED
+    assert {t.estimated_memory_bytes for t in job.tasks} == {700 << 20}
+    assert all((700 << 20) + 1.25 * (300 << 20) <= t.memory_budget_bytes < 8 * GiB
+               for t in job.tasks)
+    # the same code again is measured already: no probe, and not a whole worker either
+    again = coord.submit({**CODE_SPEC, "name": "c2"})
+    assert again.id not in coord._probe_of
+    assert {t.estimated_memory_bytes for t in again.tasks} == {700 << 20}
+    assert all(t.memory_budget_bytes < GiB for t in again.tasks)
+
+
+def test_a_code_models_probe_that_runs_out_at_a_whole_worker_plans_on_its_need(env):
+    """The growth stops at the job's own plan (a whole worker): a probe that ran out there
+    leaves the job planned on what it was seen to need, as before."""
+    coord, *_ = env
+    sessions = {n: register(coord, n, budget=GiB) for n in ("a", "b")}
+    job = coord.submit(CODE_SPEC)
+    budgets = []
+    for _ in range(3):
+        probe = coord.get(coord._probe_of[job.id])
+        budgets.append(probe.tasks[0].memory_budget_bytes)
+        coord.tick()
+        start_all(coord, sessions, probe)
+        t = probe.tasks[0]
+        coord.report(t.worker, sessions[t.worker], TaskReport(
+            probe.id, t.role, t.index, TaskState.FAILED, attempt=t.attempt,
+            failure=FailureKind.OOM, exit_code=75, message="out of memory",
+            oom=OutOfMemory(task=f"{t.role}:{t.index}", allocation_bytes=1 << 20)))
+        for o in probe.tasks[1:]:
+            coord.report(o.worker, sessions[o.worker], TaskReport(
+                probe.id, o.role, o.index, TaskState.CANCELLED, attempt=o.attempt))
+        coord.tick()
+        if job.id not in coord._probe_of:
+            break
+    assert budgets == [256 << 20, GiB]
+    assert job.id not in coord._probe_of and job.state == JobState.SCHEDULED
+    assert sum(1 for j in coord.list_jobs() if j.name == "c-probe") == 2

@@ -305,6 +305,26 @@ def global_batches_typed(input_context, split):
     return global_batches(input_context, split, drop_remainder=True)
 
 
+def sequences():
+    # variable-length sequences: the first three batches of each replica are 48 steps long,
+    # every later one 64 (tf.function traces the step again for the new shape): the run's
+    # peak grows after the probe's three steps
+    b = 32
+    def element(i):
+        n = tf.where(i < 3 * b, 48, 64)
+        x = tf.random.stateless_uniform([n, 32], seed=tf.stack([i, 0]))
+        return x, tf.cast(i % 10, tf.int64)
+    return tf.data.Dataset.range(1 << 30).map(element).padded_batch(b)
+
+
+def sequence_model():
+    i = keras.Input((None, 32))
+    x = keras.layers.Dense(512, activation="relu")(i)
+    x = keras.layers.Dense(512, activation="relu")(x)
+    x = keras.layers.GlobalAveragePooling1D()(x)
+    return keras.Model(i, keras.layers.Dense(10)(x))
+
+
 def broken_model():
     return _helper()
 
@@ -662,3 +682,28 @@ def test_parameter_server_job_weighs_a_code_dataset(cluster, client, project):
     assert job.training.startswith("optimizer SGD(learning_rate=0.001) from code.model"), \
         job.training
     assert set(job.metrics.test_metrics) == {"accuracy", "top3"}
+
+
+def test_a_probed_budget_holds_a_run_whose_peak_grows_after_the_probe(client, project):
+    """memory.profile: the probe's three steps see short sequences, the run longer ones; the
+    budget made from the probe's peak (with the stated headroom) holds the run, and the task
+    log says at which step the peak grew."""
+    import re
+
+    job_yaml = _job_file(project.parent, {
+        "name": "grows", "strategy": "multi_worker_mirrored", "workers": 1,
+        "code": {"dir": "my_project", "model": "train:sequence_model",
+                 "dataset": "train:sequences"},
+        "data": {"batch_size": 32}, "training": {"steps": 8}})
+    job = client.submit(job_yaml)
+    final = client.wait(job.id, timeout=TIMEOUT_S)
+    assert final.state == JobState.SUCCEEDED, final.message
+    probe = next(j for j in client.jobs() if j.name == "grows-probe"
+                 and j.created_at <= job.created_at)
+    probe_peak = client.get(probe.id).tasks[0].peak_memory_bytes
+    task = client.get(job.id).tasks[0]
+    assert task.estimated_memory_bytes == probe_peak
+    assert probe_peak < task.peak_memory_bytes <= task.memory_budget_bytes
+    log = "".join(d.decode() for _, _, d in client.logs(job.id))
+    grew = re.search(r"memory peak grew at: (.*)", log)
+    assert grew and re.search(r"step [4-8] ", grew.group(1)), log[-2000:]

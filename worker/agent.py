@@ -388,6 +388,8 @@ class TaskProcess:
             s.checkpoint_step = max(s.checkpoint_step, int(ev.get("step", 0)))
         elif kind == "resumed":
             s.resumed_step = max(0, int(ev.get("step", 0)))
+        elif kind == "peaks":  # where its peak grew (in its log) and its largest allocation
+            s.largest_alloc_bytes = max(0, int(ev.get("largest_alloc") or 0))
         elif kind in ("memory", "stopped"):
             pass  # a server task (PS, worker or pipeline stage): its memory figures, above
         elif kind == "error":

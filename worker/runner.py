@@ -200,6 +200,56 @@ class Progress:
         self.last_t, self.last_step, self.last_report = now, step, now
 
 
+def variable_bytes(model: Any) -> list[int]:
+    """The size of each of ``model``'s trainable variables (Keras 3 or tf.Variable); empty
+    when they cannot be read (a figure for the budget must never fail the task)."""
+    import numpy as np
+
+    try:
+        return [int(np.prod([int(d) for d in v.shape])) * int(
+                    getattr(v.dtype, "size", 0) or np.dtype(str(v.dtype)).itemsize)
+                for v in getattr(model, "trainable_weights", [])]
+    except (TypeError, ValueError, AttributeError):
+        return []
+
+
+class PeakLog:
+    """Where a task's allocator peak grew: read after every step, checkpoint, the evaluation
+    and the outputs, each growth kept with what ran just before it. A probe run
+    (``memory.profile``) measures the first steps and the evaluation; this says, in the task's
+    log and its ``peaks`` event, what the rest of a run added to that peak and when
+    (``bench/peak_growth.py``)."""
+
+    #: growths kept in detail; later ones are counted
+    KEEP = 12
+
+    def __init__(self, memory: Callable[[], dict]):
+        self.memory = memory
+        self.last = 0
+        self.grew: list[tuple[str, int, int]] = []  # (what ran, peak before, peak after)
+        self.more = 0
+
+    def note(self, what: str) -> None:
+        peak = int(self.memory().get("peak", 0))
+        if peak <= self.last:
+            return
+        if len(self.grew) < self.KEEP:
+            self.grew.append((what, self.last, peak))
+        else:
+            self.more += 1
+        self.last = peak
+
+    def summary(self) -> str:
+        parts = [f"{what} {format_mib(before)} -> {format_mib(after)}"
+                 for what, before, after in self.grew]
+        more = f", and {self.more} more" if self.more else ""
+        return "memory peak grew at: " + (", ".join(parts) or "nothing") + more
+
+    def as_event(self) -> list[dict[str, Any]]:
+        return [{"after": what, "from": before, "to": after}
+                for what, before, after in self.grew]
+
+
 class TrainingRunner:
     """Subclasses implement ``join``, ``build``, ``train_step`` (or ``train``), ``eval_batch``
     and ``result_fields``; ``run`` is the order they happen in."""
@@ -237,6 +287,8 @@ class TrainingRunner:
         #: a compiled ``code.model``'s own metrics, evaluated on the test split (fresh objects
         #: of this task's, outside the strategy: ``build`` sets them)
         self.metrics: list[Any] = []
+        #: where the allocator peak grew (``setup_device`` points ``memory`` at the allocator)
+        self.peaks = PeakLog(lambda: self.memory())
 
     # -- hooks
 
@@ -422,6 +474,12 @@ class TrainingRunner:
         assert self.checkpointer is not None
         return self.checkpointer.restore(found)
 
+    def largest_alloc_bytes(self) -> int:
+        """The largest single allocation this task knows it makes, that a budget made from
+        its peak must leave room for as one contiguous chunk: here its largest variable's
+        gradient (0 before the model is built)."""
+        return max(variable_bytes(getattr(self, "model", None)), default=0)
+
     def after_step(self, step: int) -> None:
         """Called once step ``step`` is done (all its collectives issued): saves a checkpoint
         when one is due."""
@@ -441,7 +499,9 @@ class TrainingRunner:
                 progress.first_step()
             if progress.due(step):
                 progress.report(step, read_loss())
+            self.peaks.note(f"step {step}")
             self.after_step(step)
+            self.peaks.note(f"checkpoint at step {step}")
 
     def evaluate(self) -> tuple[float, float] | None:
         """(test loss, test accuracy), None when the job has no test split."""
@@ -566,6 +626,7 @@ class TrainingRunner:
         log(f"training: {self.param_count():,} params, {steps} steps"
             + (f" (from step {self.start_step + 1})" if self.start_step else "")
             + f", global batch {self.gb}, {rows}, mixed precision {self.mixed}")
+        self.peaks.note("build")
         t_train = time.time()
         self.train(steps)
         train_s = time.time() - t_train
@@ -574,8 +635,13 @@ class TrainingRunner:
 
             self.metrics = compiled_metrics(self.user_model(), self.loss_kind())
         evaluated = self.evaluate()
+        self.peaks.note("evaluation")
         test_loss, test_acc = evaluated if evaluated is not None else (None, None)
         fields = self.result_fields()
+        self.peaks.note("outputs")
+        log(self.peaks.summary())
+        self.events.emit("peaks", grew=self.peaks.as_event(),
+                         largest_alloc=self.largest_alloc_bytes())
         if self.metrics:
             fields["test_metrics"] = self.metric_results()
             log("test metrics (code.model's compile): " + ", ".join(
