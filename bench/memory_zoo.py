@@ -190,6 +190,33 @@ GRAPH_ZOO: list[Model] = [
 ]
 ZOO += GRAPH_ZOO
 
+
+def _app(name: str) -> Callable[[], dict[str, Any]]:
+    def make() -> dict[str, Any]:
+        import keras
+
+        build = getattr(keras.applications, name)
+        return {"keras_json": build(input_shape=(32, 32, 3), weights=None,
+                                    classes=10).to_json()}
+    return make
+
+
+IMAGES = {"source": "synthetic", "examples": 512}
+
+#: keras.applications at a small input (32x32x3, weights=None, 10 classes): depthwise and
+#: grouped blocks, deep residual bottlenecks, squeeze-and-excitation, dense concatenation
+APPS_ZOO: list[Model] = [
+    Model("mobilenetv2-32", "keras.applications.MobileNetV2 at 32x32", _app("MobileNetV2"),
+          dict(IMAGES), (8, 32)),
+    Model("resnet50-32", "keras.applications.ResNet50 at 32x32", _app("ResNet50"),
+          dict(IMAGES), (8, 32)),
+    Model("efficientnetb0-32", "keras.applications.EfficientNetB0 at 32x32",
+          _app("EfficientNetB0"), dict(IMAGES), (8, 32)),
+    Model("densenet121-32", "keras.applications.DenseNet121 at 32x32", _app("DenseNet121"),
+          dict(IMAGES), (8, 32)),
+]
+ZOO += APPS_ZOO
+
 STRATEGIES: dict[str, dict[str, Any]] = {
     "multi_worker_mirrored": {"workers": 2},
     "parameter_server": {"workers": 2, "parameter_servers": 1},
