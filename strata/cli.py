@@ -676,23 +676,62 @@ VALIDATE_READ_BYTES = 256 << 20
 
 
 def _check_local_data(spec, plan) -> None:
-    """The job's data against its model, where this machine can see the data: an npz file's
-    arrays' shapes (read only when small). Raises SpecError naming ``data.path``."""
+    """The job's data against its model, where this machine can see the data, as the task
+    checks it before it trains: an npz file's arrays' shapes (read only when small); a CSV's,
+    TFRecord's or image directory's files, the label, and the features' size against the
+    model's input. Raises SpecError naming the field."""
     from strata.errors import SpecError
-
-    if spec.code or spec.data.source != "npz" or not os.path.isfile(spec.data.path) or \
-            os.path.getsize(spec.data.path) > VALIDATE_READ_BYTES:
-        return
     from strata.modelspec import ModelSpecError, profile_model
     from strata.worker import data as wdata
 
+    d = spec.data
+    if spec.code_model or not d.path or not os.path.exists(d.path):
+        return  # what the job's code builds, or data only the workers see
     try:
         profile = profile_model(dict(spec.model))
-        wdata.load_splits(spec.data, profile.input_shape, profile.output_shape)
     except ModelSpecError:
         return  # the model's own checks said what there is to say
+    try:
+        if d.source == "npz" and not spec.code_dataset and os.path.isfile(d.path) and \
+                os.path.getsize(d.path) <= VALIDATE_READ_BYTES:
+            wdata.load_splits(d, profile.input_shape, profile.output_shape)
+        elif d.source in ("csv", "tfrecord", "images") and not spec.code_dataset:
+            wdata.check_streamed(d)
+            _check_feature_size(d, profile)
     except wdata.DataError as e:
         raise SpecError(e.field, e.message) from None
+
+
+def _check_feature_size(d, profile) -> None:
+    """A CSV's feature columns, or a one-input TFRecord's feature, against the size of the
+    model's input (the task reshapes neither: a mismatch fails its first step)."""
+    from strata.worker import data as wdata
+
+    want = 1
+    for n in profile.input_shape:
+        want *= int(n or 0)
+    if not want or len(profile.model_inputs) > 1:
+        return
+    if d.source == "csv":
+        path = wdata.data_files(d.path, "data.path")[0]
+        have = len(wdata.csv_columns(path)) - 1
+        what = f"{path} has {have} feature columns besides {d.label!r}"
+        field = "data.path"
+    elif d.source == "tfrecord":
+        inputs = [n for n in d.features if n != d.label]
+        if len(inputs) != 1:
+            return
+        shape = list(d.features[inputs[0]].get("shape") or [])
+        have = 1
+        for n in shape:
+            have *= int(n)
+        what = f"feature {inputs[0]!r} has shape {shape}"
+        field = f"data.features.{inputs[0]}"
+    else:
+        return
+    if have != want:
+        raise wdata.DataError(field, f"{what}, and the model's input "
+                                     f"{list(profile.input_shape)} takes {want} values")
 
 
 def cmd_health(args: argparse.Namespace) -> int:

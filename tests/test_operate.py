@@ -115,6 +115,28 @@ def test_validate_and_plan_offline_need_no_coordinator(tmp_path):
     assert r.returncode == 2 and "--memory-budget" in r.stderr
 
 
+def test_validate_reads_local_streamed_data_against_the_model(tmp_path):
+    """validate runs the task's own data checks where the data is on this machine: the CSV's
+    label column and its number of feature columns against the model's input."""
+    csv = tmp_path / "d.csv"
+    csv.write_text("a,b,c,label\n" + "".join(f"{i},{i},{i},{i % 2}\n" for i in range(20)))
+    job = {"name": "v", "strategy": "multi_worker_mirrored", "workers": 1,
+           "model": {"builtin": {"kind": "mlp", "input_shape": [3], "hidden": [8],
+                                 "classes": 2}},
+           "data": {"source": "csv", "path": str(csv), "label": "label", "batch_size": 8},
+           "training": {"steps": 2}}
+    path = tmp_path / "job.json"
+    path.write_text(json.dumps(job))
+    nowhere = {"STRATA_COORDINATOR": "127.0.0.1:1"}
+    r = strata("validate", str(path), env=nowhere)
+    assert r.returncode == 0 and "valid" in r.stdout, r.stderr
+    r = strata("validate", str(path), "--set", "model.builtin.input_shape=[4]", env=nowhere)
+    assert r.returncode == 2 and "data.path" in r.stderr and "3 feature columns" in r.stderr \
+        and "takes 4 values" in r.stderr, r.stderr
+    r = strata("validate", str(path), "--set", "data.label=nope", env=nowhere)
+    assert r.returncode == 2 and "data.label" in r.stderr and "no column 'nope'" in r.stderr
+
+
 # --------------------------------------------------------------------------------------------
 # against a cluster
 

@@ -275,7 +275,7 @@ def make_train_dataset(x: np.ndarray, y: np.ndarray, per_replica_batch: int, see
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".gif", ".bmp")
 
 
-def _files(pattern: str, field: str) -> list[str]:
+def data_files(pattern: str, field: str) -> list[str]:
     """The files of ``pattern``: a directory's files, a glob's matches, or one file; sorted."""
     import glob
 
@@ -331,9 +331,9 @@ def check_streamed(data: DataSpec) -> None:
         if data.test_path:
             _image_files(data.test_path, "data.test_path")
         return
-    files = _files(data.path, field)
+    files = data_files(data.path, field)
     if data.test_path:
-        _files(data.test_path, "data.test_path")
+        data_files(data.test_path, "data.test_path")
     if data.source == "csv":
         cols = csv_columns(files[0])
         if data.label not in cols:
@@ -374,7 +374,7 @@ def stream(data: DataSpec, split: str, *, shards: int = 1, index: int = 0,
             ds = ds.shard(shards, index)
         return ds.map(load, num_parallel_calls=2, deterministic=True)
 
-    files = _files(src_path, field)
+    files = data_files(src_path, field)
     by_file = split == "train" and shards > 1 and len(files) >= shards
     if by_file:
         files = files[index::shards]
