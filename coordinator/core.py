@@ -1256,7 +1256,26 @@ class Coordinator:
             self._restart(job, decision.message, failure=True,
                           oom=task if failure == FailureKind.OOM else None)
             return
+        if failure == FailureKind.OOM and self._memory_retry(job, task, decision.message):
+            return
         self._stop_job(job, JobState.FAILED, decision.message)
+
+    def _memory_retry(self, job: Job, task: Task, why: str) -> bool:
+        """A task that ran out of a budget Strata chose (from its estimate or its probe's
+        peak, no ``memory.per_task_budget``) does not fail its job the first time: the budget
+        was Strata's guess, and a run can outgrow its probe (``bench/peak_growth.py``: an
+        LSTM's peak at 1.36 x its probe's). The job restarts once, from its last checkpoint,
+        planned on what the task was seen to need (``_fail_oom`` kept it), not counted
+        against ``restart.max_restarts``. A probe is not retried: its growth is
+        ``_grow_probe``'s."""
+        assert job.spec is not None
+        rec = job.recovery
+        if job.spec.memory.per_task_budget or rec.memory_retried or rec.probe_of:
+            return False
+        rec.memory_retried = True
+        self._restart(job, f"{why}; the budget was Strata's estimate, so the job restarts once "
+                           "with what the task was seen to need", failure=False, oom=task)
+        return True
 
     def _restart(self, job: Job, cause: str, *, failure: bool, oom: Task | None = None) -> None:
         """RESTARTING: the job's remaining tasks are stopped; once they are gone and

@@ -168,6 +168,9 @@ class JobRecovery:
     #: ``--queue-for-capacity``: when a job not placed yet fails (0: it waits as long as it
     #: must, on a cluster that has had the workers for it)
     capacity_deadline: float = 0.0
+    #: a task ran out of a budget Strata chose and the job was restarted with its need, not
+    #: counted against ``restart.max_restarts`` (once: ``Coordinator._memory_retry``)
+    memory_retried: bool = False
 
 
 @dataclasses.dataclass
