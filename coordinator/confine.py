@@ -74,11 +74,12 @@ def check_report(r: TaskReport, spec: JobSpec | None, device_bytes: int, now: fl
         raise SpecError(f"status.{field}", message)
 
     limit = memory_limit(budget_bytes, device_bytes)
-    for field, value in (("in_use_bytes", r.in_use_bytes), ("peak_bytes", r.peak_bytes),
-                         ("largest_alloc_bytes", r.largest_alloc_bytes)):
+    for field, value in (("in_use_bytes", r.in_use_bytes), ("peak_bytes", r.peak_bytes)):
         if value < 0 or value > limit:
             refuse(field, f"{value} bytes is beyond what the task's allocator can hold "
                           f"({limit} bytes: its budget, on the agent's device)")
+    if r.largest_alloc_bytes < 0:
+        refuse("largest_alloc_bytes", f"{r.largest_alloc_bytes} bytes is not a size")
     limit = step_limit(spec)
     for field, value in (("total_steps", r.total_steps), ("step", r.step),
                          ("checkpoint_step", r.checkpoint_step),

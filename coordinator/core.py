@@ -48,7 +48,7 @@ from strata.dataroots import outside_message, under_roots
 from strata.limits import (
     DEFAULT_MAX_PENDING_PER_USER, DEFAULT_MAX_TASKS_PER_JOB, DEFAULT_RETENTION_S,
 )
-from strata.measured import apply_measured, measured_kinds, task_kind
+from strata.measured import apply_measured, bound_of, measured_kinds, task_kind
 from strata.memory import format_size, uncalibrated_kinds
 from strata.oom import describe as describe_oom
 from strata.oom import needed_bytes
@@ -563,7 +563,8 @@ class Coordinator:
         if isinstance(spec, PreparedJob):
             return spec
         parsed = spec if isinstance(spec, JobSpec) else parse_job_spec(spec)
-        return prepare(parsed, self.offers_for(parsed, free), self.measured)
+        return prepare(parsed, self.offers_for(parsed, free), self.measured,
+                       largest=self.largest_alloc)
 
     def _check_needs(self, spec: JobSpec) -> None:
         """A job whose data path no registered agent's ``--data-root`` holds is refused, and
@@ -635,6 +636,12 @@ class Coordinator:
         # memory.profile: a short run of the same plan measures every task first; the job
         # waits for it, then is planned with what it measured (``_after_probe``)
         budget = first_probe_budget(spec, plan)
+        if budget:  # a code model that ran out before: its first probe starts above that
+            bound = max((self.measured.get(bound_of(task_kind(spec, t.role, t.index,
+                                                              t.first_layer, t.last_layer)), 0)
+                         for t in plan.tasks), default=0)
+            cap = min(t.memory_budget_bytes for t in plan.tasks)
+            budget = min(cap, max(budget, bound * 3 // 2))
         probe = self._add_job(probe_spec(spec), probe_plan(plan, budget),
                               note=f"memory probe of job {spec.name!r}", owner=owner,
                               probe_of=spec.name)
@@ -1101,9 +1108,11 @@ class Coordinator:
         task.in_use_bytes = r.in_use_bytes
         task.peak_memory_bytes = max(task.peak_memory_bytes, r.peak_bytes)
         if r.largest_alloc_bytes and job.spec is not None:
+            # (a computed figure, not the allocator's: never more than the task's budget)
+            alloc = min(r.largest_alloc_bytes, task.memory_budget_bytes)
             kind = task_kind(job.spec, task.role, task.index, task.first_layer, task.last_layer)
-            if r.largest_alloc_bytes > self.largest_alloc.get(kind, 0):
-                self.largest_alloc[kind] = r.largest_alloc_bytes
+            if alloc > self.largest_alloc.get(kind, 0):
+                self.largest_alloc[kind] = alloc
         if r.weights_sha256:
             task.weights_sha256 = r.weights_sha256
         if r.replica_weights_sha256:
@@ -1171,7 +1180,9 @@ class Coordinator:
                 task.exit_code = r.exit_code
                 if task.failure != FailureKind.OOM:  # keep the account of an OOM it caused
                     task.message = r.message
-                if task.state.final:
+                if task.state.final and task.failure != FailureKind.OOM:
+                    # (the peak of a task that ran out is short of its need: ``_fail_oom``
+                    # kept the bound)
                     self._remember_peak(job, task)
                 self.store.put_tasks([task])
                 self._after_task_change(job, task)
@@ -1188,11 +1199,14 @@ class Coordinator:
 
     def _remember_peak(self, job: Job, task: Task, needed: int = 0) -> None:
         """Keeps what a task of this kind was seen to need (``strata.measured``): its peak, or
-        for an out-of-memory failure the lower bound on its need."""
+        for an out-of-memory failure (``needed``) the lower bound on its need, kept apart
+        (``strata.measured.bound_of``): a plan is raised to a bound but never lowered to it."""
         need = max(needed, task.peak_memory_bytes)
         if job.spec is None or need <= 0:
             return
         kind = task_kind(job.spec, task.role, task.index, task.first_layer, task.last_layer)
+        if needed:
+            kind = bound_of(kind)
         if need > self.measured.get(kind, 0):
             self.measured[kind] = need
             self.store.put_measured(kind, need, job.id, self.clock())
@@ -1229,10 +1243,13 @@ class Coordinator:
         else:
             text_for_reporter = text
         self._fail_task(job, reporter, FailureKind.OOM, text_for_reporter,
-                        exit_code=r.exit_code)
+                        exit_code=r.exit_code, culprit=culprit)
 
     def _fail_task(self, job: Job, task: Task, failure: FailureKind, message: str,
-                   exit_code: int = 0) -> None:
+                   exit_code: int = 0, culprit: Task | None = None) -> None:
+        """``task`` failed. ``culprit``: for an out-of-memory failure, the task whose device
+        ran out (another one's, when a driver ran ops there): the one a re-plan must give
+        more."""
         # written before it is changed: a full disk leaves the task as it was, for the
         # agent's report to be tried again
         self.store.put_tasks([dataclasses.replace(task, state=TaskState.FAILED, failure=failure,
@@ -1252,11 +1269,11 @@ class Coordinator:
         if decision.action == FailureAction.CONTINUE:
             self._event(job, "message", decision.message)
             return
+        oom = (culprit or task) if failure == FailureKind.OOM else None
+        if oom is not None and self._memory_retry(job, oom, decision.message):
+            return  # the first OOM of a budget Strata chose: its restart is not counted
         if decision.action == FailureAction.RESTART:
-            self._restart(job, decision.message, failure=True,
-                          oom=task if failure == FailureKind.OOM else None)
-            return
-        if failure == FailureKind.OOM and self._memory_retry(job, task, decision.message):
+            self._restart(job, decision.message, failure=True, oom=oom)
             return
         self._stop_job(job, JobState.FAILED, decision.message)
 
@@ -1272,6 +1289,9 @@ class Coordinator:
         rec = job.recovery
         if job.spec.memory.per_task_budget or rec.memory_retried or rec.probe_of:
             return False
+        where = self.agents.get(task.worker)
+        if where is not None and task.memory_budget_bytes >= where.record.budget_bytes:
+            return False  # it had the whole device: no plan gives it more
         rec.memory_retried = True
         self._restart(job, f"{why}; the budget was Strata's estimate, so the job restarts once "
                            "with what the task was seen to need", failure=False, oom=task)
@@ -1317,7 +1337,7 @@ class Coordinator:
         wanted = dataclasses.replace(job.spec, workers=rec.requested_workers or job.spec.workers)
         spec = strategy.narrow(wanted, len(offers)) if offers else wanted
         try:
-            plan = prepare(spec, offers, self.measured).plan
+            plan = prepare(spec, offers, self.measured, largest=self.largest_alloc).plan
         except SpecError as e:
             self._stop_job(job, JobState.FAILED, f"cannot restart: {e}")
             return
@@ -1603,6 +1623,15 @@ class Coordinator:
                                        if changes else "kept"))
         return True
 
+    def _needed(self, job: Job) -> int:
+        """The most any of ``job``'s task kinds was seen to need: a peak or an out-of-memory
+        bound (``strata.measured``)."""
+        assert job.spec is not None
+        kinds = [task_kind(job.spec, t.role, t.index, t.first_layer, t.last_layer)
+                 for t in job.tasks]
+        return max((max(self.measured.get(k, 0), self.measured.get(bound_of(k), 0))
+                    for k in kinds), default=0)
+
     def _grow_probe(self, job: Job, probe: Job) -> bool:
         """After ``probe`` ran out of memory under a first budget smaller than the job's plan
         (``first_probe_budget``): a new probe with more, at least ``PROBE_GROWTH`` times as
@@ -1613,9 +1642,7 @@ class Coordinator:
         cap = min((t.memory_budget_bytes for t in job.tasks), default=0)
         if not had or had >= cap:
             return False
-        needed = max((self.measured.get(task_kind(job.spec, t.role, t.index, t.first_layer,
-                                                  t.last_layer), 0) for t in job.tasks
-                      if job.spec is not None), default=0)
+        needed = self._needed(job)
         budget = min(cap, max(had * PROBE_GROWTH, needed * 3 // 2))
         plan = JobPlan(job.strategy, True, "", tuple(
             TaskPlan(t.role, t.index, t.estimated_memory_bytes, t.memory_budget_bytes,

@@ -680,13 +680,21 @@ def _check_local_data(spec, plan) -> None:
     checks it before it trains: an npz file's arrays' shapes (read only when small); a CSV's,
     TFRecord's or image directory's files, the label, and the features' size against the
     model's input. Raises SpecError naming the field."""
+    import dataclasses
+    import glob
+
     from strata.errors import SpecError
     from strata.modelspec import ModelSpecError, profile_model
     from strata.worker import data as wdata
 
+    def here(path: str) -> bool:  # a file, a directory or a pattern of files on this machine
+        return bool(path) and (os.path.exists(path) or bool(glob.glob(path)))
+
     d = spec.data
-    if spec.code_model or not d.path or not os.path.exists(d.path):
+    if spec.code_model or not here(d.path):
         return  # what the job's code builds, or data only the workers see
+    if d.test_path and not here(d.test_path):
+        d = dataclasses.replace(d, test_path="")  # a test split only the workers see
     try:
         profile = profile_model(dict(spec.model))
     except ModelSpecError:

@@ -424,6 +424,8 @@ def normalization(name, cfg, ins, kw):
     axis = cfg.get("axis", -1)
     axes = _norm_axes(list(axis) if isinstance(axis, (list, tuple)) else axis, len(shape), name)
     c = _prod(shape[a] for a in axes)
+    if cfg.get("mean") is not None and cfg.get("variance") is not None:
+        return Out([tuple(shape)], 0, 0, 2 * _prod(shape))  # constants, no weights
     return Out([tuple(shape)], 2 * c + 1, 2 * c + 1, 2 * _prod(shape))
 
 

@@ -26,7 +26,17 @@ from strata.memory import LARGEST_ALLOC_ROOM, default_budget, format_size
 from strata.spec import JobSpec
 from strata.types import JobPlan, TaskPlan, WorkerOffer
 
-__all__ = ["spec_fingerprint", "task_kind", "apply_measured", "measured_kinds"]
+__all__ = ["spec_fingerprint", "task_kind", "apply_measured", "measured_kinds", "bound_of",
+           "OOM_BOUND"]
+
+#: the key of a kind's out-of-memory lower bound (``kind + OOM_BOUND``): budget plus the
+#: allocation that failed. It raises a plan as a peak does, but is not a peak: a plan is never
+#: lowered to it, and a job with only a bound is still probed
+OOM_BOUND = "#oom"
+
+
+def bound_of(kind: str) -> str:
+    return kind + OOM_BOUND
 
 _IGNORED = {
     "name": None, "checkpoint": None, "restart": None,
@@ -71,9 +81,10 @@ def _largest_alloc(t: TaskPlan) -> int:
 
 
 def measured_kinds(spec: JobSpec, measured: Mapping[str, int]) -> int:
-    """How many task kinds of ``spec``'s fingerprint have a measured figure."""
+    """How many task kinds of ``spec``'s fingerprint have a measured peak (an out-of-memory
+    bound is not one)."""
     prefix = spec_fingerprint(spec) + "/"
-    return sum(1 for k in measured if k.startswith(prefix))
+    return sum(1 for k in measured if k.startswith(prefix) and not k.endswith(OOM_BOUND))
 
 
 def apply_measured(spec: JobSpec, plan: JobPlan, measured: Mapping[str, int],
@@ -93,8 +104,9 @@ def apply_measured(spec: JobSpec, plan: JobPlan, measured: Mapping[str, int],
     changed: list[tuple[TaskPlan, int]] = []
     for t in plan.tasks:
         kind = task_kind(fp, t.role, t.index, t.first_layer, t.last_layer)
-        m = int(measured.get(kind, 0))
-        if m > t.estimated_memory_bytes or (lower and 0 < m < t.estimated_memory_bytes):
+        peak, bound = int(measured.get(kind, 0)), int(measured.get(bound_of(kind), 0))
+        m = max(peak, bound)  # raised to what it was seen to need; lowered only to a peak
+        if m > t.estimated_memory_bytes or (lower and 0 < peak and m < t.estimated_memory_bytes):
             alloc = max(_largest_alloc(t), int((largest or {}).get(kind, 0)))
             budget = spec.memory.per_task_budget_bytes or default_budget(m, alloc)
             changed.append((t, m))

@@ -393,6 +393,15 @@ def test_remote_oom_is_blamed_on_the_stage_and_the_next_plan_uses_its_need(env):
     coord.report(w.worker, sessions[w.worker], TaskReport(job.id, "worker", 0,
                                                           TaskState.CANCELLED, attempt=w.attempt))
     assert "ran out of memory" in w.message
+    # the restart gives the stage that ran out more, not the chief that reported it
+    old = w.memory_budget_bytes
+    coord.report(c.worker, sessions[c.worker], TaskReport(job.id, "chief", 0,
+                                                          TaskState.FAILED, attempt=c.attempt))
+    coord.clock.now += 6  # restart.backoff_s
+    coord.tick()
+    coord.tick()
+    assert job.state == JobState.SCHEDULED, job.message
+    assert next(t for t in job.tasks if t.role == "worker").memory_budget_bytes > old
     # the same job again plans the stage above the budget that failed, and so does a
     # coordinator restarted on the same state
     again = coord.submit(PIPE)
@@ -637,7 +646,8 @@ def test_a_code_models_probe_starts_small_and_grows_when_it_runs_out(env):
     again = coord.submit({**CODE_SPEC, "name": "c2"})
     assert again.id not in coord._probe_of
     assert {t.estimated_memory_bytes for t in again.tasks} == {700 << 20}
-    assert all(t.memory_budget_bytes < GiB for t in again.tasks)
+    assert all((700 << 20) + 1.25 * (300 << 20) <= t.memory_budget_bytes < 8 * GiB
+               for t in again.tasks)
 
 
 def test_a_code_models_probe_that_runs_out_at_a_whole_worker_plans_on_its_need(env):
@@ -709,3 +719,28 @@ def test_a_task_out_of_a_budget_strata_chose_restarts_its_job_once_with_its_need
         fixed.id, f0.role, f0.index, TaskState.FAILED, attempt=f0.attempt,
         failure=FailureKind.OOM, exit_code=75, message="out of memory"))
     assert fixed.state == JobState.FAILED
+
+
+def test_an_oom_bound_is_not_a_peak_a_code_job_that_ran_out_is_probed_again_above_it(env):
+    """What a probe that ran out of memory showed is a lower bound, not the task's peak: the
+    same code submitted again (its job cancelled meanwhile) is not planned at that bound but
+    probed again, starting at half again above it."""
+    from strata.coordinator.core import PROBE_FIRST_BYTES
+
+    coord, *_ = env
+    sessions = {n: register(coord, n, budget=8 * GiB) for n in ("a", "b")}
+    job = coord.submit(CODE_SPEC)
+    probe = coord.get(coord._probe_of[job.id])
+    coord.tick()
+    start_all(coord, sessions, probe)
+    t = probe.tasks[0]
+    coord.report(t.worker, sessions[t.worker], TaskReport(
+        probe.id, t.role, t.index, TaskState.FAILED, attempt=t.attempt,
+        failure=FailureKind.OOM, exit_code=75, message="out of memory",
+        oom=OutOfMemory(task=f"{t.role}:{t.index}", allocation_bytes=100 << 20)))
+    coord.cancel(job.id)
+    again = coord.submit({**CODE_SPEC, "name": "c2", "training": {"steps": 99}})
+    assert again.id in coord._probe_of  # still measured by a probe
+    second = coord.get(coord._probe_of[again.id])
+    bound = PROBE_FIRST_BYTES + (100 << 20) // 2  # strata.oom.needed_bytes, no peak seen
+    assert {t.memory_budget_bytes for t in second.tasks} == {bound * 3 // 2}

@@ -325,6 +325,13 @@ def sequence_model():
     return keras.Model(i, keras.layers.Dense(10)(x))
 
 
+def large_to_build():
+    # building it takes a 300 MiB temporary: more than a first probe's 256 MiB
+    scratch = tf.zeros([300 << 18])
+    del scratch
+    return build_model()
+
+
 def broken_model():
     return _helper()
 
@@ -707,3 +714,22 @@ def test_a_probed_budget_holds_a_run_whose_peak_grows_after_the_probe(client, pr
     log = "".join(d.decode() for _, _, d in client.logs(job.id))
     grew = re.search(r"memory peak grew at: (.*)", log)
     assert grew and re.search(r"step [4-8] ", grew.group(1)), log[-2000:]
+
+
+def test_a_code_model_larger_than_the_first_probe_grows_its_probe_and_runs(client, project):
+    """Running out of memory while code.model builds is the budget's doing, not the code's:
+    the first probe (256 MiB) runs out, the next has more, and the job runs on what it
+    measured."""
+    job_yaml = _job_file(project.parent, {
+        "name": "large", "strategy": "multi_worker_mirrored", "workers": 1,
+        "code": {"dir": "my_project", "model": "train:large_to_build",
+                 "dataset": "train:make_dataset"},
+        "data": {"batch_size": 64}, "training": {"steps": 3}})
+    job = client.submit(job_yaml)
+    final = client.wait(job.id, timeout=TIMEOUT_S)
+    assert final.state == JobState.SUCCEEDED, final.message
+    events = " ".join(e.message for e in client.watch(job.id, timeout=10))
+    assert "ran out of memory at 256 MiB per task" in events and "probing again at" in events, \
+        events
+    task = client.get(job.id).tasks[0]
+    assert (300 << 20) < task.peak_memory_bytes <= task.memory_budget_bytes < (1 << 30)

@@ -303,9 +303,11 @@ class MirroredRunner(TrainingRunner):
         """A data-parallel step all-reduces every gradient as one concatenated pack
         (``gradients.pack_size`` bounds it): ResNet50's is 90 MiB, and a budget of 1.09 x its
         peak failed allocating it in one piece (``bench/peak_growth.py``)."""
+        single = super().largest_alloc_bytes()
+        if self.n_replicas < 2:
+            return single  # one replica: nothing to all-reduce
         total = sum(variable_bytes(self.model))
         pack = self.spec.gradients.pack_bytes
-        single = super().largest_alloc_bytes()
         return max(single, min(total, pack) if pack else total)
 
     def eval_batch_size(self) -> int:

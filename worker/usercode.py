@@ -24,6 +24,7 @@ import traceback
 from typing import Any, Callable
 
 from strata.taskconfig import TaskConfig, TaskConfigError
+from strata.worker.common import is_oom
 
 
 class UserCodeError(Exception):
@@ -100,9 +101,14 @@ def load_callable(cfg: TaskConfig, ref: str, field: str) -> Callable[..., Any]:
 
 
 def call(what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``, whatever it raises the user's failure (``UserCodeError``),
+    but for running out of memory: that is the task's budget, not the code (a model built in
+    a probe's first small budget: ``Coordinator._grow_probe`` gives the next probe more)."""
     try:
         return fn(*args, **kwargs)
     except Exception as e:  # noqa: BLE001 - whatever the user's code raises is its failure
+        if is_oom(e):
+            raise
         raise UserCodeError(what, e) from None
 
 
