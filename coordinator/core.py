@@ -202,16 +202,21 @@ def wants_probe(spec: JobSpec, plan: JobPlan) -> bool:
         return True
 
 
-def first_probe_budget(spec: JobSpec, plan: JobPlan) -> int:
+def first_probe_budget(spec: JobSpec, plan: JobPlan, measured: Mapping[str, int]) -> int:
     """The per-task budget of a job's first probe: for a model only its code builds (no
-    estimate; planned at a whole worker, ``code_model_plan``) ``PROBE_FIRST_BYTES``, so that
-    the probe runs beside other jobs instead of waiting for whole workers; a probe that runs
-    out of memory is started again with more (``Coordinator._grow_probe``). 0 (the plan's own
+    estimate; planned at a whole worker, ``code_model_plan``) ``PROBE_FIRST_BYTES``, or half
+    again what an earlier run of it ran out of memory at (``strata.measured``), so that the
+    probe runs beside other jobs instead of waiting for whole workers; a probe that runs out
+    of memory is started again with more (``Coordinator._grow_probe``). 0 (the plan's own
     budgets) for every other job: their estimates size the probe."""
     if not spec.code_model or spec.memory.per_task_budget:
         return 0
     smallest = min((t.memory_budget_bytes for t in plan.tasks), default=0)
-    return PROBE_FIRST_BYTES if PROBE_FIRST_BYTES < smallest else 0
+    bound = max((measured.get(bound_of(task_kind(spec, t.role, t.index, t.first_layer,
+                                                 t.last_layer)), 0) for t in plan.tasks),
+                default=0)
+    first = max(PROBE_FIRST_BYTES, bound * 3 // 2)
+    return first if first < smallest else 0
 
 
 def probe_plan(plan: JobPlan, budget: int) -> JobPlan:
@@ -635,13 +640,7 @@ class Coordinator:
                                  deadline=deadline)
         # memory.profile: a short run of the same plan measures every task first; the job
         # waits for it, then is planned with what it measured (``_after_probe``)
-        budget = first_probe_budget(spec, plan)
-        if budget:  # a code model that ran out before: its first probe starts above that
-            bound = max((self.measured.get(bound_of(task_kind(spec, t.role, t.index,
-                                                              t.first_layer, t.last_layer)), 0)
-                         for t in plan.tasks), default=0)
-            cap = min(t.memory_budget_bytes for t in plan.tasks)
-            budget = min(cap, max(budget, bound * 3 // 2))
+        budget = first_probe_budget(spec, plan, self.measured)
         probe = self._add_job(probe_spec(spec), probe_plan(plan, budget),
                               note=f"memory probe of job {spec.name!r}", owner=owner,
                               probe_of=spec.name)

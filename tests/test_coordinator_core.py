@@ -587,6 +587,19 @@ CODE_SPEC = {"name": "c", "workers": 2, "code": {"sha256": "a" * 64, "size": 10,
              "data": {"batch_size": 64}, "training": {"steps": 10}}
 
 
+def run_out(coord, sessions, job, allocation, peak=0, rest_cancelled=True):
+    """The job's first task runs out of memory allocating ``allocation`` bytes (having
+    reached ``peak``); the others report they were stopped."""
+    t = job.tasks[0]
+    coord.report(t.worker, sessions[t.worker], TaskReport(
+        job.id, t.role, t.index, TaskState.FAILED, attempt=t.attempt,
+        failure=FailureKind.OOM, exit_code=75, message="out of memory", peak_bytes=peak,
+        oom=OutOfMemory(task=f"{t.role}:{t.index}", allocation_bytes=allocation)))
+    for o in job.tasks[1:] if rest_cancelled else ():
+        coord.report(o.worker, sessions[o.worker], TaskReport(
+            job.id, o.role, o.index, TaskState.CANCELLED, attempt=o.attempt))
+
+
 def test_a_code_models_probe_starts_small_and_grows_when_it_runs_out(env):
     """A model only the job's code builds has no estimate: its probe starts at
     PROBE_FIRST_BYTES per task, not a whole worker, so it runs beside other jobs; one that runs
@@ -606,14 +619,7 @@ def test_a_code_models_probe_starts_small_and_grows_when_it_runs_out(env):
     coord.tick()
     assert probe.state == JobState.SCHEDULED and other.state == JobState.SCHEDULED
     start_all(coord, sessions, probe)
-    t = probe.tasks[0]
-    coord.report(t.worker, sessions[t.worker], TaskReport(
-        probe.id, t.role, t.index, TaskState.FAILED, attempt=t.attempt,
-        failure=FailureKind.OOM, exit_code=75, message="out of memory", peak_bytes=250 << 20,
-        oom=OutOfMemory(task=f"{t.role}:{t.index}", allocation_bytes=400 << 20)))
-    for o in probe.tasks[1:]:
-        coord.report(o.worker, sessions[o.worker], TaskReport(
-            probe.id, o.role, o.index, TaskState.CANCELLED, attempt=o.attempt))
+    run_out(coord, sessions, probe, 400 << 20, peak=250 << 20)
     assert probe.state == JobState.FAILED
     coord.tick()
     # a second probe with more: PROBE_GROWTH times the first, or half again what it needed
@@ -662,14 +668,7 @@ def test_a_code_models_probe_that_runs_out_at_a_whole_worker_plans_on_its_need(e
         budgets.append(probe.tasks[0].memory_budget_bytes)
         coord.tick()
         start_all(coord, sessions, probe)
-        t = probe.tasks[0]
-        coord.report(t.worker, sessions[t.worker], TaskReport(
-            probe.id, t.role, t.index, TaskState.FAILED, attempt=t.attempt,
-            failure=FailureKind.OOM, exit_code=75, message="out of memory",
-            oom=OutOfMemory(task=f"{t.role}:{t.index}", allocation_bytes=1 << 20)))
-        for o in probe.tasks[1:]:
-            coord.report(o.worker, sessions[o.worker], TaskReport(
-                probe.id, o.role, o.index, TaskState.CANCELLED, attempt=o.attempt))
+        run_out(coord, sessions, probe, 1 << 20)
         coord.tick()
         if job.id not in coord._probe_of:
             break
@@ -733,11 +732,7 @@ def test_an_oom_bound_is_not_a_peak_a_code_job_that_ran_out_is_probed_again_abov
     probe = coord.get(coord._probe_of[job.id])
     coord.tick()
     start_all(coord, sessions, probe)
-    t = probe.tasks[0]
-    coord.report(t.worker, sessions[t.worker], TaskReport(
-        probe.id, t.role, t.index, TaskState.FAILED, attempt=t.attempt,
-        failure=FailureKind.OOM, exit_code=75, message="out of memory",
-        oom=OutOfMemory(task=f"{t.role}:{t.index}", allocation_bytes=100 << 20)))
+    run_out(coord, sessions, probe, 100 << 20, rest_cancelled=False)
     coord.cancel(job.id)
     again = coord.submit({**CODE_SPEC, "name": "c2", "training": {"steps": 99}})
     assert again.id in coord._probe_of  # still measured by a probe
