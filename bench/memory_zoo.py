@@ -13,7 +13,11 @@ memory. Jobs run with ``memory.profile: false`` (the estimators' figures); ``--p
 them with ``memory.profile: true`` instead (a probe run measures each job first and the row's
 estimates are the probe's peaks; the probe's own tasks, with the estimators' figures, are in
 the row's ``probe``). The run appends to ``--out`` (JSON lines) and skips rows already there, so it can be
-interrupted and resumed; ``--table`` prints the Markdown table of what is in ``--out``.
+interrupted and resumed; ``--table`` prints the Markdown table of what is in ``--out``. Each row
+records the CPU kernels its workers ran (``kernels``: ``strata.cpukernels``; set
+``TF_ENABLE_ONEDNN_OPTS=0`` to run the Eigen family on a oneDNN host). ``--table --reestimate``
+prints it with the estimates and budgets the current estimators give each row instead of those
+it ran with (the peaks are the run's): how constants fitted on a zoo run are checked.
 
 Configurations per model and strategy: per-task batch small / large, float32 / bfloat16, Adam /
 SGD. ``--configs all`` runs the 8 combinations; ``half`` (the default) the 4 of a
@@ -278,7 +282,9 @@ def run_rows(models: list[Model], strategies: list[str], configs: list[tuple], o
         return
     with LocalCluster(workers=agents, memory_budget=budget, threads=1) as cluster, \
             cluster.client() as client:
-        run_with_client(client, todo, out, steps, timeout, profile=profile)
+        kernels = sorted({w.cpu_kernels for w in client.workers()})
+        run_with_client(client, todo, out, steps, timeout, profile=profile,
+                        kernels=",".join(kernels))
 
 
 def _task_rows(job: Any) -> list[dict[str, Any]]:
@@ -289,7 +295,7 @@ def _task_rows(job: Any) -> list[dict[str, Any]]:
 
 
 def run_with_client(client: Any, rows: list[tuple[str, str, tuple]], out: str, steps: int,
-                    timeout: float, profile: bool = False) -> None:
+                    timeout: float, profile: bool = False, kernels: str = "") -> None:
     """Runs ``rows`` (model name, strategy, (batch index, precision, optimizer)) one job at a
     time through ``client`` and appends each result to ``out``. With ``profile`` the jobs ask
     for ``memory.profile`` (a probe run measures them first; the row's estimates are then the
@@ -306,6 +312,8 @@ def run_with_client(client: Any, rows: list[tuple[str, str, tuple]], out: str, s
         spec = job_spec(m, strategy, bi, precision, optimizer, steps, sections[name], profile)
         row: dict[str, Any] = {"model": name, "strategy": strategy, "batch": m.batches[bi],
                                "precision": precision, "optimizer": optimizer}
+        if kernels:
+            row["kernels"] = kernels
         t0 = time.time()
         job = None
         try:
@@ -372,14 +380,46 @@ def kinds(r: dict[str, Any]) -> list[dict[str, Any]]:
 SMALL = 16 * MiB  # below this the budget is the 16 MiB floor and the ratio is noise
 
 
-def table(out: str) -> str:
+def reestimate(rows: list[dict[str, Any]], kernels: str) -> list[dict[str, Any]]:
+    """``rows`` with every task's estimate and budget as the current estimators give them on
+    workers of ``kernels`` (``strata.cpukernels``), the measured peaks kept."""
+    from strata import strategies
+    from strata.modelspec import profile_model
+    from strata.spec import parse_job_spec
+    from strata.types import WorkerOffer
+
+    by_name = {m.name: m for m in ZOO}
+    sections: dict[str, dict[str, Any]] = {}
+    out = []
+    for r in rows:
+        m = by_name.get(r["model"])
+        if m is None or "tasks" not in r:
+            out.append(r)
+            continue
+        if m.name not in sections:
+            sections[m.name] = m.make()
+        spec = parse_job_spec(job_spec(m, r["strategy"], m.batches.index(r["batch"]),
+                                       r["precision"], r["optimizer"], 3, sections[m.name]))
+        offers = [WorkerOffer(f"w{i}", 6 << 30, kernels) for i in range(4)]
+        plan = strategies.get(r["strategy"]).plan(spec, offers, profile_model(spec.model))
+        planned = {f"{t.role}:{t.index}": t for t in plan.tasks}
+        tasks = [{**t, "estimate": planned[t["task"]].estimated_memory_bytes,
+                  "budget": planned[t["task"]].memory_budget_bytes}
+                 if t["task"] in planned else t for t in r["tasks"]]
+        out.append({**r, "tasks": tasks})
+    return out
+
+
+def table(out: str, kernels: str | None = None) -> str:
     with open(out) as f:
         rows = [json.loads(l) for l in f if l.strip()]
+    if kernels is not None:
+        rows = reestimate(rows, kernels)
     lines = ["| model | strategy | batch | precision | optimizer | tasks | estimate MiB | "
              "budget MiB | peak MiB | peak / estimate |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     ratios: list[float] = []
-    over = low = failed = 0
+    over = low = failed = within = 0
     for r in rows:
         if "tasks" not in r or r["state"] != "SUCCEEDED":
             failed += 1
@@ -389,6 +429,7 @@ def table(out: str) -> str:
             if k["estimate"] >= SMALL:
                 ratios.append(k["ratio"])
                 low += k["ratio"] < 0.8
+                within += 0.85 <= k["ratio"] <= 1.15
             lines.append(f"| {r['model']} | {r['strategy']} | {r['batch']} | {r['precision']} | "
                          f"{r['optimizer']} | {k['tasks']} | {k['estimate'] / MiB:.1f} | "
                          f"{k['budget'] / MiB:.0f} | {k['peak'] / MiB:.1f} | "
@@ -403,7 +444,7 @@ def table(out: str) -> str:
                       f"{over}. Peak / estimate over the {len(ratios)} kinds estimated at "
                       f"{SMALL // MiB} MiB or more: min {ratios[0]:.2f}, 10th percentile "
                       f"{q(0.1):.2f}, median {q(0.5):.2f}, 90th percentile {q(0.9):.2f}, max "
-                      f"{ratios[-1]:.2f}; below 0.8: {low}."]
+                      f"{ratios[-1]:.2f}; below 0.8: {low}; within 15%: {within}."]
     return "\n".join(lines)
 
 
@@ -418,11 +459,15 @@ def main() -> None:
     p.add_argument("--agent-budget", default="6GiB")
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--table", action="store_true", help="print the table of --out and exit")
+    p.add_argument("--reestimate", choices=("onednn", "eigen", "any"), default=None,
+                   help="with --table: the current estimators' figures for workers of these "
+                        "CPU kernels instead of the run's")
     p.add_argument("--profile", action="store_true",
                    help="jobs ask for memory.profile (a probe run measures them first)")
     a = p.parse_args()
     if a.table:
-        print(table(a.out))
+        print(table(a.out, None if a.reestimate is None else
+                    "" if a.reestimate == "any" else a.reestimate))
         return
     names = [n for n in a.models.split(",") if n]
     unknown = set(names) - {m.name for m in ZOO}

@@ -542,7 +542,8 @@ class Coordinator:
         the job ever run here) or free budgets (``strata plan``: where would it run now);
         only those that meet a job's ``needs`` (a shared directory, data roots)."""
         if free:
-            return [WorkerOffer(c.name, c.free_bytes) for c in self._capacities(needs)]
+            return [WorkerOffer(c.name, c.free_bytes, w.record.cpu_kernels if w else "")
+                    for c in self._capacities(needs) for w in (self.agents.get(c.name),)]
         # Whole budgets change only when an agent comes, goes or drains
         # (``_standing_version``): kept until then, a submit does not list every agent again
         kept = self._offers.get(needs)
@@ -555,7 +556,7 @@ class Coordinator:
         return list(offers)
 
     def _budget_offers(self, needs: Needs) -> list[WorkerOffer]:
-        return [WorkerOffer(w.name, w.record.budget_bytes)
+        return [WorkerOffer(w.name, w.record.budget_bytes, w.record.cpu_kernels)
                 for w in self.agents.values() if not w.lost and not w.record.draining
                 and needs.met_by(w.record)]
 
@@ -949,11 +950,12 @@ class Coordinator:
     def register(self, name: str, host: str, device: str, budget_bytes: int, free_ports: list[int],
                  reports: list[TaskReport], work_dir: str = "", pid: int = 0,
                  shared_dir: str = "", draining: bool = False,
-                 data_roots: list[str] | None = None, caller: Caller | None = None) -> str:
+                 data_roots: list[str] | None = None, caller: Caller | None = None,
+                 cpu_kernels: str = "") -> str:
         now = self.clock()
         rec = WorkerRecord(name=name, address=host, device=device, budget_bytes=budget_bytes,
                            work_dir=work_dir, last_seen=now, shared_dir=shared_dir,
-                           data_roots=list(data_roots or []))
+                           data_roots=list(data_roots or []), cpu_kernels=cpu_kernels)
         live = self.agents.register(rec, pid, free_ports, now, self.monotonic(),
                                     self.heartbeat_timeout_s)
         live.caller = caller
@@ -1861,5 +1863,6 @@ class Coordinator:
                                     in_use_bytes=w.memory.in_use_bytes,
                                     peak_bytes=w.memory.peak_bytes),
                 tasks=tasks, last_seen=w.last_seen, shared_dir=w.record.shared_dir,
-                data_roots=list(w.record.data_roots), disk=w.disk))
+                data_roots=list(w.record.data_roots), disk=w.disk,
+                cpu_kernels=w.record.cpu_kernels))
         return out

@@ -31,6 +31,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from strata.cpukernels import ANY
 from strata.memory import FIXED_OVERHEAD, FRAGMENTATION, format_size
 from strata.modelspec import ModelProfile
 from strata.stagememory import (  # noqa: F401  (re-exported: planner's public names)
@@ -821,7 +822,7 @@ def plan_pipeline(profile: ModelProfile, workers: Sequence[WorkerSlot], *, stage
                   optimizer: str = "adam", mixed_precision: str = "none",
                   recompute: bool = False, layer_costs: Sequence[float] | None = None,
                   label_bytes: int = 8, data_bytes: int = 0,
-                  compressed: bool = False) -> PipelinePlan:
+                  compressed: bool = False, kernels: str = ANY) -> PipelinePlan:
     """Splits ``profile``'s layers into ``stages`` contiguous stages (0: the planner picks the
     depth, fewest stages among equal bottlenecks) and places ``replicas`` copies of each on
     distinct ``workers``, minimising the slowest stage's cost subject to every task's memory
@@ -840,7 +841,7 @@ def plan_pipeline(profile: ModelProfile, workers: Sequence[WorkerSlot], *, stage
                            optimizer=optimizer, mixed_precision=mixed_precision,
                            recompute=recompute, replicas=replicas, layer_costs=layer_costs,
                            label_bytes=label_bytes, data_bytes=data_bytes,
-                           compressed=compressed)
+                           compressed=compressed, kernels=kernels)
     view = _cut_view(model, profile)
     if stages and stages > view.L and view is not model:
         return PipelinePlan(False, _too_few_cuts(profile, stages), (), 0.0, replicas,
@@ -1065,7 +1066,7 @@ def suggest_stages(profile: ModelProfile, budget_bytes: int, *, global_batch: in
                    microbatches: int = 1, replicas: int = 1, optimizer: str = "adam",
                    mixed_precision: str = "none", recompute: bool = False,
                    max_stages: int | None = None, label_bytes: int = 8,
-                   data_bytes: int = 0) -> int | None:
+                   data_bytes: int = 0, kernels: str = ANY) -> int | None:
     """The smallest pipeline depth whose stages each fit ``budget_bytes`` (at most
     ``max_stages``, default: one stage per layer), or None when no depth does. Used by
     admission to tell a user "this model fits as a 4-stage pipeline"."""
@@ -1073,7 +1074,7 @@ def suggest_stages(profile: ModelProfile, budget_bytes: int, *, global_batch: in
     model = _cut_view(StageCostModel(
         profile, microbatch=microbatch, microbatches=microbatches, optimizer=optimizer,
         mixed_precision=mixed_precision, recompute=recompute, replicas=replicas,
-        label_bytes=label_bytes, data_bytes=data_bytes), profile)
+        label_bytes=label_bytes, data_bytes=data_bytes, kernels=kernels), profile)
     limit = model.L if max_stages is None else max(0, min(int(max_stages), model.L))
     if limit < 1:
         return None

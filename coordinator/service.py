@@ -35,6 +35,7 @@ from strata.coordinator.agents import CallWait
 from strata.coordinator.core import Coordinator, prepare
 from strata.coordinator.gcpolicy import GcPolicy
 from strata.coordinator.web import LOOP_LATE_SECONDS, RPC_SECONDS
+from strata.cpukernels import KINDS
 from strata.dataroots import check_roots
 from strata.limits import (
     DEFAULT_MAX_PENDING_PER_USER, DEFAULT_MAX_TASKS_PER_JOB, DEFAULT_RETENTION_S,
@@ -665,7 +666,8 @@ class ClusterServicer(pb_grpc.ClusterServiceServicer):
             request.name, request.host, request.device or "CPU", request.budget_bytes,
             list(request.free_ports), _reports(request.tasks), work_dir=request.work_dir,
             pid=request.pid, shared_dir=request.shared_dir, draining=request.draining,
-            data_roots=check_roots(request.data_roots), caller=CALLER.get())
+            data_roots=check_roots(request.data_roots), caller=CALLER.get(),
+            cpu_kernels=request.cpu_kernels if request.cpu_kernels in KINDS else "")
         return pb.RegisterAgentResponse(session=session,
                                         heartbeat_interval_s=self.coord.heartbeat_interval_s)
 

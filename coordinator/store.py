@@ -37,6 +37,8 @@ class WorkerRecord:
     pid: int = 0                  # the agent process (a drain lasts while it lives)
     #: --data-root: jobs' data paths must lie under one (empty: the agent reads anywhere)
     data_roots: list[str] = dataclasses.field(default_factory=list)
+    #: the CPU kernels its tasks run (``strata.cpukernels``; empty: unknown)
+    cpu_kernels: str = ""
 
 
 @dataclasses.dataclass

@@ -448,7 +448,7 @@ class WorkerTask(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., role: _Optional[str] = ..., index: _Optional[int] = ..., state: _Optional[_Union[TaskState, str]] = ..., memory_budget_bytes: _Optional[int] = ..., in_use_bytes: _Optional[int] = ..., peak_bytes: _Optional[int] = ...) -> None: ...
 
 class Worker(_message.Message):
-    __slots__ = ("name", "address", "state", "device", "memory", "tasks", "last_seen", "shared_dir", "data_roots", "disk")
+    __slots__ = ("name", "address", "state", "device", "memory", "tasks", "last_seen", "shared_dir", "data_roots", "disk", "cpu_kernels")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -459,6 +459,7 @@ class Worker(_message.Message):
     SHARED_DIR_FIELD_NUMBER: _ClassVar[int]
     DATA_ROOTS_FIELD_NUMBER: _ClassVar[int]
     DISK_FIELD_NUMBER: _ClassVar[int]
+    CPU_KERNELS_FIELD_NUMBER: _ClassVar[int]
     name: str
     address: str
     state: WorkerState
@@ -469,7 +470,8 @@ class Worker(_message.Message):
     shared_dir: str
     data_roots: _containers.RepeatedScalarFieldContainer[str]
     disk: DiskStatus
-    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[_Union[WorkerState, str]] = ..., device: _Optional[str] = ..., memory: _Optional[_Union[MemoryStatus, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[WorkerTask, _Mapping]]] = ..., last_seen: _Optional[float] = ..., shared_dir: _Optional[str] = ..., data_roots: _Optional[_Iterable[str]] = ..., disk: _Optional[_Union[DiskStatus, _Mapping]] = ...) -> None: ...
+    cpu_kernels: str
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[_Union[WorkerState, str]] = ..., device: _Optional[str] = ..., memory: _Optional[_Union[MemoryStatus, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[WorkerTask, _Mapping]]] = ..., last_seen: _Optional[float] = ..., shared_dir: _Optional[str] = ..., data_roots: _Optional[_Iterable[str]] = ..., disk: _Optional[_Union[DiskStatus, _Mapping]] = ..., cpu_kernels: _Optional[str] = ...) -> None: ...
 
 class DiskStatus(_message.Message):
     __slots__ = ("used_bytes", "free_bytes", "total_bytes")
@@ -737,7 +739,7 @@ class OutOfMemory(_message.Message):
     def __init__(self, task: _Optional[str] = ..., allocation_bytes: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., op: _Optional[str] = ...) -> None: ...
 
 class RegisterAgentRequest(_message.Message):
-    __slots__ = ("name", "host", "device", "budget_bytes", "free_ports", "tasks", "work_dir", "pid", "shared_dir", "draining", "data_roots")
+    __slots__ = ("name", "host", "device", "budget_bytes", "free_ports", "tasks", "work_dir", "pid", "shared_dir", "draining", "data_roots", "cpu_kernels")
     NAME_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -749,6 +751,7 @@ class RegisterAgentRequest(_message.Message):
     SHARED_DIR_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     DATA_ROOTS_FIELD_NUMBER: _ClassVar[int]
+    CPU_KERNELS_FIELD_NUMBER: _ClassVar[int]
     name: str
     host: str
     device: str
@@ -760,7 +763,8 @@ class RegisterAgentRequest(_message.Message):
     shared_dir: str
     draining: bool
     data_roots: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, name: _Optional[str] = ..., host: _Optional[str] = ..., device: _Optional[str] = ..., budget_bytes: _Optional[int] = ..., free_ports: _Optional[_Iterable[int]] = ..., tasks: _Optional[_Iterable[_Union[TaskStatus, _Mapping]]] = ..., work_dir: _Optional[str] = ..., pid: _Optional[int] = ..., shared_dir: _Optional[str] = ..., draining: _Optional[bool] = ..., data_roots: _Optional[_Iterable[str]] = ...) -> None: ...
+    cpu_kernels: str
+    def __init__(self, name: _Optional[str] = ..., host: _Optional[str] = ..., device: _Optional[str] = ..., budget_bytes: _Optional[int] = ..., free_ports: _Optional[_Iterable[int]] = ..., tasks: _Optional[_Iterable[_Union[TaskStatus, _Mapping]]] = ..., work_dir: _Optional[str] = ..., pid: _Optional[int] = ..., shared_dir: _Optional[str] = ..., draining: _Optional[bool] = ..., data_roots: _Optional[_Iterable[str]] = ..., cpu_kernels: _Optional[str] = ...) -> None: ...
 
 class RegisterAgentResponse(_message.Message):
     __slots__ = ("session", "heartbeat_interval_s")

@@ -22,6 +22,7 @@ import sys
 import time
 from typing import Any, Callable
 
+from strata import cpukernels
 from strata.limits import DEFAULT_MAX_PENDING_PER_USER, DEFAULT_MAX_TASKS_PER_JOB
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNAVAILABLE, EXIT_NOT_FOUND = 0, 1, 2, 3, 4
@@ -207,6 +208,14 @@ def cmd_worker(args: argparse.Namespace) -> int:
         raise UsageError("--threads must be >= 0")
     if not 0 <= args.warm_pool <= 16:
         raise UsageError(f"--warm-pool {args.warm_pool}: 0 to 16")
+    try:
+        kernels = cpukernels.parse(args.cpu_kernels)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if device != "CPU":
+        kernels = ""  # a GPU's kernels are its own: the estimates do not depend on these
+    elif not kernels:
+        kernels = cpukernels.detect()
     name = args.name or f"{socket.gethostname()}-{device.lower().replace(':', '')}"
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.shared_dir and not os.path.isdir(args.shared_dir):
@@ -229,7 +238,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
                             host=args.advertise_host, threads=args.threads,
                             tls=_client_tls(args), token=_token(args),
                             shared_dir=os.path.abspath(args.shared_dir) if args.shared_dir
-                            else "", data_roots=tuple(roots), warm_pool=args.warm_pool))
+                            else "", data_roots=tuple(roots), warm_pool=args.warm_pool,
+                            cpu_kernels=kernels))
 
 
 def _start_local(args: argparse.Namespace, workers: int, budget: str, quiet: bool):
@@ -828,7 +838,8 @@ def cmd_workers(args: argparse.Namespace) -> int:
     if not workers:
         print("no workers")
     else:
-        rows = [[w.name, w.address, w.device, w.state.value, _fmt_bytes(w.memory.budget_bytes),
+        rows = [[w.name, w.address, w.device + (f" ({w.cpu_kernels})" if w.cpu_kernels else ""),
+                 w.state.value, _fmt_bytes(w.memory.budget_bytes),
                  _fmt_bytes(w.memory.reserved_bytes), _fmt_bytes(w.memory.in_use_bytes),
                  _fmt_bytes(w.memory.peak_bytes), _fmt_disk(w.disk),
                  ",".join(f"{t.job_id}/{t.role}:{t.index}" for t in w.tasks) or "-"]
@@ -1066,6 +1077,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--warm-pool", type=int, default=1, metavar="N",
                     help="task processes kept ready with TensorFlow imported, so a task starts "
                          "without paying the import (each idles at about 300 MiB of RAM)")
+    sp.add_argument("--cpu-kernels", default="auto", metavar="auto|onednn|eigen",
+                    help="the CPU kernels this host's TensorFlow runs, which the memory "
+                         "estimates depend on (default auto: TensorFlow's own rule, from "
+                         "TF_ENABLE_ONEDNN_OPTS and the CPU's features)")
     tls_flags(sp)
 
     for name, fn, help_ in (("up", cmd_up, "run a coordinator and N workers locally in the foreground"),

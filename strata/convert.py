@@ -232,7 +232,7 @@ def worker_to_proto(w: WorkerInfo) -> pb.Worker:
     return pb.Worker(
         name=w.name, address=w.address, state=pb.WorkerState.Value(w.state.value), device=w.device,
         memory=memory_to_proto(w.memory), last_seen=w.last_seen, shared_dir=w.shared_dir,
-        data_roots=w.data_roots, disk=disk_to_proto(w.disk),
+        data_roots=w.data_roots, disk=disk_to_proto(w.disk), cpu_kernels=w.cpu_kernels,
         tasks=[pb.WorkerTask(job_id=t.job_id, role=t.role, index=t.index,
                              state=_task_state_to_proto(t.state),
                              memory_budget_bytes=t.memory_budget_bytes,
@@ -244,7 +244,7 @@ def worker_from_proto(m: pb.Worker) -> WorkerInfo:
     return WorkerInfo(
         name=m.name, address=m.address, device=m.device, state=WorkerState(pb.WorkerState.Name(m.state)),
         memory=memory_from_proto(m.memory), last_seen=m.last_seen, shared_dir=m.shared_dir,
-        data_roots=list(m.data_roots), disk=disk_from_proto(m.disk),
+        data_roots=list(m.data_roots), disk=disk_from_proto(m.disk), cpu_kernels=m.cpu_kernels,
         tasks=[WorkerTask(job_id=t.job_id, role=t.role, index=t.index,
                           state=_task_state_from_proto(t.state),
                           memory_budget_bytes=t.memory_budget_bytes, in_use_bytes=t.in_use_bytes,

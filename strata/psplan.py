@@ -70,6 +70,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from strata.cpukernels import ANY
 from strata.memory import (
     format_size, gradient_bytes, largest_variable_bytes, largest_workspace,
 )
@@ -163,7 +164,7 @@ def _ps_total(load: int) -> int:
 
 def plan_parameter_servers(profile: ModelProfile, *, num_ps: int, workers: int, optimizer: str,
                            batch_size: int, mixed_precision: str, data_bytes: int,
-                           ps_budget_bytes: int | None = None) -> PsPlan:
+                           ps_budget_bytes: int | None = None, kernels: str = ANY) -> PsPlan:
     """Places ``profile``'s layers on ``num_ps`` PS tasks (LPT) and estimates every task's
     peak memory for asynchronous training with ``workers`` workers, ``optimizer`` (a Keras
     optimizer name), batches of ``batch_size`` examples per step and ``mixed_precision``
@@ -196,7 +197,7 @@ def plan_parameter_servers(profile: ModelProfile, *, num_ps: int, workers: int, 
     worker = (4 * params + (2 * params if mixed else 0) + 4 * profile.trainable_params
               + act * b * profile.activation_elems + max(0, int(data_bytes))
               + WORKER_INPUT_BATCHES * b * (4 * profile.input_elems + label_bytes))
-    worker += largest_workspace(profile)
+    worker += largest_workspace(profile, kernels)
     worker_bytes = WORKER_FIXED + int(math.ceil(worker * (1 + FRAGMENTATION)))
 
     eb = min(b, EVAL_BATCH_MAX)

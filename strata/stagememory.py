@@ -99,9 +99,10 @@ import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from strata.cpukernels import ANY, EIGEN
 from strata.memory import (
     FIXED_OVERHEAD, FRAGMENTATION, OPTIMIZER_SLOTS, layer_workspaces, optimizer_buffers,
-    update_transient_bytes,
+    RATES, rates_of, update_transient_bytes,
 )
 from strata.modelspec import ModelProfile
 
@@ -113,9 +114,23 @@ __all__ = [
 MIXED_PRECISION_MODES = ("none", "bfloat16", "float16")
 
 # Calibrated against worker/pipeline.py (module docstring, "Calibration").
-PIPELINE_ACTIVATION_BYTES = 3.2        # per kept layer output element per example, float32
-PIPELINE_MIXED_ACTIVATION_BYTES = 3.2  # the same with bfloat16/float16 compute (CPU)
+# per kept layer output element per example, float32 and with bfloat16/float16 compute, on
+# Eigen's kernels (``strata.memory.KernelRates.pipeline``: each family's own)
+PIPELINE_ACTIVATION_BYTES, PIPELINE_MIXED_ACTIVATION_BYTES = RATES[EIGEN].pipeline
 PIPELINE_INPUT_BATCHES = 2.0           # input batches alive on the first stage (batch + split)
+
+
+def kept_share(kind: str, kernels: str = ANY) -> float:
+    """The share of a layer's output a pipeline stage keeps for its backward pass, against a
+    Dense layer's (``PIPELINE_ACTIVATION_BYTES`` was measured on Dense stacks): the float32
+    data-parallel rates' ratio (``strata.memory.KernelRates``): a convolution's output is kept
+    whole, a normalisation's or activation's mostly computed in place, a sum's, padding's or
+    reshape's not at all (their gradients pass through)."""
+    r = rates_of(kernels)
+    if r.pipeline_shares is not None:
+        return r.pipeline_shares.get(kind, 1.0)
+    own = r.layers.get(kind)
+    return 1.0 if own is None else own[0] / r.dense[0]
 
 
 def _check_optimizer(optimizer: str) -> str:
@@ -138,7 +153,7 @@ class StageCostModel:
                  optimizer: str = "adam", mixed_precision: str = "none",
                  recompute: bool = False, replicas: int = 1,
                  layer_costs: Sequence[float] | None = None, label_bytes: int = 8,
-                 data_bytes: int = 0, compressed: bool = False):
+                 data_bytes: int = 0, compressed: bool = False, kernels: str = ANY):
         layers = profile.layers
         if not layers:
             raise SpecError("model", "has no layers to split into stages")
@@ -163,6 +178,7 @@ class StageCostModel:
         self.replicas = replicas
         self.label_bytes = int(label_bytes)
         self.data_bytes = int(data_bytes)
+        self.kernels = kernels
 
         # per-unit coefficients (bytes)
         self.c_weight = 4 + (2 if mixed else 0)
@@ -172,18 +188,19 @@ class StageCostModel:
         self.c_wire = 2 * replicas if compressed and replicas > 1 else 0
         self.c_train = 4 * (1 + (1 if self.accumulates else 0) + slots + max(0, replicas - 1)) \
             + self.c_wire
-        per_elem = PIPELINE_MIXED_ACTIVATION_BYTES if mixed else PIPELINE_ACTIVATION_BYTES
+        per_elem = rates_of(kernels).pipeline[1 if mixed else 0]
         self.c_act = per_elem * m * (1 if self.recompute else M)
         self.in_flight_examples = PIPELINE_INPUT_BATCHES * m * M * replicas  # global batches
         self.label_examples = PIPELINE_INPUT_BATCHES * m * M  # one replica's batches
 
         pp = [0] * (L + 1)
         pt = [0] * (L + 1)
-        pa = [0] * (L + 1)
+        pa: list[float] = [0.0] * (L + 1)  # kept output elements, weighted by kind
         for i, layer in enumerate(layers):
             pp[i + 1] = pp[i] + layer.params
             pt[i + 1] = pt[i] + layer.trainable_params
-            pa[i + 1] = pa[i] + layer.output_elems + layer.internal_elems
+            pa[i + 1] = pa[i] + kept_share(layer.kind, kernels) * layer.output_elems \
+                + layer.internal_elems
         self._pp, self._pt, self._pa = pp, pt, pa
 
         # X[b]: terms that grow with the end b; Y[a]: with the start a (subtracted)
@@ -210,7 +227,8 @@ class StageCostModel:
         # MaxPoolGrad) 14 MiB above its stage's estimate
         self._ws = [w + (4 * self._in_elems(i) * m if self._in_elems(i) >= 2 * layer.output_elems
                          else 0)
-                    for i, (w, layer) in enumerate(zip(layer_workspaces(profile), layers))]
+                    for i, (w, layer) in enumerate(zip(layer_workspaces(profile, kernels),
+                                                       layers))]
         self._upd = [update_transient_bytes(layer, self.optimizer) for layer in layers]
         # per layer: what the stage's peak can exceed the backward-pass terms by when the
         # layer's transient is the stage's largest. The update's temporaries come when the

@@ -259,6 +259,8 @@ class WorkerInfo:
     shared_dir: str = ""
     data_roots: list[str] = dataclasses.field(default_factory=list)
     disk: DiskStatus = DiskStatus()
+    #: the CPU kernels its tasks run (``strata.cpukernels``; empty: a GPU, or not known)
+    cpu_kernels: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,6 +270,8 @@ class WorkerOffer:
 
     name: str
     bytes: int
+    #: the CPU kernels its tasks run (``strata.cpukernels``; empty: unknown, estimated as Eigen)
+    kernels: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -367,7 +371,7 @@ def worker_to_json(w: WorkerInfo) -> dict[str, Any]:
                    "memory_budget_bytes": t.memory_budget_bytes, "in_use_bytes": t.in_use_bytes,
                    "peak_bytes": t.peak_bytes} for t in w.tasks],
         "last_seen": w.last_seen, "shared_dir": w.shared_dir,
-        "disk": dataclasses.asdict(w.disk),
+        "disk": dataclasses.asdict(w.disk), "cpu_kernels": w.cpu_kernels,
     }
 
 

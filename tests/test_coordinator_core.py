@@ -739,3 +739,22 @@ def test_an_oom_bound_is_not_a_peak_a_code_job_that_ran_out_is_probed_again_abov
     second = coord.get(coord._probe_of[again.id])
     bound = PROBE_FIRST_BYTES + (100 << 20) // 2  # strata.oom.needed_bytes, no peak seen
     assert {t.memory_budget_bytes for t in second.tasks} == {bound * 3 // 2}
+
+
+def test_workers_cpu_kernels_decide_the_estimate(env):
+    """An agent's CPU kernels (``strata.cpukernels``) reach the planner's offers and the workers
+    list; a job on oneDNN workers is estimated without Eigen's convolution workspace, and a
+    cluster of both families at the larger figure."""
+    coord, _, _, _ = env
+    for name, kernels in (("a", "onednn"), ("b", "onednn")):
+        coord.register(name, "127.0.0.1", "CPU", 4 * GiB, [1, 2, 3, 4], [], cpu_kernels=kernels)
+    assert {o.kernels for o in coord.worker_offers(free=False)} == {"onednn"}
+    assert {w.name: w.cpu_kernels for w in coord.list_workers()} == {"a": "onednn", "b": "onednn"}
+    with open(os.path.join(ROOT, "tests", "fixtures", "keras_models.json")) as f:
+        cnn = json.load(f)["good"]["cnn"]
+    spec = {**SPEC, "name": "cnn", "model": {"keras_json": cnn["json"]},
+            "data": {"source": "synthetic", "examples": 256, "batch_size": 64}}
+    onednn = coord.plan(spec).tasks[0].estimated_memory_bytes
+    coord.register("c", "127.0.0.1", "CPU", 4 * GiB, [1, 2, 3, 4], [], cpu_kernels="eigen")
+    both = coord.plan(spec).tasks[0].estimated_memory_bytes
+    assert both > onednn + (1 << 20)  # Eigen's im2col buffer, at least

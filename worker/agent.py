@@ -124,6 +124,9 @@ class AgentConfig:
     data_roots: tuple[str, ...] = ()
     #: task processes kept ready with TensorFlow imported (``--warm-pool``; 0: none)
     warm_pool: int = 0
+    #: the CPU kernels its tasks' TensorFlow runs (``--cpu-kernels``; ``strata.cpukernels``),
+    #: told to the coordinator, whose memory estimates depend on it; empty on a GPU
+    cpu_kernels: str = ""
     #: the coordinator's CA, and this agent's certificate under mutual TLS (empty: plain text)
     tls: ClientTls = dataclasses.field(default_factory=ClientTls)
     #: its ``agent`` token (``strata.auth``; empty when the coordinator has no auth)
@@ -721,7 +724,8 @@ class Agent:
             budget_bytes=self.cfg.budget_bytes, free_ports=self.free_ports, tasks=self._reports(),
             work_dir=os.path.abspath(self.cfg.work_dir), pid=os.getpid(),
             shared_dir=os.path.abspath(self.cfg.shared_dir) if self.cfg.shared_dir else "",
-            draining=self.draining.is_set(), data_roots=list(self.cfg.data_roots)),
+            draining=self.draining.is_set(), data_roots=list(self.cfg.data_roots),
+            cpu_kernels=self.cfg.cpu_kernels),
             timeout=RPC_TIMEOUT_S)
         self.session = resp.session
         self._alive()

@@ -24,6 +24,7 @@ import dataclasses
 import enum
 from typing import TYPE_CHECKING, Callable, ClassVar, Mapping, Sequence
 
+from strata.cpukernels import ANY
 from strata.memory import (
     HEADROOM_FRACTION, HEADROOM_MIN, conv_workspace_bytes, default_budget, format_size,
     largest_variable_bytes,
@@ -124,14 +125,15 @@ def largest_variable(profile: ModelProfile, first: int = 0, last: int | None = N
     return max((largest_variable_bytes(layer) for layer in layers), default=0)
 
 
-def largest_training_alloc(profile: ModelProfile, first: int = 0, last: int | None = None) -> int:
+def largest_training_alloc(profile: ModelProfile, first: int = 0, last: int | None = None,
+                           kernels: str = ANY) -> int:
     """The largest single tensor a training step of layers ``[first, last)`` allocates: a
     variable (its gradient and update temporaries are the same size) or a convolution's
     im2col buffer (``strata.memory.conv_workspace_bytes``). A budget leaves room for it to be
     found contiguous (``default_budget``)."""
     layers = profile.layers[first:last]
     return max([largest_variable(profile, first, last)]
-               + [conv_workspace_bytes(layer) for layer in layers])
+               + [conv_workspace_bytes(layer, kernels) for layer in layers])
 
 
 def offer_for_estimate(free_bytes: int) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar, Sequence
 
+from strata.cpukernels import family
 from strata.memory import estimate_task_memory, format_size, label_bytes_of
 from strata.strategies import register
 from strata.strategies.base import (
@@ -40,7 +41,7 @@ class MultiWorkerMirrored(Strategy):
             return code_model_plan(self.name, spec, workers,
                                    [("worker", i) for i in range(spec.workers)])
         e = estimate_task_memory(spec.to_dict(), spec.per_replica_batch, profile,
-                                 collective=True)
+                                 collective=True, kernels=family(w.kernels for w in workers))
         estimate = e.total
         budget = budget_for(spec, estimate, e.largest_alloc)
         layers = tuple(layer.name for layer in profile.layers)
@@ -98,7 +99,8 @@ def _pipeline_hint(spec: JobSpec, profile: ModelProfile, workers: Sequence[Worke
         k = suggest_stages(profile, largest, global_batch=spec.data.batch_size,
                            microbatches=microbatches, optimizer=spec.training.optimizer_used.name,
                            mixed_precision=spec.memory.mixed_precision,
-                           label_bytes=label_bytes_of(spec.to_dict(), profile), data_bytes=0)
+                           label_bytes=label_bytes_of(spec.to_dict(), profile), data_bytes=0,
+                           kernels=family(w.kernels for w in workers))
     except ValueError:
         k = None
     if k is None:

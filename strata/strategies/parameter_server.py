@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Mapping, Sequence
 
 from strata.errors import SpecError
+from strata.cpukernels import family
 from strata.memory import dataset_bytes, format_size
 from strata.memory import largest_variable_bytes
 from strata.strategies import register
@@ -52,12 +53,13 @@ class ParameterServer(Strategy):
                 ("worker", i) for i in range(spec.workers)] + [
                 ("ps", j) for j in range(spec.parameter_servers)])
 
+        kernels = family(w.kernels for w in workers)
         p = plan_parameter_servers(
             profile, num_ps=spec.parameter_servers, workers=spec.workers,
             optimizer=spec.training.optimizer_used.name, batch_size=spec.data.batch_size,
             mixed_precision=spec.memory.mixed_precision,
             data_bytes=dataset_bytes(spec.to_dict(), profile),
-            ps_budget_bytes=spec.memory.per_task_budget_bytes or None)
+            ps_budget_bytes=spec.memory.per_task_budget_bytes or None, kernels=kernels)
         by_ps: dict[int, list[str]] = {}
         for layer in profile.layers:
             if layer.name in p.placement:
@@ -68,7 +70,8 @@ class ParameterServer(Strategy):
                   for j in range(spec.parameter_servers)}
         tasks = [TaskPlan("chief", 0, p.chief_bytes, budget_for(spec, p.chief_bytes, big))]
         tasks += [TaskPlan("worker", i, p.worker_bytes,
-                           budget_for(spec, p.worker_bytes, largest_training_alloc(profile)))
+                           budget_for(spec, p.worker_bytes,
+                                      largest_training_alloc(profile, kernels=kernels)))
                   for i in range(spec.workers)]
         tasks += [TaskPlan("ps", j, p.ps_bytes[j], budget_for(spec, p.ps_bytes[j], ps_big[j]),
                            layers=tuple(by_ps.get(j, ())))

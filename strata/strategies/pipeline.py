@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Sequence
 
 from strata.errors import SpecError
+from strata.cpukernels import family
 from strata.memory import label_bytes_of
 from strata.strategies import register
 from strata.strategies.base import (
@@ -49,6 +50,7 @@ class Pipeline(Strategy):
         from strata.coordinator.planner import WorkerSlot, plan_pipeline
 
         fixed = spec.memory.per_task_budget_bytes
+        kernels = family(w.kernels for w in workers)
         slots = []
         for w in workers:
             if fixed:
@@ -66,13 +68,14 @@ class Pipeline(Strategy):
             label_bytes=label_bytes_of(spec.to_dict(), profile),
             # the driver keeps the training set in host memory, outside the allocator: only
             # the batches it draws count (the planner's input term)
-            data_bytes=0, compressed=spec.gradients.compression != "none")
+            data_bytes=0, compressed=spec.gradients.compression != "none",
+            kernels=kernels)
         S = p.num_stages
         tasks = []
         for s in sorted(p.stages, key=lambda s: (s.replica, s.index)):
             k = s.replica * S + s.index
             role, index = ("chief", 0) if k == 0 else ("worker", k - 1)
-            big = largest_training_alloc(profile, s.first_layer, s.last_layer)
+            big = largest_training_alloc(profile, s.first_layer, s.last_layer, kernels)
             tasks.append(TaskPlan(role, index, s.estimate_bytes,
                                   budget_for(spec, s.estimate_bytes, big),
                                   stage=s.index, replica=s.replica, first_layer=s.first_layer,
