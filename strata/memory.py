@@ -60,7 +60,8 @@ Terms (bytes, per task):
   than the training peak the difference is added to ``data``.
 - ``workspace``: the im2col buffer of a Conv2D layer's Eigen CPU kernels during the backward
   pass (``conv_workspace_bytes``; up to about 30 MiB whatever the batch; none on oneDNN's).
-  The pack is a single chunk the budget leaves room for (``default_budget``). Not a term, but added by ``default_budget``: one more of the largest activation tensor (a
+  The pack is a single chunk the budget leaves room for (``default_budget``). Not a term,
+  but added by ``default_budget``: one more of the largest activation tensor (a
   layer's float32 output over the per-replica batch), also the task's largest single
   allocation when the batch is large (``largest_alloc``). Measured: the digits MLP at 4,096
   examples per replica peaked at 63-74 MiB alone, but at up to 89 MiB with three such jobs
@@ -332,28 +333,34 @@ RATES: dict[str, KernelRates] = {
 }
 
 
+def pipeline_share(r: KernelRates, kind: str) -> float:
+    """The share of a ``kind`` layer's output a pipeline stage keeps on ``r``'s kernels
+    (``KernelRates.pipeline_shares``; ``strata.stagememory.kept_share``)."""
+    if r.pipeline_shares is not None:
+        return r.pipeline_shares.get(kind, 1.0)
+    own = r.layers.get(kind)
+    return 1.0 if own is None else own[0] / r.dense[0]
+
+
 def _larger(a: KernelRates, b: KernelRates) -> KernelRates:
+    """Each of ``a``'s and ``b``'s figures, the larger (every estimate grows with every one)."""
     def hi(x: tuple[float, float], y: tuple[float, float]) -> tuple[float, float]:
         return (max(x[0], y[0]), max(x[1], y[1]))
-    kinds = set(a.layers) & set(b.layers)  # a kind one family lacks counts as its Dense
-    layers = {k: hi(a.layers[k], b.layers[k]) for k in kinds}
-    layers.update({k: hi(a.layers[k], b.dense) for k in set(a.layers) - kinds})
-    layers.update({k: hi(b.layers[k], a.dense) for k in set(b.layers) - kinds})
-    from strata.stagememory import kept_share
-
-    shares = {k: max(kept_share(k, EIGEN), kept_share(k, ONEDNN)) for k in layers}
+    kinds = set(a.layers) | set(b.layers)  # a kind one family lacks counts as its Dense
+    layers = {k: hi(a.layers.get(k, a.dense), b.layers.get(k, b.dense)) for k in kinds}
+    shares = {k: max(pipeline_share(a, k), pipeline_share(b, k)) for k in kinds}
     return KernelRates(hi(a.dense, b.dense), layers, a.conv_workspace or b.conv_workspace,
                        hi(a.pipeline, b.pipeline),
                        hi(a.internal or a.dense, b.internal or b.dense), shares)
 
 
+#: not known, or workers of both families
+RATES[ANY] = _larger(RATES[EIGEN], RATES[ONEDNN])
+
+
 def rates_of(kernels: str) -> KernelRates:
-    """The rates of ``kernels``; for ``ANY`` (not known, or workers of both families) the
-    larger of the two families' rates, each one (every estimate grows with every rate)."""
-    r = RATES.get(kernels)
-    if r is None:
-        r = _larger(RATES[EIGEN], RATES[ONEDNN])
-    return r
+    """The rates of ``kernels`` (``ANY``'s for a family it does not know)."""
+    return RATES.get(kernels, RATES[ANY])
 
 
 def activation_bytes_per_example(profile: ModelProfile, mixed: bool,

@@ -38,8 +38,10 @@ micro-batches, ``R`` the replicas and the stage's layers [first, last):
   (``strata.memory.update_transient_bytes``), bounded from one end for the planner's search
   (``memory``); ``estimate`` takes the exact maximum, and the larger of the backward pass and
   the optimizer step (when the activations are gone), for the budgets;
-- activations: ``PIPELINE_ACTIVATION_BYTES`` (``PIPELINE_MIXED_ACTIVATION_BYTES`` with mixed
-  precision) per output element of the stage's layers per example, x m x M: GPipe keeps every
+- activations: the kernel family's pipeline rate (``strata.memory.KernelRates.pipeline``;
+  ``PIPELINE_ACTIVATION_BYTES`` and ``PIPELINE_MIXED_ACTIVATION_BYTES`` are Eigen's) per output
+  element of the stage's layers per example, each kind at its kept share (``kept_share``),
+  x m x M: GPipe keeps every
   micro-batch's activations until its backward pass. With ``recompute`` only ONE micro-batch's
   (the one being recomputed and back-propagated), x m;
 - boundary input: the stage's input (the previous stage's output, or the model input for the
@@ -102,7 +104,7 @@ from typing import Any, Sequence
 from strata.cpukernels import ANY, EIGEN
 from strata.memory import (
     FIXED_OVERHEAD, FRAGMENTATION, OPTIMIZER_SLOTS, layer_workspaces, optimizer_buffers,
-    RATES, rates_of, update_transient_bytes,
+    RATES, pipeline_share, rates_of, update_transient_bytes,
 )
 from strata.modelspec import ModelProfile
 
@@ -121,16 +123,11 @@ PIPELINE_INPUT_BATCHES = 2.0           # input batches alive on the first stage 
 
 
 def kept_share(kind: str, kernels: str = ANY) -> float:
-    """The share of a layer's output a pipeline stage keeps for its backward pass, against a
-    Dense layer's (``PIPELINE_ACTIVATION_BYTES`` was measured on Dense stacks): the float32
-    data-parallel rates' ratio (``strata.memory.KernelRates``): a convolution's output is kept
-    whole, a normalisation's or activation's mostly computed in place, a sum's, padding's or
-    reshape's not at all (their gradients pass through)."""
-    r = rates_of(kernels)
-    if r.pipeline_shares is not None:
-        return r.pipeline_shares.get(kind, 1.0)
-    own = r.layers.get(kind)
-    return 1.0 if own is None else own[0] / r.dense[0]
+    """The share of a ``kind`` layer's output a pipeline stage keeps for its backward pass,
+    against a Dense layer's (the pipeline rates were measured on Dense stacks), on ``kernels``
+    (``strata.memory.KernelRates.pipeline_shares``, fitted per family: a normalisation's or
+    activation's output is mostly computed in place, a sum's or padding's not kept at all)."""
+    return pipeline_share(rates_of(kernels), kind)
 
 
 def _check_optimizer(optimizer: str) -> str:
@@ -178,7 +175,6 @@ class StageCostModel:
         self.replicas = replicas
         self.label_bytes = int(label_bytes)
         self.data_bytes = int(data_bytes)
-        self.kernels = kernels
 
         # per-unit coefficients (bytes)
         self.c_weight = 4 + (2 if mixed else 0)

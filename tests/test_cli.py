@@ -85,6 +85,9 @@ def test_bad_flags_and_missing_things(coord, tmp_path):
     assert r.returncode == 2 and "--memory-budget" in r.stderr
     r = strata("worker", "--coordinator", coord.address, "--memory-budget", "1GiB", "--device", "TPU")
     assert r.returncode == 2 and "--device" in r.stderr
+    r = strata("worker", "--coordinator", coord.address, "--memory-budget", "1GiB",
+               "--cpu-kernels", "mkl")
+    assert r.returncode == 2 and "--cpu-kernels" in r.stderr and "Traceback" not in r.stderr
     r = strata("status", "nope-123456", "--coordinator", coord.address)
     assert r.returncode == 4 and "not found" in r.stderr
     r = strata("logs", "nope-123456", "--task", "worker", "--coordinator", coord.address)

@@ -13,6 +13,7 @@ import pytest
 
 from conftest import spec, task_processes, wait_until
 from strata.client import Client
+from strata.cpukernels import detect
 from strata.local import LocalCluster
 from strata.types import JobState
 
@@ -72,6 +73,8 @@ def test_strata_up_starts_and_stops_everything(tmp_path):
         workers = json.loads(r.stdout)
         assert len(workers) == 2 and all(w["memory"]["budget_bytes"] == 512 << 20 for w in workers)
         assert {w["state"] for w in workers} == {"READY"}
+        # each agent told its CPU kernels, as TensorFlow decides them on this host
+        assert {w["cpu_kernels"] for w in workers} == {detect()}
         with Client(address) as client:
             job = client.submit(spec(name="under-up", training={"steps": 1_000_000}))
             wait_until(lambda: client.get(job.id).state == JobState.RUNNING, 120, what="RUNNING")
