@@ -299,13 +299,12 @@ _EIGEN_LAYERS: dict[str, tuple[float, float]] = {
     "Add": _PASS, "Concatenate": _PASS, "ZeroPadding2D": _PASS, "Rescaling": _PASS,
     "Normalization": _PASS, "Flatten": _PASS, "Reshape": _PASS,
 }
-#: oneDNN (``onednn``): fitted on the memory zoo rerun on a oneDNN host (``bench/memory_zoo.py
-#: --configs pair``, the data-parallel and pipeline jobs of 19 models: MLPs, convolution stacks,
-#: an LSTM, a transformer block, four keras.applications; ``docs/benchmarks.md``). Its kernels
+#: oneDNN (``onednn``): fitted the same way on the same jobs run on a oneDNN host and their
+#: check run (every peak under 90% of its budget). Its kernels
 #: run bfloat16 natively, so mixed precision holds about what float32 does, not Eigen's
 #: float32-and-16-bit copies; a convolution keeps no im2col workspace.
-_O_ACT = (1.4, 1.7)
-_O_CONV = (4.1, 4.5)
+_O_ACT = (1.3, 2.1)
+_O_CONV = (4.1, 5.2)
 _ONEDNN_LAYERS = {k: (_O_CONV if v == _CONV else _O_ACT if v == _ACT else v)
                   for k, v in _EIGEN_LAYERS.items()}
 
@@ -330,8 +329,8 @@ RATES: dict[str, KernelRates] = {
         pipeline=(4.4, 2.3), internal=(4.6, 14.0),
         pipeline_shares=_shares(1.6, 1.6)),
     ONEDNN: KernelRates(
-        (4.1, 5.2), _ONEDNN_LAYERS, False, pipeline=(4.4, 2.5), internal=(4.3, 5.0),
-        pipeline_shares=_shares(0.6, 0.8)),
+        (4.1, 5.0), _ONEDNN_LAYERS, False, pipeline=(3.0, 2.0), internal=(5.9, 4.8),
+        pipeline_shares=_shares(0.7, 1.2)),
 }
 
 
