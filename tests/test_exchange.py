@@ -66,18 +66,22 @@ def test_other_strategies_refuse_the_options_but_take_their_defaults(strategy, e
 
 
 def test_memory_estimate_follows_the_options():
-    def est(**g):
-        s = parse_job_spec(raw(data={"source": "digits", "batch_size": 4096}, gradients=g))
+    def est(batch=4096, **g):
+        s = parse_job_spec(raw(data={"source": "digits", "batch_size": batch}, gradients=g))
         return estimate_task_memory(s.to_dict(), s.per_replica_batch)
 
-    plain, sliced, packed16 = est(), est(accumulate=8), est(compression="bfloat16")
+    plain, sliced = est(), est(accumulate=8)
     params = 64 * 1024 + 1024 + 1024 * 512 + 512 + 512 * 256 + 256 + 256 * 10 + 10
     # a slice's activations, plus the float32 running sum (and the next one)
     assert sliced.activations == pytest.approx(plain.activations / 8, rel=0.01)
     assert sliced.gradients == plain.gradients + 8 * params
     assert sliced.total < plain.total
-    # 16-bit copies and their sum on top of the pack
-    assert packed16.collective == plain.collective + 4 * params
+    # 16-bit copies and their sum on top of the pack, in the all-reduce phase: it follows the
+    # backward pass, so they count where that phase is the larger (a small batch)
+    small, packed16 = est(64), est(64, compression="bfloat16")
+    assert small.collective > 0
+    assert packed16.collective == small.collective + 4 * params
+    assert est(compression="bfloat16").total == plain.total  # the activations' phase is larger
 
 
 # ---------------------------------------------------------------------------------------------
