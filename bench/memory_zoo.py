@@ -319,6 +319,9 @@ def run_with_client(client: Any, rows: list[tuple[str, str, tuple]], out: str, s
         try:
             job = client.submit(spec)
             job = client.wait(job.id, timeout=timeout)
+            # a pipeline's later stages and a PS job's servers end (and send their final
+            # peak) just after the job does
+            job = client.settled(job.id)
         except TimeoutError as e:
             row.update(state="TIMEOUT", message=str(e))
             if job is not None:

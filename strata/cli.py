@@ -406,23 +406,12 @@ def _follow(client, job_id: str):
             last_line, last_print = line, time.monotonic()
     if tty and last_line:
         print()
-    return _settled(client, job_id)
+    return client.settled(job_id, SETTLE_S)
 
 
 #: how long ``--follow`` waits, once a job ended, for its tasks to end too (its servers are
 #: stopped after its lead succeeded): the last table then shows how each ended
 SETTLE_S = 15.0
-
-
-def _settled(client, job_id: str):
-    """The job once it and (up to ``SETTLE_S``) each of its tasks have ended."""
-    job = client.get(job_id)
-    deadline = time.monotonic() + SETTLE_S
-    while job.state.final and any(not t.state.final for t in job.tasks) \
-            and time.monotonic() < deadline:
-        time.sleep(0.5)
-        job = client.get(job_id)
-    return job
 
 
 #: seconds a job file and its --set flags may take to parse; a real one takes milliseconds

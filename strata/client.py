@@ -375,6 +375,19 @@ class Client:
             if job.state.final:
                 return job
 
+    def settled(self, job_id: str, timeout: float = 15.0) -> Job:
+        """The job once it and (up to ``timeout`` seconds) each of its tasks have ended. A job
+        ends when its lead task does; the others (a pipeline's later stages, a PS job's
+        servers) send their last report, with their final state and allocator peak, a moment
+        later. A job not yet final is returned as it is."""
+        job = self.get(job_id)
+        deadline = time.monotonic() + timeout
+        while job.state.final and any(not t.state.final for t in job.tasks) \
+                and time.monotonic() < deadline:
+            time.sleep(0.5)
+            job = self.get(job_id)
+        return job
+
     def logs(self, job_id: str, role: str | None = None, index: int = 0, follow: bool = False,
              timeout: float | None = None, tail: int = 0) -> Iterator[tuple[str, int, bytes]]:
         """Task logs in chunks: every task's, or one task's; ``tail``: only the last lines of

@@ -274,6 +274,11 @@ class KernelRates:
     #: a pipeline stage's share of a kind's output kept, against a Dense output's (None: the
     #: float32 ``layers`` rate over the ``dense`` one; ``strata.stagememory.kept_share``)
     pipeline_shares: dict[str, float] | None = None
+    #: a pipeline stage's gradient accumulator (micro-batches or replicas summed), in
+    #: gradient sizes beside the one being made: the runner's graph adds each layer's
+    #: gradient into it as the backward pass makes it, so only part of a whole set is alive
+    #: at once beside the sum (``strata.stagememory``)
+    accumulator: float = 1.0
 
 
 #: Eigen (``eigen``): Dense in float32 at its calibration (the module docstring), the rest
@@ -300,7 +305,11 @@ _EIGEN_LAYERS: dict[str, tuple[float, float]] = {
     "Normalization": _PASS, "Flatten": _PASS, "Reshape": _PASS,
 }
 #: oneDNN (``onednn``): fitted the same way on the same jobs run on a oneDNN host and their
-#: check run (every peak under 90% of its budget). Its kernels
+#: check run (every peak under 90% of its budget). A stage's accumulator counts 0.75 of a
+#: gradient: the last stages of four keras.applications models (most of their weights, Adam or
+#: SGD, float32 or bfloat16) peaked at 0.80-0.87 of estimates that counted it whole, and the
+#: 0.75 that brought 58 of 72 pipeline and hybrid task kinds within 15% (39 before) kept every
+#: peak under 90% of its budget (Eigen's runs gained 2 kinds and stay at 1). Its kernels
 #: run bfloat16 natively, so mixed precision holds about what float32 does, not Eigen's
 #: float32-and-16-bit copies; a convolution keeps no im2col workspace.
 _O_ACT = (1.3, 2.1)
@@ -330,7 +339,7 @@ RATES: dict[str, KernelRates] = {
         pipeline_shares=_shares(1.6, 1.6)),
     ONEDNN: KernelRates(
         (4.1, 5.0), _ONEDNN_LAYERS, False, pipeline=(3.0, 2.0), internal=(5.9, 4.8),
-        pipeline_shares=_shares(0.7, 1.2)),
+        pipeline_shares=_shares(0.7, 1.2), accumulator=0.75),
 }
 
 
@@ -352,7 +361,8 @@ def _larger(a: KernelRates, b: KernelRates) -> KernelRates:
     shares = {k: max(pipeline_share(a, k), pipeline_share(b, k)) for k in kinds}
     return KernelRates(hi(a.dense, b.dense), layers, a.conv_workspace or b.conv_workspace,
                        hi(a.pipeline, b.pipeline),
-                       hi(a.internal or a.dense, b.internal or b.dense), shares)
+                       hi(a.internal or a.dense, b.internal or b.dense), shares,
+                       max(a.accumulator, b.accumulator))
 
 
 #: not known, or workers of both families

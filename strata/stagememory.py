@@ -16,9 +16,11 @@ micro-batches, ``R`` the replicas and the stage's layers [first, last):
 - weights: 4 bytes per parameter, +2 with mixed precision (16-bit compute copies: the runner
   casts once per step, not once per micro-batch);
 - gradients: 4 bytes per trainable parameter;
-- accumulator: one more gradient-sized buffer wherever the step sums gradients: the sum of
-  the M micro-batches' gradients (M > 1; with M = 1 the one gradient is used as it is), or,
-  with replicas, a gradient received from another replica;
+- accumulator: wherever the step sums gradients (the M micro-batches' gradients, M > 1; with
+  M = 1 the one gradient is used as it is; or, with replicas, a gradient received from
+  another replica), the kernel family's ``KernelRates.accumulator`` more gradient sizes (1 on
+  Eigen, 0.75 on oneDNN: the step's graph adds each layer's gradient into the sum as the
+  backward pass makes it, so a whole set never lives beside it);
 - optimizer slots: ``strata.memory.optimizer_buffers(optimizer)`` x 4 bytes per trainable
   parameter (the slots, and for RMSprop one more buffer its step holds);
 - collective (R > 1): every replica's task of a stage receives the other ``R - 1`` replicas'
@@ -182,7 +184,8 @@ class StageCostModel:
         self.accumulates = M > 1 or replicas > 1
         # 16-bit copies of the exchanged gradients (``gradients.compression``, replicas only)
         self.c_wire = 2 * replicas if compressed and replicas > 1 else 0
-        self.c_train = 4 * (1 + (1 if self.accumulates else 0) + slots + max(0, replicas - 1)) \
+        self.acc_share = rates_of(kernels).accumulator if self.accumulates else 0.0
+        self.c_train = 4 * (1 + self.acc_share + slots + max(0, replicas - 1)) \
             + self.c_wire
         per_elem = rates_of(kernels).pipeline[1 if mixed else 0]
         self.c_act = per_elem * m * (1 if self.recompute else M)
@@ -357,7 +360,7 @@ class StageCostModel:
         terms = {
             "weights": self.c_weight * params,
             "gradients": 4 * train,
-            "accumulator": 4 * train if self.accumulates else 0,
+            "accumulator": math.ceil(4 * self.acc_share * train),
             "optimizer_slots": 4 * slots * train,
             "collective": (4 * max(0, self.replicas - 1) + self.c_wire) * train,
             "activations": math.ceil(self.c_act * acts),

@@ -3,6 +3,8 @@ and estimated with its own figures."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from strata.cpukernels import ANY, EIGEN, ONEDNN, detect, family, parse
@@ -82,3 +84,18 @@ def test_onednn_has_no_convolution_workspace_and_any_takes_the_larger():
     for kind, rate in RATES[ONEDNN].layers.items():
         other = RATES[EIGEN].layers.get(kind, RATES[EIGEN].dense)
         assert r.layers[kind] == (max(rate[0], other[0]), max(rate[1], other[1]))
+
+
+def test_a_stage_accumulator_is_the_family_share_of_a_gradient():
+    """A stage that sums gradients (micro-batches or replicas) counts its family's accumulator
+    share (oneDNN 0.75 of a gradient, Eigen 1, ANY the larger); one that does not counts none."""
+    profile = profile_model(_conv_spec()["model"])
+    L = len(profile.layers)
+    train = profile.trainable_params
+    for k in (EIGEN, ONEDNN, ANY):
+        summed = StageCostModel(profile, microbatch=4, microbatches=4, kernels=k)
+        assert summed.breakdown(0, L)["accumulator"] == math.ceil(4 * rates_of(k).accumulator
+                                                                   * train)
+        assert StageCostModel(profile, microbatch=16, microbatches=1,
+                              kernels=k).breakdown(0, L)["accumulator"] == 0
+    assert RATES[ONEDNN].accumulator < RATES[EIGEN].accumulator == rates_of(ANY).accumulator
