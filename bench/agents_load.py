@@ -18,7 +18,7 @@ hosts, each with its
 own connection; here `--agents-per-channel` (50) share one, and one process's event loop
 drives thousands: with all 5,000 in one process (`--procs 1`) the latency measured was
 that process's own (p50 ~0.4 s with both processes under 0.65 of a core and the machine
-40 % idle; two processes: p50 3-13 ms, docs/benchmarks.md). Before the agents come,
+40 % idle; two processes: p50 3-13 ms, docs/benchmarks-log.md). Before the agents come,
 `--finished` jobs are submitted and cancelled, and `--pending` jobs of 1.5 GiB wait: one
 agent of 2 GiB registers first and holds one such job, so they are admissible but find no
 room on the 1 GiB agents. While the agents heartbeat, one client submits a job every 200 ms

@@ -11,8 +11,8 @@ MLP at global batch 512, 3 plain runs; most of it is starting 1-4 task processes
 
 Each pipeline run launches the job's task processes by hand exactly as an agent would
 (``python -m strata.worker.task`` with ``TF_CONFIG``, a BFC allocator limited to the task's budget,
-events on a pipe): the chief runs ``worker.pipeline`` and holds stage 0, every other stage is a
-``worker.server`` task. The layout comes from ``coordinator.planner.plan_pipeline`` and each
+events on a pipe): the chief runs ``worker.trainers.gpipe`` and holds stage 0, every other
+stage is a ``worker.server`` task. The layout comes from ``strata.planner.plan_pipeline`` and each
 task's budget is ``strata.memory.default_budget`` of its stage's estimate, as the coordinator
 would reserve. K = 1 means the chief alone holds the whole model (no server tasks).
 
@@ -44,7 +44,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from strata.taskconfig import TASK_CONFIG_VERSION  # noqa: E402
-from strata.coordinator.planner import WorkerSlot, plan_pipeline  # noqa: E402
+from strata.planner import WorkerSlot, plan_pipeline  # noqa: E402
 from strata.memory import default_budget  # noqa: E402
 from strata.modelspec import profile_model  # noqa: E402
 from strata.spec import parse_job_spec  # noqa: E402

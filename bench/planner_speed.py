@@ -30,9 +30,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import strata.coordinator.planner as planner  # noqa: E402
-from strata.coordinator.planner import WorkerSlot, plan_pipeline  # noqa: E402
-from strata.memory import format_size  # noqa: E402
+import strata.planner.search as search  # noqa: E402
+from strata.planner import WorkerSlot, plan_pipeline  # noqa: E402
+from strata.units import format_size  # noqa: E402
 from strata.modelspec import LayerProfile, ModelProfile  # noqa: E402
 
 GiB = 1 << 30
@@ -66,17 +66,17 @@ def budgets(n: int, sizes_gib: list[float], seed: int, reserved: float = 0.25
 
 def count_probes(fn):
     count = {"n": 0}
-    orig = planner._Search.probe
+    orig = search.Search.probe
 
     def probe(self, *a, **k):
         count["n"] += 1
         return orig(self, *a, **k)
 
-    planner._Search.probe = probe
+    search.Search.probe = probe
     try:
         fn()
     finally:
-        planner._Search.probe = orig
+        search.Search.probe = orig
     return count["n"]
 
 

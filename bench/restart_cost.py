@@ -12,7 +12,8 @@ On one local cluster of three 1 GiB agents (1 intra-op thread per task), for eac
   ``restart.backoff_s`` 0), and to the resumed lead's first step (TensorFlow's start and
   rendezvous again), with the steps trained again.
 
-Prints a Markdown table (docs/benchmarks.md keeps them).
+Prints a Markdown table (docs/benchmarks-log.md keeps them; the top table of
+docs/benchmarks.md, the figures that hold).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from strata.coordinator.placement import Capacity
 from strata.dataroots import under_roots
 from strata.coordinator.store import WorkerRecord
 from strata.errors import DuplicateAgent, SpecError, UnknownAgentSession
-from strata.memory import format_size
+from strata.units import format_size
 from strata.taskconfig import TaskConfig
 from strata.spec import JobSpec
 from strata.auth import Caller

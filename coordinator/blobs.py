@@ -42,7 +42,7 @@ from typing import AsyncIterator, Callable, Iterable, Iterator
 
 from strata.coordinator.disk import DiskGuard, is_full
 from strata.errors import NotFoundError, QuotaExceeded, SpecError, UploadError
-from strata.memory import format_size
+from strata.units import format_size
 from strata.uploads import (  # noqa: F401 (re-exported)
     CHUNK_BYTES, MAX_KERAS_CONFIG_BYTES, SHA256_RE, file_chunks, keras_config, safe_relpath,
 )

@@ -49,7 +49,8 @@ from strata.limits import (
     DEFAULT_MAX_PENDING_PER_USER, DEFAULT_MAX_TASKS_PER_JOB, DEFAULT_RETENTION_S,
 )
 from strata.measured import apply_measured, bound_of, measured_kinds, task_kind
-from strata.memory import format_size, uncalibrated_kinds
+from strata.memory import uncalibrated_kinds
+from strata.units import format_size
 from strata.oom import describe as describe_oom
 from strata.oom import needed_bytes
 from strata.modelspec import ModelSpecError, profile_model

@@ -22,7 +22,7 @@ import os
 import sqlite3
 
 from strata.errors import DiskFull
-from strata.memory import format_size
+from strata.units import format_size
 
 log = logging.getLogger("strata.coordinator")
 

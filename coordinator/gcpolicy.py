@@ -8,7 +8,7 @@ heartbeats: a pending read, its future and callbacks, gRPC's operation objects. 
 agents that is tens of thousands of objects that live about a second, long enough to be
 old, and die by reference counting. A full collection walked them all: 40-95 ms, set off
 by whatever allocated in a burst (a `/metrics` scrape, a tick after a submit), several
-times a minute (docs/benchmarks.md, "Full collections, and what set them off").
+times a minute (docs/benchmarks-log.md, "Full collections, and what set them off").
 
 The cure is ``gc.freeze()``: frozen objects are never walked again, and it costs nothing (it
 moves the generations' lists whole). So the policy collects the young generations on a clock

@@ -17,7 +17,7 @@ import os
 import shutil
 from typing import TYPE_CHECKING, AsyncIterator, Callable, Mapping, Protocol, Sequence
 
-from strata.memory import format_size
+from strata.units import format_size
 
 if TYPE_CHECKING:
     from strata.coordinator.disk import DiskGuard

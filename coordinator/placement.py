@@ -11,7 +11,7 @@ import bisect
 import dataclasses
 from typing import Iterable, Iterator
 
-from strata.memory import format_size
+from strata.units import format_size
 
 
 @dataclasses.dataclass(frozen=True)

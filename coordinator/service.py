@@ -692,7 +692,7 @@ class ClusterServicer(pb_grpc.ClusterServiceServicer):
         # grpc.aio's reader/writer API rather than an async generator over the iterator: what
         # waits for an agent's next heartbeat (a second) is then one read, not a stack of async
         # generators and their asend objects, which the cycle collector walked again and again
-        # (6.6 s against 1.0 s of its CPU in one 5,000-agent run, docs/benchmarks.md). Each
+        # (6.6 s against 1.0 s of its CPU in one 5,000-agent run, docs/benchmarks-log.md). Each
         # message is checked as a unary request is, and its name against the token.
         while (request := await context.read()) is not grpc.aio.EOF:
             await context.write(self._heartbeat(
@@ -894,7 +894,7 @@ async def watch_loop() -> None:
     set every ``LOOP_WATCH_INTERVAL_S`` runs late by as long as the callbacks ready before
     it took (gRPC's reads and writes, handlers, ticks). A due timer runs ahead of the
     completions gRPC still holds, so on a busy loop calls wait longer than this shows:
-    ``strata_heartbeat_delay_seconds`` is the heartbeats' own view (docs/benchmarks.md,
+    ``strata_heartbeat_delay_seconds`` is the heartbeats' own view (docs/benchmarks-log.md,
     "The heartbeat tail, measured leg by leg"). Costs 20 wake-ups a second."""
     loop = asyncio.get_running_loop()
     while True:

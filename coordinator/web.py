@@ -246,7 +246,7 @@ class SeriesText:
     ``prometheus_client`` the 25,000 samples of 5,000 agents and 1,000 waiting jobs were
     about 150 ms of Python per scrape; in a thread, but holding the interpreter's lock
     against the event loop, and the heartbeats queued behind it set the heartbeat p99
-    (docs/benchmarks.md)."""
+    (docs/benchmarks-log.md)."""
 
     def __init__(self) -> None:
         self._labels: dict[tuple[tuple[str, ...], tuple[str, ...]], str] = {}
@@ -309,7 +309,7 @@ def state_steps(coord: Any, out: dict[str, Any]) -> Iterator[None]:
     Why the bounds: every worker and unfinished job at 5,000 agents and 1,000 waiting jobs
     was 120 ms of Python on the loop and 50 ms in a thread, every 2 s while a page was open,
     and the objects it built kept the young collections busy: heartbeat p99 went from
-    15-21 ms to 126-348 ms with one page open (docs/benchmarks.md, "An open status page").
+    15-21 ms to 126-348 ms with one page open (docs/benchmarks-log.md, "An open status page").
     No page shows 5,000 rows usefully either; ``strata workers`` and ``strata jobs`` list
     them all."""
     jobs = sorted(coord.jobs.summaries(), key=lambda s: (s.created_at, s.id), reverse=True)

@@ -65,7 +65,7 @@ def _duration(flag: str, text: str) -> float:
 
 def _size(flag: str, text: str, zero: bool = False) -> int:
     """A size flag (``512MiB``, ``2GiB``, bytes); ``zero``: 0 is allowed (none, no limit)."""
-    from strata.memory import parse_size
+    from strata.units import parse_size
 
     if zero and text.strip() == "0":
         return 0
@@ -86,7 +86,7 @@ def _address(flag: str, text: str, allow_port_zero: bool = False) -> str:
 
 
 def _fmt_bytes(n: int | None) -> str:
-    from strata.memory import format_size
+    from strata.units import format_size
 
     return format_size(n) if n else "-"
 

@@ -10,8 +10,10 @@ from google.protobuf.message import Message
 
 from strata.protos import strata_pb2 as pb
 from strata.spec import JobSpec, parse_job_spec
+from strata.errors import SpecError
 from strata.taskconfig import (
-    AgentSettings, ParameterServerSection, PipelineSection, StageAssignment, TaskConfig,
+    TASK_CONFIG_VERSION, AgentSettings, ParameterServerSection, PipelineSection,
+    StageAssignment, TaskConfig, TaskConfigError,
 )
 from strata.oom import OutOfMemory
 from strata.types import (
@@ -390,3 +392,35 @@ def report_from_proto(m: pb.TaskStatus) -> TaskReport:
         notes=[n[:500] for n in m.notes[:8]],
         largest_alloc_bytes=m.largest_alloc_bytes,
     )
+
+
+# --- task config files ------------------------------------------------------------------------
+
+def read_task_config(path: str) -> TaskConfig:
+    """Reads a ``TaskConfig`` message from ``path``: binary protobuf as the agent writes it, or
+    its JSON form (``.json``: protobuf's JSON mapping, for hand-made configs and tests)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise TaskConfigError("--config", f"cannot read task config {path}: {e.strerror}") from None
+    msg = pb.TaskConfig()
+    try:
+        if path.endswith(".json"):
+            json_format.Parse(data.decode("utf-8"), msg)
+        else:
+            msg.ParseFromString(data)
+    except (json_format.ParseError, UnicodeDecodeError, ValueError) as e:
+        raise TaskConfigError("--config", f"{path} is not a TaskConfig message: {e}") from None
+    if msg.version != TASK_CONFIG_VERSION:
+        raise TaskConfigError("version", f"task config version {msg.version}; this task runner "
+                                         f"reads version {TASK_CONFIG_VERSION}")
+    try:
+        return task_config_from_proto(msg)
+    except SpecError as e:
+        raise TaskConfigError(e.field, e.message) from None
+
+
+def write_task_config(path: str, config: TaskConfig) -> None:
+    with open(path, "wb") as f:
+        f.write(task_config_to_proto(config).SerializeToString())

@@ -20,11 +20,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from strata.memory import LARGEST_ALLOC_ROOM, default_budget, format_size
-from strata.spec import JobSpec
+from strata.memory import LARGEST_ALLOC_ROOM, default_budget
+from strata.units import format_size
 from strata.types import JobPlan, TaskPlan, WorkerOffer
+
+if TYPE_CHECKING:
+    from strata.spec import JobSpec
 
 __all__ = ["spec_fingerprint", "task_kind", "apply_measured", "measured_kinds", "bound_of",
            "OOM_BOUND"]

@@ -22,7 +22,8 @@ import dataclasses
 import math
 import re
 
-from strata.memory import MiB, default_budget, format_size
+from strata.memory import default_budget
+from strata.units import MiB, format_size
 
 __all__ = ["OutOfMemory", "parse_oom", "describe", "needed_bytes", "allocator_refusal"]
 

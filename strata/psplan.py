@@ -5,7 +5,7 @@ coordinator plans with it.
 
 Placement. TensorFlow's ``variable_partitioner`` does not reach Keras 3 variables (each Keras
 variable wraps one whole ``tf.Variable``, placed round-robin), so Strata places whole layers:
-all of a layer's variables and their optimizer slots live on one PS task (``worker.ps`` builds
+all of a layer's variables and their optimizer slots live on one PS task (``worker.trainers.ps_chief`` builds
 the model so and checks it). ``plan_parameter_servers`` gives each layer with parameters a
 share (below) and places the layers largest first, each onto the PS task with the smallest
 load so far (LPT; ties to the lower index). A layer larger than a PS task's budget cannot be
@@ -62,7 +62,7 @@ Terms (bytes):
   float32, a Conv2D output counting 1.6 times: its pre-activation copy; 2.5 bytes with mixed
   precision); then 0.5 MiB + 5%. Fitted to the memory zoo's 48 parameter-server chiefs, whose
   peaks were 0.03-1.14 of an estimate that counted every layer's output and a convolution
-  workspace (``docs/benchmarks.md`` has the rerun).
+  workspace (``docs/benchmarks-log.md`` has the rerun).
 """
 
 from __future__ import annotations
@@ -71,9 +71,8 @@ import math
 from dataclasses import dataclass, field
 
 from strata.cpukernels import ANY
-from strata.memory import (
-    format_size, gradient_bytes, largest_variable_bytes, largest_workspace,
-)
+from strata.memory import gradient_bytes, largest_variable_bytes, largest_workspace
+from strata.units import format_size
 from strata.modelspec import LayerProfile, ModelProfile
 
 __all__ = ["PsPlan", "plan_parameter_servers", "layer_share_bytes", "OPTIMIZER_SLOTS"]
@@ -94,7 +93,7 @@ WORKER_MIXED_ACTIVATION_BYTES = 12.0
 WORKER_INPUT_BATCHES = 4.8
 WORKER_FIXED = 1 * MiB
 
-EVAL_BATCH_MAX = 256                # worker/ps.py evaluates in batches of at most this
+EVAL_BATCH_MAX = 256                # worker/trainers/ps_chief.py evaluates in batches of at most this
 CHIEF_ACTIVATION_BYTES = 4.2       # per element of a layer's input and output, and example
 CHIEF_CONV_OUTPUT = 1.6             # float32 Conv2D outputs: the pre-activation copy too
 CHIEF_MIXED_ACTIVATION_BYTES = 2.5  # 16-bit tensors

@@ -14,12 +14,13 @@ import os
 import re
 from typing import Any, Mapping
 
+from strata import safeyaml, strategies
 from strata.errors import SpecError
+from strata.modelspec import ModelSpecError, profile_model
+from strata.types import DATA_SOURCES, STREAMED_SOURCES
+from strata.units import parse_size
 from strata.uploads import SHA256_RE
 
-DATA_SOURCES = ("digits", "synthetic", "npz", "tfrecord", "csv", "images")
-#: read from files as a stream (tf.data), sharded per worker; never loaded whole
-STREAMED_SOURCES = ("tfrecord", "csv", "images")
 FEATURE_DTYPES = ("float32", "int64", "string")
 OPTIMIZERS = ("adam", "adamw", "sgd", "rmsprop", "adagrad")
 LOSSES = ("sparse_categorical_crossentropy", "categorical_crossentropy", "mean_squared_error")
@@ -28,6 +29,10 @@ MIXED_PRECISION = ("none", "bfloat16", "float16")
 GRADIENT_COMPRESSION = ("none", "bfloat16", "float16")
 NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$")
 MAX_TASKS = 4096
+#: the all-reduce pack size when ``gradients.pack_size`` is unset: every gradient in one pack
+#: (TensorFlow's own default). Measured (bench/allreduce_packs.py, docs/benchmarks.md): on CPU
+#: loopback smaller packs cost more collectives than their overlap saves.
+DEFAULT_PACK_BYTES = 0
 # The text of keras.Model.to_json() for a model of a few thousand layers is well under this;
 # larger texts only cost the coordinator time and messages room.
 MAX_KERAS_JSON_BYTES = 4 << 20
@@ -99,8 +104,6 @@ class MemorySpec:
 
     @property
     def per_task_budget_bytes(self) -> int:
-        from strata.memory import parse_size
-
         return parse_size(self.per_task_budget) if self.per_task_budget else 0
 
 
@@ -120,15 +123,8 @@ class GradientSpec:
 
     @property
     def pack_bytes(self) -> int:
-        """The pack size in bytes; the measured default when unset
-        (``strata.worker.exchange.DEFAULT_PACK_BYTES``)."""
-        if not self.pack_size:
-            from strata.worker.exchange import DEFAULT_PACK_BYTES
-
-            return DEFAULT_PACK_BYTES
-        from strata.memory import parse_size
-
-        return parse_size(self.pack_size)
+        """The pack size in bytes; ``DEFAULT_PACK_BYTES`` when unset."""
+        return parse_size(self.pack_size) if self.pack_size else DEFAULT_PACK_BYTES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -370,8 +366,6 @@ def parse_job_spec(raw: Any) -> JobSpec:
     if not NAME_RE.match(name):
         raise SpecError("name", f"{name[:64]!r} must be 1-40 characters of a-z, 0-9 and '-', "
                                 "starting and ending with a letter or digit")
-    from strata import strategies
-
     strategy_name = raw.get("strategy")
     strategy = strategies.get(strategies.DEFAULT if strategy_name in (None, "") else strategy_name)
     workers = _int(raw, "workers", "workers", 1, lo=1, hi=MAX_TASKS)
@@ -466,8 +460,6 @@ def parse_job_spec(raw: Any) -> JobSpec:
     if not isinstance(budget, str):
         raise SpecError("memory.per_task_budget", f"must be a size like 1GiB, got {budget!r}")
     if budget:
-        from strata.memory import parse_size
-
         try:
             if parse_size(budget) <= 0:
                 raise ValueError("must be positive")
@@ -512,8 +504,6 @@ def parse_job_spec(raw: Any) -> JobSpec:
     _check_strategy_fields(spec, strategy)
     strategy.validate(spec)
     if code:
-        from strata import strategies
-
         which = "code.model" if code.get("model") else "code.dataset" \
             if code.get("dataset") else "code"
         if not strategy.runs_user_code:
@@ -637,8 +627,6 @@ def _gradients(raw: Mapping[str, Any], workers: int, batch_size: int) -> Gradien
     if not isinstance(pack, str):
         raise SpecError("gradients.pack_size", f"must be a size like 4MiB, got {pack!r}")
     if pack:
-        from strata.memory import parse_size
-
         try:
             if parse_size(pack) < 0:
                 raise ValueError("must not be negative")
@@ -655,8 +643,6 @@ def _check_strategy_fields(spec: JobSpec, strategy: Any) -> None:
     """Optional fields that only some strategies take (each lists its own in ``fields``): set
     to anything but their default (or zero) value for another strategy, they are refused,
     never ignored."""
-    from strata import strategies
-
     for field in strategies.all_fields():
         value: Any = spec
         owner: Any = spec
@@ -726,8 +712,6 @@ def _model_field(spec: JobSpec) -> str:
 def _check_model(spec: JobSpec) -> None:
     """Profiles the model without building it: refuses unsafe or unsupported layers and checks
     that its input and output fit the data source."""
-    from strata.modelspec import ModelSpecError, profile_model
-
     try:
         profile = profile_model(dict(spec.model))
     except ModelSpecError as e:
@@ -762,8 +746,6 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     Values are read by the job files' loader (``strata.safeyaml``): aliases, equal keys and
     dates behave as in a file. A path or value that does not parse is refused naming ``--set``,
     never kept as text or cut to what parses, so a typo cannot change what a job means."""
-    from strata import safeyaml
-
     if len(overrides) > MAX_OVERRIDES:
         raise SpecError("--set", f"{len(overrides):,} flags; at most {MAX_OVERRIDES:,}")
     try:
@@ -836,8 +818,6 @@ def _expanded_nodes(value: Any, memo: dict[int, int]) -> int:
 def load_spec_file(path: str) -> dict[str, Any]:
     """Reads a YAML or JSON job file into a mapping (validation is parse_job_spec's job), with
     the loader that bounds aliases, depth and equal keys (``strata.safeyaml``)."""
-    from strata import safeyaml
-
     try:
         if os.path.getsize(path) > MAX_SPEC_FILE_BYTES:
             raise SpecError("JOB", f"{path} is larger than {MAX_SPEC_FILE_BYTES >> 20} MiB: not "

@@ -2,13 +2,13 @@
 
 Pure Python (standard library and ``strata.memory`` / ``strata.modelspec`` only): the
 coordinator plans with it, from the model's ``ModelProfile`` alone. It models the GPipe runner
-``worker/pipeline.py`` (all forwards, then all backwards), as ``strata.memory`` models a
-data-parallel task and ``strata.psplan`` a parameter-server one. ``coordinator.planner``
+``worker/trainers/gpipe.py`` (all forwards, then all backwards), as ``strata.memory`` models a
+data-parallel task and ``strata.psplan`` a parameter-server one. ``strata.planner``
 searches the splits with it (``docs/planner.md``).
 
 Memory of one stage task (``StageCostModel.memory``; bytes)
 -----------------------------------------------------------
-The PEAK of the task's allocator while ``worker.pipeline`` runs the stage (what
+The PEAK of the task's allocator while ``worker.trainers.gpipe`` runs the stage (what
 ``get_memory_info`` reports in the task, and what its BFC limit is checked against). With ``m``
 the micro-batch size (global batch / replicas / microbatches), ``M`` the number of
 micro-batches, ``R`` the replicas and the stage's layers [first, last):
@@ -30,7 +30,7 @@ micro-batches, ``R`` the replicas and the stage's layers [first, last):
   tasks of a 2 x 2 hybrid job at 1.1-1.25 x that estimate and one ran out of memory, so the
   buffers do coexist.) They coexist with the task's accumulator and the sum, not with its
   backward pass: the runner sends a replica's gradients only once the receiving task has
-  summed its own micro-batches (``worker.pipeline``, the averaging); before it did, they
+  summed its own micro-batches (``worker.trainers.gpipe``, the averaging); before it did, they
   arrived as soon as they were made and a task held one more gradient at 1.06-1.23 x its
   estimate. With ``gradients.compression`` (hybrid) the accumulated gradients
   travel as 16 bits: the task's own 16-bit copy and the ``R - 1`` it receives, 2 bytes each,
@@ -56,12 +56,12 @@ micro-batches, ``R`` the replicas and the stage's layers [first, last):
   gradients of its output received from the next stage (not on the last stage, which starts
   from the loss), TWO micro-batches' when M > 1: the one being back-propagated and the next,
   which TF receives as soon as the next stage makes it. The runner holds the next stage back
-  so that no more arrive early (``worker.pipeline``, the backward loop); before it did, a
+  so that no more arrive early (``worker.trainers.gpipe``, the backward loop); before it did, a
   lagging recomputing first stage was measured holding all M (6.5 MiB, 1.22 x its estimate).
   4 x elements x m each;
 - input data (first stage): ``PIPELINE_INPUT_BATCHES`` GLOBAL batches (R x m x M examples: the
   chief draws the whole global batch and splits it) of float32 model inputs, plus
-  ``data_bytes`` (0 for ``worker.pipeline``, which keeps the training set in host memory
+  ``data_bytes`` (0 for ``worker.trainers.gpipe``, which keeps the training set in host memory
   outside the allocator; for a runner that holds it as tensors); labels (last stage):
   ``PIPELINE_INPUT_BATCHES`` per-replica batches (m x M) of ``label_bytes`` per example (8:
   sparse int64 labels; pass 4 x classes for one-hot);
@@ -69,7 +69,7 @@ micro-batches, ``R`` the replicas and the stage's layers [first, last):
 
 ``StageCostModel.breakdown`` returns these terms one by one.
 
-Calibration (TF 2.21 CPU, BFC allocator, Adam, ``worker.pipeline``): 4-stage runs of deep
+Calibration (TF 2.21 CPU, BFC allocator, Adam, ``worker.trainers.gpipe``): 4-stage runs of deep
 uniform MLPs 64-[1024]x13-10 and 64-[512]x13-10 at global batches 512-4096, M = 1, 4, 16, with
 and without recompute, float32 and bfloat16, and hybrid 2 x 2 and 2 x 4. The peak comes at the
 start of the backward pass (weights, slots, the first micro-batch's gradients, every kept
@@ -117,7 +117,7 @@ __all__ = [
 
 MIXED_PRECISION_MODES = ("none", "bfloat16", "float16")
 
-# Calibrated against worker/pipeline.py (module docstring, "Calibration").
+# Calibrated against worker/trainers/gpipe.py (module docstring, "Calibration").
 # per kept layer output element per example, float32 and with bfloat16/float16 compute, on
 # Eigen's kernels (``strata.memory.KernelRates.pipeline``: each family's own)
 PIPELINE_ACTIVATION_BYTES, PIPELINE_MIXED_ACTIVATION_BYTES = RATES[EIGEN].pipeline

@@ -11,7 +11,10 @@ runner. Every default of the contract lives here, once.
 from __future__ import annotations
 
 import dataclasses
-from strata.spec import JobSpec
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from strata.spec import JobSpec
 
 #: Bumped when a field of the contract changes meaning; a task refuses another version.
 TASK_CONFIG_VERSION = 1
@@ -128,41 +131,3 @@ class TaskConfigError(Exception):
         super().__init__(f"{field}: {message}")
         self.field = field
         self.message = message
-
-
-def read_task_config(path: str) -> TaskConfig:
-    """Reads a ``TaskConfig`` message from ``path``: binary protobuf as the agent writes it, or
-    its JSON form (``.json``: protobuf's JSON mapping, for hand-made configs and tests)."""
-    from google.protobuf import json_format
-
-    from strata import convert
-    from strata.errors import SpecError
-    from strata.protos import strata_pb2 as pb
-
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as e:
-        raise TaskConfigError("--config", f"cannot read task config {path}: {e.strerror}") from None
-    msg = pb.TaskConfig()
-    try:
-        if path.endswith(".json"):
-            json_format.Parse(data.decode("utf-8"), msg)
-        else:
-            msg.ParseFromString(data)
-    except (json_format.ParseError, UnicodeDecodeError, ValueError) as e:
-        raise TaskConfigError("--config", f"{path} is not a TaskConfig message: {e}") from None
-    if msg.version != TASK_CONFIG_VERSION:
-        raise TaskConfigError("version", f"task config version {msg.version}; this task runner "
-                                         f"reads version {TASK_CONFIG_VERSION}")
-    try:
-        return convert.task_config_from_proto(msg)
-    except SpecError as e:
-        raise TaskConfigError(e.field, e.message) from None
-
-
-def write_task_config(path: str, config: TaskConfig) -> None:
-    from strata import convert
-
-    with open(path, "wb") as f:
-        f.write(convert.task_config_to_proto(config).SerializeToString())

@@ -15,6 +15,11 @@ if TYPE_CHECKING:
     from strata.oom import OutOfMemory
     from strata.spec import JobSpec
 
+#: the job spec's ``data.source`` values (``strata.spec``); the estimators size them
+DATA_SOURCES = ("digits", "synthetic", "npz", "tfrecord", "csv", "images")
+#: read from files as a stream (tf.data), sharded per worker; never loaded whole
+STREAMED_SOURCES = ("tfrecord", "csv", "images")
+
 
 class JobState(str, enum.Enum):
     """PENDING: accepted, waiting for workers with enough free budget. SCHEDULED: placed, budgets

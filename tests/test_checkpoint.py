@@ -23,8 +23,8 @@ from strata.exitcodes import TASK_EXIT_COLLECTIVE, TASK_EXIT_OK
 from strata.taskconfig import TASK_CONFIG_VERSION
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from strata.worker.common import peer_failure  # noqa: E402
-from strata.worker.mirrored import DEFAULT_COLLECTIVE_TIMEOUT_S  # noqa: E402
+from strata.worker.failures import peer_failure  # noqa: E402
+from strata.worker.trainers.data_parallel import DEFAULT_COLLECTIVE_TIMEOUT_S  # noqa: E402
 from tests.test_task_process import ROOT, Task, check_well_formed, make_spec  # noqa: E402
 
 pytestmark = pytest.mark.integration  # starts TensorFlow processes

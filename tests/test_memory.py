@@ -133,7 +133,7 @@ def test_memory_zoo_fast_subset(cluster, tmp_path):
             # end before their last memory report, and a stage's own peak moves with how the
             # micro-batches' ops overlap (reshape-conv's first stage: 1.14 and 0.69 of one
             # unchanged estimate in two runs; mlp-seed's hybrid stage server 0.33 once, 0.8+
-            # otherwise). The zoo's tables (docs/benchmarks.md) carry those ratios.
+            # otherwise). The zoo's tables (docs/benchmarks-log.md) carry those ratios.
             assert not k["over"], (r["model"], r["strategy"], k)
             if probed_row and k["estimate"] >= memory_zoo.SMALL:
                 assert k["ratio"] >= 0.8, (r["model"], r["strategy"], k)

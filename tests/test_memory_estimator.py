@@ -23,10 +23,14 @@ from strata.taskconfig import TASK_CONFIG_VERSION
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from strata.memory import (  # noqa: E402
-    MiB, OPTIMIZER_SLOTS, MemoryEstimate, default_budget, estimate_task_memory, format_size,
-    parse_size, update_transient_bytes,
+from strata.memory import (
+    OPTIMIZER_SLOTS,
+    MemoryEstimate,
+    default_budget,
+    estimate_task_memory,
+    update_transient_bytes,
 )
+from strata.units import MiB, format_size, parse_size
 from strata.modelspec import profile_model  # noqa: E402
 
 GiB = 1 << 30
@@ -247,7 +251,8 @@ def test_estimate_matches_measured_peaks(tmp_path):
 
 
 def test_budget_leaves_room_for_the_largest_allocation():
-    from strata.memory import LARGEST_ALLOC_ROOM, MiB, default_budget
+    from strata.memory import LARGEST_ALLOC_ROOM, default_budget
+    from strata.units import MiB
 
     # usually 25% of the estimate covers it
     assert default_budget(400 * MiB, 72 * MiB) == default_budget(400 * MiB) == 500 * MiB

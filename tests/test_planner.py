@@ -9,8 +9,8 @@ import random
 
 import pytest
 
-import strata.coordinator.planner as planner
-from strata.coordinator.planner import (
+import strata.planner.search as search
+from strata.planner import (
     PIPELINE_ACTIVATION_BYTES,
     PIPELINE_INPUT_BATCHES,
     PipelinePlan,
@@ -171,7 +171,7 @@ def test_keys_best_fit_ranks_decide_placeability_in_any_order():
         for order in itertools.islice(itertools.permutations(qs), 30):
             key = 0
             for q in order:
-                key = planner._take_slot(key, q) if key >= 0 else -1
+                key = search._take_slot(key, q) if key >= 0 else -1
             keys.add(key)
         assert len(keys) == 1
         assert (keys.pop() >= 0) == placeable
@@ -180,7 +180,7 @@ def test_keys_best_fit_ranks_decide_placeability_in_any_order():
 def test_packed_dominance_is_prefix_count_dominance():
     rng = random.Random(3)
     S = 9
-    packing = planner._Packing(S)
+    packing = search._Packing(S)
 
     def pack(key):
         return sum(bin(key & ((2 << t) - 2)).count("1") << (t * (S.bit_length() + 1))
@@ -199,7 +199,7 @@ def test_out_of_allowance_plans_stay_placeable_and_honest(monkeypatch):
     below, and never call a feasible job impossible (only "gave up")."""
     for name, value in (("WORK_LIMIT", 50), ("PROBE_WORK", 50), ("EXACT_FIRST_WORK", 10),
                         ("WITNESS_WORK", 50)):
-        monkeypatch.setattr(planner, name, value)
+        monkeypatch.setattr(search, name, value)
     rng = random.Random(99)
     gave_up = not_optimal = 0
     for _ in range(120):
@@ -432,7 +432,7 @@ def test_single_giant_layer_that_fits_nowhere():
         plan = plan_pipeline(profile, workers, stages=stages, microbatches=8, global_batch=64)
         assert not plan.feasible and plan.stages == ()
         assert "'dense_7'" in plan.reason and "alone needs" in plan.reason
-        from strata.memory import format_size
+        from strata.units import format_size
         assert format_size(alone) in plan.reason and format_size(alone // 2) in plan.reason
         assert "adam slots" in plan.reason and "8 micro-batches" in plan.reason
         assert "memory.recompute" in plan.reason

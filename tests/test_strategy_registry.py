@@ -87,8 +87,7 @@ class Solo(Strategy):
     def on_failure(self, job, task):
         return strategies.FailureDecision(FailureAction.FAIL_JOB, "solo gives up")
 
-    def runner(self, role):
-        raise NotImplementedError  # no task process starts in this test
+    runners = {"worker": "tests.no_such_module:run"}  # no task process starts in this test
 
 
 @pytest.fixture
@@ -140,3 +139,36 @@ def test_a_new_strategy_plugs_in_with_one_module(solo, tmp_path):
     assert not any(isinstance(c, StopTaskCommand) and c.job_id == job.id
                    for c in [q.get_nowait() for _ in range(q.qsize())])
     store.close()
+
+
+def test_every_runner_a_strategy_names_loads_without_tensorflow():
+    """Strategies name their task-side runners (``runners``); the task process loads them
+    (``strata.worker.task.load_runner``): each resolves to a function, and loading one does not
+    import TensorFlow (the trainers import it when they run)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from strata import strategies\n"
+            "from strata.worker.task import load_runner\n"
+            "for s in strategies.all_strategies():\n"
+            "    for role in s.runners:\n"
+            "        assert callable(load_runner(s.runner(role))), (s.name, role)\n"
+            "print('tensorflow' in sys.modules)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "False"
+
+
+def test_a_role_a_strategy_does_not_run_and_a_runner_that_does_not_load_are_named():
+    from strata.taskconfig import TaskConfigError
+    from strata.worker.task import load_runner
+
+    with pytest.raises(TaskConfigError) as e:
+        strategies.get("pipeline").runner("ps")
+    assert e.value.field == "role" and "chief and worker" in e.value.message
+    for path in ("strata.no_such_module:run", "strata.worker.task:no_such_function",
+                 "strata.worker.task"):
+        with pytest.raises(TaskConfigError) as e:
+            load_runner(path)
+        assert e.value.field == "strategy" and path in e.value.message

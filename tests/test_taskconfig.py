@@ -10,9 +10,15 @@ from strata import convert
 from strata.protos import strata_pb2 as pb
 from strata.spec import parse_job_spec
 from strata.taskconfig import (
-    TASK_CONFIG_VERSION, AgentSettings, ParameterServerSection, PipelineSection,
-    StageAssignment, TaskConfig, TaskConfigError, read_task_config, write_task_config,
+    TASK_CONFIG_VERSION,
+    AgentSettings,
+    ParameterServerSection,
+    PipelineSection,
+    StageAssignment,
+    TaskConfig,
+    TaskConfigError,
 )
+from strata.convert import read_task_config, write_task_config
 
 SPEC = parse_job_spec({"name": "p", "strategy": "pipeline", "stages": 2, "microbatches": 2,
                        "model": {"builtin": {"hidden": [16, 16]}}, "data": {"batch_size": 8},

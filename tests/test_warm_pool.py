@@ -12,7 +12,7 @@ import time
 
 from strata.worker import agent
 from strata.worker.agent import Warm, WarmPool
-from strata.worker.common import reachable, wait_reachable
+from strata.worker.cluster import reachable, wait_reachable
 from strata.worker.warm import ready_mark
 
 

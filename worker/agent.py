@@ -35,7 +35,7 @@ from strata import convert, exitcodes
 from strata.taskconfig import AgentSettings
 from strata.auth import with_token
 from strata.tls import ClientTls, channel
-from strata.memory import parse_size
+from strata.units import parse_size
 from strata.oom import OutOfMemory, allocator_refusal
 from strata.types import DiskStatus, FailureKind, MemoryStatus, TaskReport, TaskState
 from strata.worker.heartbeats import HeartbeatStream

@@ -67,7 +67,7 @@ import time
 from typing import Any
 
 from strata.taskconfig import TaskConfig
-from strata.worker.common import Events, log
+from strata.worker.events import Events, log
 
 GEN_PREFIX = "gen-"
 CKPT_NAME = "ckpt"

@@ -1,6 +1,6 @@
 """How data-parallel replicas exchange gradients: packs, 16-bit compression, accumulation.
 
-The job's ``gradients`` section (``strata.spec.GradientSpec``) chooses; ``strata.worker.mirrored``
+The job's ``gradients`` section (``strata.spec.GradientSpec``) chooses; ``strata.worker.trainers.data_parallel``
 uses both functions here.
 
 - ``install_all_reduce``: Keras 3 all-reduces every gradient in the optimizer's own step
@@ -32,12 +32,9 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from strata.taskconfig import TaskConfigError
-from strata.worker.common import log, training_loss
+from strata.worker.events import log
+from strata.worker.losses import training_loss
 
-#: the all-reduce pack size when ``gradients.pack_size`` is unset: every gradient in one pack
-#: (TensorFlow's own default). Measured in docs/benchmarks.md (bench/allreduce_packs.py): on CPU
-#: loopback smaller packs cost more collectives than their overlap saves.
-DEFAULT_PACK_BYTES = 0
 
 #: the Keras 3 optimizer method that all-reduces gradients in a replica context
 KERAS_ALL_REDUCE = "_all_reduce_sum_gradients"

@@ -1,7 +1,7 @@
 """An agent's heartbeats, on one long-lived bidirectional stream (``ClusterService.Heartbeats``).
 
 A heartbeat as its own call costs the coordinator about 290 µs of CPU in grpc.aio alone; a
-message on an open stream about 80 µs (bench/agents_load.py, docs/benchmarks.md). At thousands
+message on an open stream about 80 µs (bench/agents_load.py, docs/benchmarks-log.md). At thousands
 of agents that difference is whether the coordinator keeps up.
 
 Each request is answered by one response, in order, so ``send`` is a call in all but name:

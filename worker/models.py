@@ -6,7 +6,7 @@ Call these under ``strategy.scope()``. Models come from ``spec["model"]``:
   input has rank > 1 -> ``Dense(h, relu, name="hidden_i")`` for each hidden size ->
   ``Dense(classes, name="logits")`` (no activation; always float32). Same names as
   ``strata.modelspec`` reports. The hidden ReLU layers use He initialisation
-  (``he_uniform``) so a deep MLP keeps its activation scale; ``worker.pipeline`` builds the
+  (``he_uniform``) so a deep MLP keeps its activation scale; ``worker.trainers.gpipe`` builds the
   same layers.
 - ``keras_json``: checked by ``strata.modelspec.check_keras_json_safe`` (no Lambda, no custom
   objects) and then deserialized by Keras with ``safe_mode=True`` and no custom objects.

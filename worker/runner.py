@@ -14,8 +14,8 @@ directory): after loading the data the task looks for a checkpoint of an earlier
 strategy's ``checkpoint_objects`` and trains steps ``start_step + 1 .. steps``, saving at every
 multiple of ``every_steps`` (``after_step``).
 
-Subclasses: ``strata.worker.mirrored`` (multi_worker_mirrored), ``strata.worker.ps`` (the
-parameter_server chief), ``strata.worker.pipeline`` (the pipeline and hybrid driver).
+Subclasses: ``strata.worker.trainers.data_parallel`` (multi_worker_mirrored), ``strata.worker.trainers.ps_chief`` (the
+parameter_server chief), ``strata.worker.trainers.gpipe`` (the pipeline and hybrid driver).
 """
 
 from __future__ import annotations
@@ -27,12 +27,13 @@ from typing import Any, Callable
 
 from strata.exitcodes import TASK_EXIT_OK
 from strata.modelspec import ModelProfile, ModelSpecError, profile_model
-from strata.spec import STREAMED_SOURCES
+from strata.types import STREAMED_SOURCES
 from strata.taskconfig import TaskConfig, TaskConfigError
 from strata.worker.checkpoints import Checkpointer, Found
-from strata.worker.common import (
-    Events, configure_device, exit_task, format_mib, install_sigterm_handler, log, training_loss,
-)
+from strata.worker.device import configure_device
+from strata.worker.events import Events, exit_task, format_mib, log
+from strata.worker.losses import training_loss
+from strata.worker.watchdog import install_sigterm_handler
 
 
 @dataclasses.dataclass

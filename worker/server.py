@@ -23,7 +23,9 @@ import time
 
 from strata.exitcodes import TASK_EXIT_OK
 from strata.taskconfig import TaskConfig
-from strata.worker.common import Events, cluster_from_tf_config, configure_device, exit_task, log
+from strata.worker.cluster import cluster_from_tf_config
+from strata.worker.device import configure_device
+from strata.worker.events import Events, exit_task, log
 
 
 def _server_config(tf, cfg: TaskConfig):

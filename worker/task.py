@@ -19,11 +19,11 @@ Failures are classified in this order: out of memory (75, kind ``oom``) first, t
 collective or a peer that failed (78, kind ``collective_timeout``): TensorFlow's
 ``DeadlineExceededError``, ``UnavailableError``, ``CancelledError`` or ``AbortedError`` in the
 error's chain, or an error whose text says a collective was aborted or a peer is unreachable
-(``strata.worker.common.peer_failure``). A MultiWorkerMirrored worker whose peer is SIGKILLed
+(``strata.worker.failures.peer_failure``). A MultiWorkerMirrored worker whose peer is SIGKILLed
 mid-training gets ``UnavailableError: Collective ops is aborted by: ... Connection reset by
 peer`` (under a second), or, for a peer that stops without closing its connections,
 ``UnavailableError``/``DeadlineExceededError`` from the coordination service's heartbeats
-(about 10 s), at the latest the collective timeout (``strata.worker.mirrored``).
+(about 10 s), at the latest the collective timeout (``strata.worker.trainers.data_parallel``).
 
 The process always leaves through ``os._exit`` after flushing its outputs, and watchdogs end it
 if its parent (the agent) dies, so no TensorFlow process is left orphaned.
@@ -33,20 +33,36 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import os
 import traceback
+from typing import Callable
 
 from strata.oom import parse_oom
 from strata.exitcodes import (
     EXIT_KIND, TASK_EXIT_BAD_CONFIG, TASK_EXIT_COLLECTIVE, TASK_EXIT_ERROR, TASK_EXIT_OOM,
     TASK_EXIT_USER_CODE,
 )
-from strata.taskconfig import TaskConfigError, read_task_config
+from strata.convert import read_task_config
+from strata.taskconfig import TaskConfig, TaskConfigError
 from strata.worker.usercode import UserCodeError, failed_batch_check
-from strata.worker.common import (
-    Events, allocator_figures, exit_task, install_sigterm_handler, is_oom, log, oom_text,
-    peer_failure, prepare_environment, start_parent_watchdog, summarize_error,
-)
+from strata.worker.device import allocator_figures, prepare_environment
+from strata.worker.events import Events, exit_task, log
+from strata.worker.failures import is_oom, oom_text, peer_failure, summarize_error
+from strata.worker.watchdog import install_sigterm_handler, start_parent_watchdog
+
+
+def load_runner(path: str) -> Callable[[TaskConfig, Events], int]:
+    """The runner a strategy names (``Strategy.runner``: ``"module:function"``)."""
+    module, _, name = path.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module), name) if name else None
+    except (ImportError, AttributeError) as e:
+        raise TaskConfigError("strategy", f"its runner {path!r} cannot be loaded: {e}") from None
+    if not callable(fn):
+        raise TaskConfigError("strategy", f"its runner {path!r} is not a function "
+                                          "(give it as 'module:function')")
+    return fn
 
 
 def run_task(config_path: str, events: Events) -> int:
@@ -54,7 +70,7 @@ def run_task(config_path: str, events: Events) -> int:
     from strata.worker.runner import check_data_available
 
     cfg = read_task_config(config_path)
-    runner = strategies.get(cfg.spec.strategy).runner(cfg.role)
+    runner = load_runner(strategies.get(cfg.spec.strategy).runner(cfg.role))
     check_data_available(cfg)
     prepare_environment(cfg)
     return runner(cfg, events)

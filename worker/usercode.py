@@ -24,7 +24,7 @@ import traceback
 from typing import Any, Callable
 
 from strata.taskconfig import TaskConfig, TaskConfigError
-from strata.worker.common import is_oom
+from strata.worker.failures import is_oom
 
 
 class UserCodeError(Exception):

@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m strata.worker.warm")
     p.add_argument("--events-fd", type=int, required=True)
     args = p.parse_args(argv)
-    from strata.worker.common import start_parent_watchdog
+    from strata.worker.watchdog import start_parent_watchdog
 
     start_parent_watchdog()
     import tensorflow  # noqa: F401 - the seconds a warm process pays before its task comes
@@ -46,10 +46,10 @@ def main(argv: list[str] | None = None) -> None:
     # the task's own modules (a tenth of a second more), none of which touches a device
     import strata.worker.checkpoints  # noqa: F401
     import strata.worker.data  # noqa: F401
-    import strata.worker.mirrored  # noqa: F401
+    import strata.worker.trainers.data_parallel  # noqa: F401
     import strata.worker.models  # noqa: F401
-    import strata.worker.pipeline  # noqa: F401
-    import strata.worker.ps  # noqa: F401
+    import strata.worker.trainers.gpipe  # noqa: F401
+    import strata.worker.trainers.ps_chief  # noqa: F401
     import strata.worker.task  # noqa: F401
 
     # ready: PID.ready in the pool's directory (the working directory) says so to the agent,

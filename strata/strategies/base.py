@@ -22,22 +22,20 @@ from __future__ import annotations
 import abc
 import dataclasses
 import enum
-from typing import TYPE_CHECKING, Callable, ClassVar, Mapping, Sequence
+from typing import TYPE_CHECKING, ClassVar, Mapping, Sequence
 
 from strata.cpukernels import ANY
 from strata.memory import (
-    HEADROOM_FRACTION, HEADROOM_MIN, conv_workspace_bytes, default_budget, format_size,
-    largest_variable_bytes,
+    HEADROOM_FRACTION, HEADROOM_MIN, conv_workspace_bytes, default_budget, largest_variable_bytes,
 )
+from strata.taskconfig import TaskConfigError
 from strata.types import FailureKind, Job, JobPlan, Task, TaskPlan, TaskState, WorkerOffer
+from strata.units import format_size
 
 if TYPE_CHECKING:
     from strata.modelspec import ModelProfile
     from strata.spec import JobSpec
-    from strata.taskconfig import StrategySection, TaskConfig
-    from strata.worker.common import Events
-
-    Runner = Callable[[TaskConfig, Events], int]
+    from strata.taskconfig import StrategySection
 
 
 # --- decisions -------------------------------------------------------------------------------
@@ -167,6 +165,10 @@ class Strategy(abc.ABC):
     #: runs a job's own code (``code.model``, ``code.dataset``): its runner calls the user's
     #: functions and its ``plan`` takes ``profile=None`` for a model only code can build
     runs_user_code: ClassVar[bool] = False
+    #: per role, the function its task process runs, as ``"module:function"`` (a
+    #: ``(TaskConfig, Events) -> int``; ``runner``): named, not imported, so that the
+    #: coordinator, which holds strategies too, never loads task-side code or TensorFlow
+    runners: ClassVar[Mapping[str, str]] = {}
 
     # -- spec
 
@@ -248,10 +250,15 @@ class Strategy(abc.ABC):
         """This strategy's section of ``task``'s ``TaskConfig`` (None: it needs none)."""
         return None
 
-    @abc.abstractmethod
-    def runner(self, role: str) -> Runner:
-        """The function that runs a task of ``role`` in the task process. Imports its
-        TensorFlow code lazily. Raises ``TaskConfigError`` for a role it does not run."""
+    def runner(self, role: str) -> str:
+        """Where the function that runs a task of ``role`` lives: ``"module:function"``, from
+        ``runners``. The task process imports it (``strata.worker.task``); this floor never
+        imports task-side code. Raises ``TaskConfigError`` for a role it does not run."""
+        path = self.runners.get(role)
+        if path is None:
+            roles = " and ".join(self.runners) or "no"
+            raise TaskConfigError("role", f"a {self.name} job has {roles} tasks, not {role!r}")
+        return path
 
 
 def code_model_plan(name: str, spec: JobSpec, workers: Sequence[WorkerOffer],

@@ -4,7 +4,7 @@
 data; gradients are all-reduced every step, so every replica ends with the same weights. The
 job succeeds when every task has its result; worker 0's progress and result are the job's.
 When the model fits no worker, the refusal says how deep a pipeline would have to be for its
-stages to fit. The runner is ``strata.worker.mirrored``.
+stages to fit. The runner is ``strata.worker.trainers.data_parallel``.
 """
 
 from __future__ import annotations
@@ -12,23 +12,23 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, ClassVar, Sequence
 
 from strata.cpukernels import family
-from strata.memory import estimate_task_memory, format_size, label_bytes_of
+from strata.memory import estimate_task_memory, label_bytes_of
+from strata.units import format_size
 from strata.strategies import register
 from strata.strategies.base import (
     Strategy, budget_for, code_model_plan, offer_for_estimate, too_big,
 )
-from strata.taskconfig import TaskConfigError
 from strata.types import Job, JobPlan, Task, TaskPlan, WorkerOffer
 
 if TYPE_CHECKING:
     from strata.modelspec import ModelProfile
     from strata.spec import JobSpec
-    from strata.strategies.base import Runner
 
 
 @register
 class MultiWorkerMirrored(Strategy):
     name = "multi_worker_mirrored"
+    runners = {"worker": "strata.worker.trainers.data_parallel:run"}
     summary = "data parallel: identical replicas, gradients all-reduced every step"
     lead: ClassVar[tuple[str, int]] = ("worker", 0)
     lead_drives = False
@@ -78,17 +78,9 @@ class MultiWorkerMirrored(Strategy):
                 "a pipeline, whose stages each hold part of the model (strategy: pipeline)"
                 ] + super().oom_levers(job, task)
 
-    def runner(self, role: str) -> Runner:
-        if role != "worker":
-            raise TaskConfigError("role", f"a {self.name} job has worker tasks only, not {role!r}")
-        from strata.worker.mirrored import run
-
-        return run
-
-
 def _pipeline_hint(spec: JobSpec, profile: ModelProfile, workers: Sequence[WorkerOffer]) -> str:
     """How deep a pipeline of this model would fit the largest worker, for the refusal."""
-    from strata.coordinator.planner import suggest_stages
+    from strata.planner import suggest_stages
     from strata.strategies.pipeline import Pipeline
 
     largest = offer_for_estimate(max(w.bytes for w in workers))

@@ -5,7 +5,8 @@ Tasks: ``chief:0`` (drives the loop with a ``ClusterCoordinator``), ``worker:i``
 layers are placed on PS tasks (``strata.psplan``) so that no PS task's share exceeds its slice;
 the placement travels in the task contract. The chief's result ends the job. A worker task that
 dies does not fail the job while another worker remains: the chief's ``ClusterCoordinator``
-reschedules its steps. Runners: ``strata.worker.ps`` (chief), ``strata.worker.server`` (the rest).
+reschedules its steps. Runners: ``strata.worker.trainers.ps_chief`` (chief),
+``strata.worker.server`` (the rest).
 """
 
 from __future__ import annotations
@@ -14,25 +15,26 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 
 from strata.errors import SpecError
 from strata.cpukernels import family
-from strata.memory import dataset_bytes, format_size
-from strata.memory import largest_variable_bytes
+from strata.memory import dataset_bytes, largest_variable_bytes
 from strata.strategies import register
 from strata.strategies.base import (
     FailureAction, FailureDecision, Strategy, budget_for, code_model_plan,
     largest_training_alloc, largest_variable, restart_or_fail, too_big,
 )
-from strata.taskconfig import ParameterServerSection, TaskConfigError
+from strata.taskconfig import ParameterServerSection
 from strata.types import Job, JobPlan, Task, TaskPlan, WorkerOffer
+from strata.units import format_size
 
 if TYPE_CHECKING:
     from strata.modelspec import ModelProfile
     from strata.spec import JobSpec
-    from strata.strategies.base import Runner
 
 
 @register
 class ParameterServer(Strategy):
     name = "parameter_server"
+    runners = {"chief": "strata.worker.trainers.ps_chief:run_chief",
+               "worker": "strata.worker.server:serve", "ps": "strata.worker.server:serve"}
     summary = "asynchronous: a chief, workers, and layers placed on parameter-server tasks"
     fields = frozenset({"parameter_servers"})
     runs_user_code = True
@@ -132,15 +134,3 @@ class ParameterServer(Strategy):
         return ParameterServerSection(
             placement={name: t.index for t in ps for name in t.layers},
             ps_budgets_bytes=tuple(t.memory_budget_bytes for t in ps))
-
-    def runner(self, role: str) -> Runner:
-        if role == "chief":
-            from strata.worker.ps import run_chief
-
-            return run_chief
-        if role in ("worker", "ps"):
-            from strata.worker.server import serve
-
-            return serve
-        raise TaskConfigError("role", f"a {self.name} job has chief, worker and ps tasks, "
-                                      f"not {role!r}")

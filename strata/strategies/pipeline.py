@@ -1,10 +1,10 @@
 """``pipeline``: GPipe model parallelism, contiguous layer stages on different workers.
 
-The stage planner (``strata.coordinator.planner``, over ``strata.stagememory``'s estimates)
+The stage planner (``strata.planner``, over ``strata.stagememory``'s estimates)
 splits the layers into stages that each fit a worker. Replica 0's stage 0 is ``chief:0``, the
 driver, which also holds the training data; every other (replica, stage) is ``worker:K`` with
 ``K = replica * stages + stage - 1``, a plain TF server. The chief's result ends the job. The
-stage layout travels in the task contract. Runners: ``strata.worker.pipeline`` (chief),
+stage layout travels in the task contract. Runners: ``strata.worker.trainers.gpipe`` (chief),
 ``strata.worker.server`` (stages). ``hybrid`` (``strata.strategies.hybrid``) is this with
 data-parallel replicas of the pipeline.
 
@@ -24,18 +24,19 @@ from strata.strategies import register
 from strata.strategies.base import (
     Strategy, budget_for, largest_training_alloc, offer_for_estimate,
 )
-from strata.taskconfig import PipelineSection, StageAssignment, TaskConfigError
+from strata.taskconfig import PipelineSection, StageAssignment
 from strata.types import Job, JobPlan, Task, TaskPlan, WorkerOffer
 
 if TYPE_CHECKING:
     from strata.modelspec import ModelProfile
     from strata.spec import JobSpec
-    from strata.strategies.base import Runner
 
 
 @register
 class Pipeline(Strategy):
     name = "pipeline"
+    runners = {"chief": "strata.worker.trainers.gpipe:run_driver",
+               "worker": "strata.worker.server:serve"}
     summary = "model parallel: contiguous layer stages on different workers, micro-batched"
     fields = frozenset({"stages", "memory.recompute"})
 
@@ -47,7 +48,7 @@ class Pipeline(Strategy):
     def plan(self, spec: JobSpec, workers: Sequence[WorkerOffer],
              profile: ModelProfile | None) -> JobPlan:
         assert profile is not None, "only a strategy that runs_user_code plans a code model"
-        from strata.coordinator.planner import WorkerSlot, plan_pipeline
+        from strata.planner import WorkerSlot, plan_pipeline
 
         fixed = spec.memory.per_task_budget_bytes
         kernels = family(w.kernels for w in workers)
@@ -94,7 +95,7 @@ class Pipeline(Strategy):
         return JobPlan(self.name, True, "", tuple(tasks), summary)
 
     def describe_plan(self, spec: JobSpec, plan: JobPlan) -> str:
-        from strata.memory import format_size
+        from strata.units import format_size
 
         def where(t: TaskPlan) -> str:
             return f" (stage {t.stage}" + (f", replica {t.replica}" if spec.workers > 1 else "") + ")"
@@ -136,15 +137,3 @@ class Pipeline(Strategy):
                 first_layer=t.first_layer, last_layer=t.last_layer, layers=tuple(t.layers),
                 estimated_memory_bytes=t.estimated_memory_bytes,
                 memory_budget_bytes=t.memory_budget_bytes) for t in stages))
-
-    def runner(self, role: str) -> Runner:
-        if role == "chief":
-            from strata.worker.pipeline import run_driver
-
-            return run_driver
-        if role == "worker":
-            from strata.worker.server import serve
-
-            return serve
-        raise TaskConfigError("role", f"a {self.name} job has chief and worker tasks, "
-                                      f"not {role!r}")

@@ -7,7 +7,7 @@ Tasks and placement
 A job of ``S`` stages and ``R`` replicas (``pipeline``: R = 1) has ``R x S`` stage tasks. The
 task config's ``stage_layout`` says which task holds replica r's stage s and its layers
 ``[first_layer, last_layer)`` (indices into ``strata.modelspec.profile_model``'s layers, as
-``coordinator.planner`` split them). Replica 0's stage 0 is this process, the chief
+``strata.planner`` split them). Replica 0's stage 0 is this process, the chief
 (``/job:chief/replica:0/task:0``); every other stage is a ``worker:K`` task running
 ``worker.server`` (a plain ``tf.distribute.Server``). The chief connects to the cluster with
 ``tf.config.experimental_connect_to_cluster(..., job_name="chief")`` and then drives
@@ -107,7 +107,7 @@ Events and result
 As every training runner: ``started`` (cluster connected), ``first_step``, ``progress`` (the global
 mean loss, examples/s, this chief's allocator memory), ``result`` (test accuracy and loss over
 the full test split, evaluated through replica 0's pipeline; ``weights_sha256`` over replica
-0's weights in layer order as float32 bytes, like ``strata.worker.mirrored``; ``replica_weights_sha256``;
+0's weights in layer order as float32 bytes, like ``strata.worker.trainers.data_parallel``; ``replica_weights_sha256``;
 ``model_path``: the whole model as one ``.keras`` file, assembled by the chief from replica
 0's stages, each variable read a slice at a time (``worker.models.write_keras_file``: no task
 ever holds the whole model, nor a whole remote kernel), then ``exit_task(0)``. Config problems raise ``TaskConfigError``; an out-of-memory op on any stage
@@ -128,9 +128,9 @@ from typing import Any, Callable
 
 from strata.modelspec import ModelSpecError
 from strata.taskconfig import PipelineSection, StageAssignment, TaskConfig, TaskConfigError
-from strata.worker.common import (
-    Events, cluster_from_tf_config, eval_sums, format_mib, log, reachable,
-)
+from strata.worker.cluster import cluster_from_tf_config, reachable
+from strata.worker.events import Events, format_mib, log
+from strata.worker.losses import eval_sums
 from strata.worker.exchange import wire_dtype
 from strata.worker.runner import TrainingRunner
 
@@ -955,7 +955,7 @@ def _from_logits(model_spec: dict) -> bool:
 
 def _digest(tf, np, row: list[Stage]) -> str:
     """SHA-256 over the replica's weights in layer order as float32 bytes (as
-    ``strata.worker.mirrored`` hashes ``model.weights``). Remote weights come over in chunks so the chief never holds a
+    ``strata.worker.trainers.data_parallel`` hashes ``model.weights``). Remote weights come over in chunks so the chief never holds a
     whole remote kernel."""
     h = hashlib.sha256()
     for st in row:

@@ -65,9 +65,9 @@ from typing import Any
 from strata.exitcodes import EXIT_KIND, TASK_EXIT_COLLECTIVE, TASK_EXIT_ERROR
 from strata.spec import JobSpec
 from strata.taskconfig import ParameterServerSection, TaskConfig, TaskConfigError
-from strata.worker.common import (
-    Events, cluster_from_tf_config, eval_sums, exit_task, format_mib, log, reachable,
-)
+from strata.worker.cluster import cluster_from_tf_config, reachable
+from strata.worker.events import Events, exit_task, format_mib, log
+from strata.worker.losses import eval_sums
 from strata.worker.runner import Progress, TrainingRunner, gradient_step
 
 DEFAULT_CONNECT_TIMEOUT_S = 120.0

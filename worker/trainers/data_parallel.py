@@ -31,11 +31,11 @@ import hashlib
 import os
 from typing import Any, Callable
 
-from strata.spec import STREAMED_SOURCES
+from strata.types import STREAMED_SOURCES
 from strata.taskconfig import TaskConfig, TaskConfigError
-from strata.worker.common import (
-    Events, cluster_from_tf_config, eval_sums, log, wait_reachable,
-)
+from strata.worker.cluster import cluster_from_tf_config, wait_reachable
+from strata.worker.events import Events, log
+from strata.worker.losses import eval_sums
 from strata.worker.checkpoints import Found, checkpoint_path
 from strata.worker.exchange import accumulating_step, install_all_reduce
 from strata.worker.runner import Data, TrainingRunner, gradient_step, variable_bytes
