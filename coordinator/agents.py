@@ -218,7 +218,7 @@ class Agents:
 
     def capacities(self, reserved: Mapping[str, int], needs: Needs = NO_NEEDS) -> list[Capacity]:
         """The agents that can take tasks now, of those that meet a job's ``needs``, listed
-        afresh: the scan the coordinator's kept room is checked against (``check_room``; a
+        afresh: the scan the coordinator's kept room is checked against (``ClusterState.check``; a
         connected agent has a session and is not lost; no needs are met by every agent)."""
         anything = needs == NO_NEEDS
         return [Capacity(rec.name, rec.budget_bytes, rec.budget_bytes - reserved.get(rec.name, 0),

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import heapq
 import json
 import logging
 import math
@@ -38,8 +37,10 @@ from strata.uploads import safe_relpath
 from strata.coordinator.disk import DEFAULT_RESERVE_BYTES, DiskGuard
 from strata.coordinator.jobtable import JobTable
 from strata.coordinator.logs import DEFAULT_MAX_JOB_LOG_BYTES, JobLogs
-from strata.coordinator.placement import Capacity, Placement, Room, TaskDemand, place
+from strata.coordinator.placement import Capacity, Placement, TaskDemand, place
 from strata.coordinator.series import Series
+from strata.coordinator import decisions
+from strata.coordinator.state import ClusterState
 from strata.coordinator.store import SqliteStore, Store, WorkerRecord
 from strata.errors import (
     DiskFull, InfeasibleError, InvalidTransition, NotFoundError, NotYours, QuotaExceeded, SpecError,
@@ -70,6 +71,8 @@ __all__ = ["Coordinator", "PreparedJob", "StartTaskCommand", "StopTaskCommand", 
 
 log = logging.getLogger("strata.coordinator")
 
+#: a job none of whose tasks' notes were said yet
+NO_NOTES: frozenset[str] = frozenset()
 # How often progress metrics are written to the store (they are always live in memory).
 METRICS_PERSIST_INTERVAL_S = 2.0
 # Bytes no task could ever need; larger estimates come from nonsense shapes and would overflow
@@ -259,16 +262,6 @@ def _shape(message: str) -> str:
     return re.sub(r"[0-9][0-9.,]*", "#", message)
 
 
-def _order_key(job: Job) -> tuple[float, str]:
-    """Jobs are scheduled oldest first."""
-    return (job.created_at, job.id)
-
-
-def _over(job: Job) -> bool:
-    """The job and every task of it have ended (for good: final states are never left)."""
-    return job.state.final and all(t.state.final for t in job.tasks)
-
-
 def _tasks_of(job_id: str, plan: JobPlan, attempt: int = 0) -> list[Task]:
     return [Task(job_id=job_id, role=t.role, index=t.index, stage=t.stage, replica=t.replica,
                  first_layer=t.first_layer, last_layer=t.last_layer, layers=list(t.layers),
@@ -336,50 +329,13 @@ class Coordinator:
         self.clock = clock
         #: what agents' silence is measured on (``LiveWorker.heard``): it never steps
         self.monotonic = monotonic
-        #: every job held: the live ones loaded, finished ones when first looked up
-        self.jobs = JobTable(store)
-        #: the jobs that are not over: the job or one of its tasks has not ended. The hot paths
-        #: (the control loop, heartbeats, reservations, the workers view) read these alone, so
-        #: their cost follows what runs and waits, not the history kept for --retention. A job
-        #: leaves once it and every task have ended, which no state ever undoes.
-        self._live: dict[str, Job] = {j.id: j for j in self.jobs.loaded_jobs()
-                                      if not _over(j)}
-        #: (finished_at, id) of the jobs that ended, oldest first: what --retention deletes
-        #: is read off its front, not found by a scan of every job held (``_expire``)
-        self._ended: list[tuple[float, str]] = [
-            (s.finished_at, s.id) for s in self.jobs.summaries() if s.state.final]
-        heapq.heapify(self._ended)
-        #: worker -> the task ports its unfinished tasks hold (a heartbeat's free ports never
-        #: include them): kept as tasks are placed and end
-        self._ports_held: dict[str, set[str]] = {}
-        for j in self._live.values():
-            for t in j.tasks:
-                if t.worker and t.address and not t.state.final:
-                    self._ports_held.setdefault(t.worker, set()).add(t.address.rsplit(":", 1)[1])
-        #: worker -> the budgets its unfinished tasks reserve, kept as tasks are placed and end
-        self._reservations: dict[str, int] = self._reserved_scan()
-        #: the agents that can take tasks now, in order of free budget, kept as they change
-        #: (``_refresh``): a tick after room changed places each job by binary search
-        #: instead of listing and sorting every agent (bench/control_plane.py)
-        self._room = Room()
-        #: raised when an agent registers, is lost, comes back or drains: what the whole-budget
-        #: offers kept by job needs (``worker_offers``) were listed under
-        self._standing_version = 0
-        self._offers: dict[Needs, tuple[int, list[WorkerOffer]]] = {}
-        #: STRATA_CHECK_ROOM=1 (the test suite sets it): every tick checks both against a
-        #: scan, and a mismatch stops the control loop rather than being logged and passed
-        self._check_room = os.environ.get("STRATA_CHECK_ROOM") == "1"
-        #: raised whenever room can grow (a task ends, an agent registers or comes back, an
-        #: agent offers more ports): a waiting job whose placement failed is not tried again
-        #: until it moves (``_try_schedule``)
-        self._room_version = 0
+        #: STRATA_CHECK_STATE=1 (the test suite sets it): every tick checks the state's indexes
+        #: against a scan (``ClusterState.check``), and a mismatch stops the control loop
+        #: rather than being logged and passed
+        self._check_state = os.environ.get("STRATA_CHECK_STATE") == "1"
+        #: per waiting job, the room version and demands it last failed to fit at: it is not
+        #: tried again until one of them moves (``_try_schedule``)
         self._tried: dict[str, tuple[Any, ...]] = {}
-        #: live jobs that may be over (the job or a task of it reached a final state since the
-        #: last tick): the tick takes those out of ``_live``, without scanning every live job
-        self._ending: set[str] = set()
-        #: ``_live`` in scheduling order (created_at, id), kept as jobs come and go (None:
-        #: sorted again at the next tick)
-        self._order: list[Job] | None = None
         #: when agents are next judged (monotonic): once a tick interval, not on every wake-up
         self._next_judgement = 0.0
         #: each waiting job's needs (``Needs.of`` its spec, which does not change)
@@ -400,9 +356,14 @@ class Coordinator:
         self._by_request: dict[str, str] = store.request_ids()
         #: task kind -> bytes it was measured to need (``strata.measured``)
         self.measured: dict[str, int] = store.load_measured()
-        # agents known from before a restart get their retry backoff on top of the heartbeat
-        # timeout to register again before they count as lost
-        self.agents = Agents(store.load_workers(), monotonic() + REREGISTER_GRACE_S)
+        #: every job (the live ones loaded, finished ones when first looked up), every agent,
+        #: and the indexes derived from them (``coordinator.state``). Agents known from before
+        #: a restart get their retry backoff on top of the heartbeat timeout to register again
+        #: before they count as lost.
+        self.state = ClusterState(
+            JobTable(store), Agents(store.load_workers(), monotonic() + REREGISTER_GRACE_S))
+        self.jobs = self.state.jobs
+        self.agents = self.state.agents
         self.workers = self.agents.workers
         self._signals: dict[str, asyncio.Event] = {}
         self._wake = asyncio.Event()
@@ -470,8 +431,7 @@ class Coordinator:
             job.state, job.message, job.finished_at = before
             raise
         if target.final:
-            self._ending.add(job.id)
-            heapq.heappush(self._ended, (job.finished_at, job.id))
+            self.state.job_ended(job)
         self._event(job, "state", f"{target.value}: {message}" if message else target.value)
         if target == JobState.SUCCEEDED and not job.recovery.probe_of:  # a probe keeps no files
             self._write_metrics(job)
@@ -516,26 +476,6 @@ class Coordinator:
         return dataclasses.replace(job, output_dir=out, outputs=files,
                                    tensorboard_dir=tensorboard)
 
-    def _set_task_state(self, task: Task, target: TaskState) -> bool:
-        if task.state == target:
-            return False
-        if not can_transition(task.state, target):
-            raise InvalidTransition("task", task.state.value, target.value)
-        task.state = target
-        if target.final:
-            self._room_version += 1
-            self._ending.add(task.job_id)
-            if task.worker and task.address:
-                self._ports_held.get(task.worker, set()).discard(task.address.rsplit(":", 1)[1])
-            if task.worker:
-                left = self._reservations.get(task.worker, 0) - task.memory_budget_bytes
-                if left > 0:
-                    self._reservations[task.worker] = left
-                else:
-                    self._reservations.pop(task.worker, None)
-                self._refresh(task.worker)
-        return True
-
     # --- job API ------------------------------------------------------------------------------
 
     def worker_offers(self, free: bool, needs: Needs = NO_NEEDS) -> list[WorkerOffer]:
@@ -545,21 +485,9 @@ class Coordinator:
         if free:
             return [WorkerOffer(c.name, c.free_bytes, w.record.cpu_kernels if w else "")
                     for c in self._capacities(needs) for w in (self.agents.get(c.name),)]
-        # Whole budgets change only when an agent comes, goes or drains
-        # (``_standing_version``): kept until then, a submit does not list every agent again
-        kept = self._offers.get(needs)
-        if kept is not None and kept[0] == self._standing_version:
-            return list(kept[1])
-        offers = self._budget_offers(needs)
-        if len(self._offers) > 64:  # (needs differ by data paths: keep a bounded few)
-            self._offers.clear()
-        self._offers[needs] = (self._standing_version, offers)
-        return list(offers)
-
-    def _budget_offers(self, needs: Needs) -> list[WorkerOffer]:
-        return [WorkerOffer(w.name, w.record.budget_bytes, w.record.cpu_kernels)
-                for w in self.agents.values() if not w.lost and not w.record.draining
-                and needs.met_by(w.record)]
+        # whole budgets change only when an agent comes, goes or drains: kept until then, a
+        # submit does not list every agent again
+        return self.state.whole_offers(needs)
 
     def offers_for(self, spec: JobSpec, free: bool) -> list[WorkerOffer]:
         """``worker_offers`` for this job (``Needs.of``)."""
@@ -607,7 +535,7 @@ class Coordinator:
             raise SpecError(field, f"the job would run {tasks} tasks; this coordinator allows at "
                                    f"most {self.max_tasks_per_job} per job "
                                    f"(--max-tasks-per-job)")
-        pending = sum(1 for j in self._live.values()
+        pending = sum(1 for j in self.state.live.values()
                       if j.owner == owner and j.state == JobState.PENDING)
         if pending >= self.max_pending_per_user:
             who = f"{owner} has" if owner else "there are"
@@ -713,13 +641,7 @@ class Coordinator:
         self.store.put_job(job)
         self.store.put_tasks(job.tasks)
         self.blobs.attach(job_id, owner, job_blobs(spec))
-        self.jobs[job_id] = job  # only once stored: a failed write leaves no phantom job
-        self._live[job_id] = job
-        if self._order is not None:
-            if not self._order or _order_key(self._order[-1]) <= _order_key(job):
-                self._order.append(job)
-            else:
-                self._order = None
+        self.state.add_job(job)  # only once stored: a failed write leaves no phantom job
         if request_id:
             self._by_request[request_id] = job_id
         what = strategies.get(spec.strategy).describe_plan(spec, plan)
@@ -776,10 +698,10 @@ class Coordinator:
             if w is None or t.state == TaskState.PENDING:
                 # Never reported started: nothing to wait for. Should the start still arrive,
                 # the agent reports the task running and heartbeats send the stop again.
-                self._set_task_state(t, TaskState.CANCELLED)
+                self.state.set_task_state(t, TaskState.CANCELLED)
                 t.message = t.message or message
             elif w.lost:
-                self._set_task_state(t, TaskState.FAILED)
+                self.state.set_task_state(t, TaskState.FAILED)
                 t.failure = FailureKind.LOST
         self.store.put_tasks(job.tasks)
         for name in by_worker:
@@ -852,7 +774,7 @@ class Coordinator:
     def may_fetch(self, worker: str, session: str, sha: str) -> None:
         """An agent fetches only the files that the jobs of the tasks it runs name."""
         self.agents.check_session(worker, session)
-        for job in self._live.values():
+        for job in self.state.live.values():
             if sha in job_blobs(job.spec) and any(
                     t.worker == worker and not t.state.final for t in job.tasks):
                 return
@@ -894,9 +816,7 @@ class Coordinator:
         for probing, probe in list(self._probe_of.items()):
             if job.id in (probing, probe):
                 del self._probe_of[probing]
-        self.jobs.pop(job.id, None)
-        if self._live.pop(job.id, None) is not None:
-            self._order = None
+        self.state.forget_job(job.id)
         self._tried.pop(job.id, None)
         self._needs.pop(job.id, None)
         if job.recovery.request_id:
@@ -929,17 +849,7 @@ class Coordinator:
         if not self.retention_s or now < self._next_expiry:
             return
         self._next_expiry = now + EXPIRY_INTERVAL_S
-        old, later = [], []
-        while self._ended and now - self._ended[0][0] > self.retention_s:
-            finished_at, job_id = heapq.heappop(self._ended)
-            if job_id not in self.jobs:
-                continue  # deleted meanwhile
-            if job_id in self._live:  # a job is over once its tasks have ended too
-                later.append((finished_at, job_id))
-            else:
-                old.append(job_id)
-        for item in later:
-            heapq.heappush(self._ended, item)
+        old = self.state.due_for_deletion(now, self.retention_s)
         for job_id in old:
             self.delete(job_id)
         if old:
@@ -961,12 +871,7 @@ class Coordinator:
                                     self.heartbeat_timeout_s)
         live.caller = caller
         self.heartbeat_delay.forget(name)
-        held = self._ports_held.get(name, set())
-        live.free_ports = [p for p in live.free_ports if str(p) not in held]
-        self._room_version += 1  # a new agent, or one back with a new budget and ports
-        live.record.draining = live.record.draining or draining
-        self._standing_version += 1
-        self._refresh(name)
+        self.state.agent_registered(live, draining)
         self.store.put_worker(live.record)
         self._reconcile(live, reports)
         self.wake()
@@ -974,15 +879,15 @@ class Coordinator:
 
     def _reconcile(self, live: LiveWorker, reports: list[TaskReport]) -> None:
         """Aligns what the agent runs with what the coordinator assigned to it."""
-        todo = reconcile(live.name, reports, self.jobs, list(self._live.values()))
+        todo = reconcile(live.name, reports, self.jobs, list(self.state.live.values()))
         for r in todo.apply:
-            self.report(live.name, live.session, r)
+            self._report(live, r)
         for r in todo.stop_again:
             self._resend_stop(live, r)
         for cmd in todo.stop:
             self.agents.send(live.name, cmd)
         for t in todo.cancel:
-            self._set_task_state(t, TaskState.CANCELLED)
+            self.state.set_task_state(t, TaskState.CANCELLED)
             self.store.put_tasks([t])
         for job, t in todo.start_again:
             self._send_start(job, t)
@@ -1000,28 +905,17 @@ class Coordinator:
         live.memory = memory
         if disk is not None:
             live.disk = disk
-        # A heartbeat composed before the agent saw its latest start may still offer the port
-        # that start took: never hand out a port a live task of this worker holds.
-        in_use = self._ports_held.get(name, set())
-        offered = [p for p in free_ports if str(p) not in in_use]
-        if len(offered) > len(live.free_ports):
-            self._room_version += 1
-        ports_changed = len(offered) != len(live.free_ports)
-        live.free_ports = offered
         if was_lost:
-            self._room_version += 1
-            self._standing_version += 1
-            live.lost = False
+            self.state.agent_back(live)
             log.info("worker %s is back", name)
             self.wake()
-        if ports_changed or was_lost:
-            self._refresh(name)
+        # A heartbeat composed before the agent saw its latest start may still offer the port
+        # that start took: never hand out a port a live task of this worker holds.
+        self.state.ports_offered(live, free_ports)
         for r in reports:
-            self.report(name, session, r)
+            job, task = self._report(live, r)
             if r.state.final:
                 continue
-            job = self.jobs.get(r.job_id)
-            task = self._task(*r.key)
             if job is None or task is None or job.state.final or task.worker != name \
                     or (job.state == JobState.RESTARTING and r.attempt == task.attempt):
                 # a process of an ended job, of an attempt that moved elsewhere, or of a job
@@ -1047,7 +941,7 @@ class Coordinator:
 
     def tasks_on(self, name: str) -> int:
         """Tasks assigned to the worker that have not ended."""
-        return sum(1 for j in self._live.values() for t in j.tasks
+        return sum(1 for j in self.state.live.values() for t in j.tasks
                    if t.worker == name and not t.state.final)
 
     def drain(self, name: str) -> WorkerInfo:
@@ -1059,12 +953,10 @@ class Coordinator:
         if live is None:
             raise NotFoundError("worker", name)
         if not live.record.draining:
-            live.record.draining = True
-            self._standing_version += 1
-            self._refresh(name)
+            self.state.agent_draining(live)
             self.store.put_worker(live.record)
             log.info("worker %s draining", name)
-        for job in list(self._live.values()):
+        for job in list(self.state.live.values()):
             if job.state in (JobState.SCHEDULED, JobState.RUNNING) and any(
                     t.worker == name and not t.state.final for t in job.tasks):
                 self._restart(job, f"worker {name} is draining", failure=False)
@@ -1086,15 +978,23 @@ class Coordinator:
         are impossible (``confine.check_report``: ``SpecError`` naming the field). A
         heartbeat's reports are not refused but such ones are not applied: a heartbeat
         repeats what an agent still runs of an attempt that moved on."""
-        live = self.agents.check_session(worker, session)
+        self._report(self.agents.check_session(worker, session), r, strict)
+
+    def _report(self, live: LiveWorker, r: TaskReport, strict: bool = False
+                ) -> tuple[Job | None, Task | None]:
+        """``report`` for a checked session; returns the job and task ``r`` names (None where
+        there is none), applied or not."""
+        worker = live.name
         if strict:
-            job, task = self.live_task(worker, session, *r.key, r.attempt)
+            job, task = self.live_task(worker, live.session, *r.key, r.attempt)
         else:
-            found, mine = self.jobs.get(r.job_id), self._task(*r.key)
-            if found is None or mine is None or mine.worker != worker \
-                    or r.attempt != mine.attempt or mine.state.final:
-                return
-            job, task = found, mine
+            job_or_none = self.jobs.get(r.job_id)
+            task_or_none = None if job_or_none is None else next(
+                (t for t in job_or_none.tasks if t.role == r.role and t.index == r.index), None)
+            if job_or_none is None or task_or_none is None or task_or_none.worker != worker \
+                    or r.attempt != task_or_none.attempt or task_or_none.state.final:
+                return job_or_none, task_or_none
+            job, task = job_or_none, task_or_none
         try:
             check_report(r, job.spec, live.record.budget_bytes, self.clock(),
                          task.memory_budget_bytes)
@@ -1102,102 +1002,72 @@ class Coordinator:
             if strict:
                 raise
             self._implausible(worker, e)
-            return
+            return job, task
         strategy = strategies.get(job.strategy)
-        # Heartbeats repeat the last report of every task: only a change wakes watchers.
-        before = (task.in_use_bytes, task.peak_memory_bytes, job.metrics.step,
-                  job.metrics.test_accuracy)
-        task.in_use_bytes = r.in_use_bytes
-        task.peak_memory_bytes = max(task.peak_memory_bytes, r.peak_bytes)
-        if r.largest_alloc_bytes and job.spec is not None:
-            # (a computed figure, not the allocator's: never more than the task's budget)
-            alloc = min(r.largest_alloc_bytes, task.memory_budget_bytes)
-            kind = task_kind(job.spec, task.role, task.index, task.first_layer, task.last_layer)
-            if alloc > self.largest_alloc.get(kind, 0):
-                self.largest_alloc[kind] = alloc
-        if r.weights_sha256:
-            task.weights_sha256 = r.weights_sha256
-        if r.replica_weights_sha256:
-            task.replica_weights_sha256 = list(r.replica_weights_sha256)
-        if r.model_path:
-            task.model_path = r.model_path
-        lead = strategy.is_lead(task)
-        for note in r.notes:  # said once per job, whichever task says it
-            seen = self._notes_said.setdefault(job.id, set())
-            if note not in seen and len(seen) < 8:
-                seen.add(note)
-                self._event(job, "note", note)
-        if lead and r.training and r.training != job.training:
-            said = bool(job.training)
-            job.training = r.training  # what its model trains with, and where it came from
+        # (a task's kind hashes its job's spec: found only for a figure kept by kind)
+        kind = "" if job.spec is None or not r.largest_alloc_bytes else task_kind(
+            job.spec, task.role, task.index, task.first_layer, task.last_layer)
+        fx = decisions.on_report(
+            job, task, r, lead=strategy.is_lead(task),
+            stopped_is_success=(r.state == TaskState.CANCELLED
+                                and strategy.stopped_counts_as_success(job, task)),
+            kind=kind, largest_known=self.largest_alloc.get(kind, 0) if kind else 0,
+            notes_said=self._notes_said.get(job.id, NO_NOTES))
+        # its effects: the task's and the job's fields, the store, the events, then the
+        # task's move (``_move_task``)
+        task.in_use_bytes, task.peak_memory_bytes = fx.in_use_bytes, fx.peak_bytes
+        for name, value in fx.task.items():
+            setattr(task, name, value)
+        if fx.largest_alloc is not None:
+            self.largest_alloc[fx.largest_alloc[0]] = fx.largest_alloc[1]
+        for note in fx.notes:
+            self._notes_said.setdefault(job.id, set()).add(note)
+            self._event(job, "note", note)
+        if fx.job or fx.recovery or fx.metrics:
+            for name, value in fx.job.items():
+                setattr(job, name, value)
+            for name, value in fx.recovery.items():
+                setattr(job.recovery, name, value)
+            for name, value in fx.metrics.items():
+                setattr(job.metrics, name, value)
+        if fx.write_job:
             self.store.put_job(job)
-            if not said:  # an event once: a lead that says it again and again writes no more
-                self._event(job, "message", f"training with {r.training}")
-        if lead and r.checkpoint_step > job.checkpoint_step:
-            job.checkpoint_step = r.checkpoint_step
-            self.store.put_job(job)
-        # (a restarting job's reports are its old attempt's: resumes come after it is placed)
-        resuming = lead and job.state in (JobState.SCHEDULED, JobState.RUNNING)
-        if resuming and job.recovery.step_at_failure and (r.resumed_step or r.step):
-            # the lead resumed from a checkpoint, or started afresh without one (its first
-            # progress carries no resumed step): what it trains again is counted once
-            repeated = max(0, job.recovery.step_at_failure - r.resumed_step)
-            job.steps_repeated += repeated
-            job.recovery.step_at_failure = 0
-            self.store.put_job(job)
-            self._event(job, "message", (f"resumed from the checkpoint at step {r.resumed_step}"
-                                         if r.resumed_step else "no checkpoint to resume from")
-                        + f"; {repeated} step(s) trained again")
-        if lead and r.step:
-            m = job.metrics
-            m.step, m.total_steps, m.loss = r.step, r.total_steps, r.loss
-            if r.examples_per_sec:
-                m.examples_per_sec = r.examples_per_sec
-            if r.first_step_time and not job.started_at:
-                job.started_at = r.first_step_time
-        if lead and r.test_accuracy is not None:
-            job.metrics.test_accuracy = r.test_accuracy
-            job.metrics.test_loss = r.test_loss
-            job.metrics.test_metrics = dict(r.test_metrics)
+        for kind, message in fx.events:
+            self._event(job, kind, message)
         self.series.record(job, task, self.clock())
-        if r.state == TaskState.CANCELLED and job.state == JobState.SUCCEEDED \
-                and strategy.stopped_counts_as_success(job, task):
-            # a server task stopped because its driver finished: that is how such a task ends
-            # when all went well
-            r = dataclasses.replace(r, state=TaskState.SUCCEEDED,
-                                    message="stopped after the job succeeded")
-        if r.state != task.state and r.state != TaskState.PENDING:
-            if r.state == TaskState.FAILED:
-                if r.failure == FailureKind.OOM:
-                    self._fail_oom(job, task, r)
-                    return
-                self._fail_task(job, task, r.failure, r.message, exit_code=r.exit_code)
-                return
-            if can_transition(task.state, r.state):
-                # written before it is changed (``_fail_task``)
-                self.store.put_tasks([dataclasses.replace(
-                    task, state=r.state, exit_code=r.exit_code,
-                    message=task.message if task.failure == FailureKind.OOM else r.message)])
-                self._set_task_state(task, r.state)
-                task.exit_code = r.exit_code
-                if task.failure != FailureKind.OOM:  # keep the account of an OOM it caused
-                    task.message = r.message
-                if task.state.final and task.failure != FailureKind.OOM:
-                    # (the peak of a task that ran out is short of its need: ``_fail_oom``
-                    # kept the bound)
-                    self._remember_peak(job, task)
+        if fx.move is not None:
+            self._move_task(job, task, r, fx)
+        elif fx.progressed:
+            now = self.clock()
+            if now - self._metrics_saved.get(job.id, 0.0) >= METRICS_PERSIST_INTERVAL_S:
+                self._metrics_saved[job.id] = now
+                self.store.put_job(job)
                 self.store.put_tasks([task])
-                self._after_task_change(job, task)
-                return
-        if before == (task.in_use_bytes, task.peak_memory_bytes, job.metrics.step,
-                      job.metrics.test_accuracy):
-            return
-        now = self.clock()
-        if now - self._metrics_saved.get(job.id, 0.0) >= METRICS_PERSIST_INTERVAL_S:
-            self._metrics_saved[job.id] = now
-            self.store.put_job(job)
+            self._notify(job.id)
+        return job, task
+
+    def _move_task(self, job: Job, task: Task, r: TaskReport,
+                   fx: decisions.ReportEffects) -> None:
+        """A report's move of its task: a failure goes to the failure policy; a change is
+        written before it is made, then the job decides on it."""
+        if fx.move == decisions.FAIL_OOM:
+            self._fail_oom(job, task, r)
+        elif fx.move == decisions.FAIL:
+            self._fail_task(job, task, fx.failure, fx.message, exit_code=fx.exit_code)
+        elif fx.move == decisions.CHANGE:
+            # the task's account of an out-of-memory failure it caused is kept
+            message = task.message if task.failure == FailureKind.OOM else fx.message
+            # written before it is changed (``_fail_task``)
+            self.store.put_tasks([dataclasses.replace(
+                task, state=fx.state, exit_code=fx.exit_code, message=message)])
+            self.state.set_task_state(task, fx.state)
+            task.exit_code, task.message = fx.exit_code, message
+            if task.state.final and task.failure != FailureKind.OOM:
+                # (the peak of a task that ran out is short of its need: ``_fail_oom`` kept
+                # the bound)
+                self._remember_peak(job, task)
             self.store.put_tasks([task])
-        self._notify(job.id)
+            self._after_task_change(job, task)
 
     def _remember_peak(self, job: Job, task: Task, needed: int = 0) -> None:
         """Keeps what a task of this kind was seen to need (``strata.measured``): its peak, or
@@ -1256,7 +1126,7 @@ class Coordinator:
         # agent's report to be tried again
         self.store.put_tasks([dataclasses.replace(task, state=TaskState.FAILED, failure=failure,
                                                   exit_code=exit_code, message=message)])
-        self._set_task_state(task, TaskState.FAILED)
+        self.state.set_task_state(task, TaskState.FAILED)
         task.failure = failure
         task.exit_code = exit_code
         task.message = message
@@ -1373,85 +1243,34 @@ class Coordinator:
 
     def _after_task_change(self, job: Job, task: Task) -> None:
         self._event(job, "task", f"task {task.role}:{task.index} on {task.worker}: {task.state.value}")
-        if job.state.final or job.state == JobState.RESTARTING:
-            if task.state.final:
-                self.wake()
-            return
-        if task.state == TaskState.CANCELLED and job.state in (JobState.SCHEDULED,
-                                                                JobState.RUNNING):
-            # stopped although its job runs (its agent shut down): the job lost a task
+        step = decisions.on_task_change(job, task, strategies.get(job.strategy))
+        if step.cancelled:
             task.failure = FailureKind.CANCELLED
             self.store.put_tasks([task])
-            decision = strategies.get(job.strategy).on_failure(job, task)
-            if decision.action == FailureAction.RESTART:
-                self._restart(job, decision.message, failure=True)
-            elif decision.action == FailureAction.FAIL_JOB:
-                self._stop_job(job, JobState.FAILED, decision.message)
-            return
-        if task.state.final:
-            end = strategies.get(job.strategy).decide_on_end(job, task)
-            if end is not None:
-                if end.stop_others:
-                    self._stop_job(job, JobState.SUCCEEDED, end.message)
-                else:
-                    self._set_job_state(job, JobState.SUCCEEDED, end.message)
-                return
-        if job.state == JobState.SCHEDULED and all(
-                t.state in (TaskState.RUNNING, TaskState.SUCCEEDED, TaskState.FAILED)
-                for t in job.tasks):
-            # (a FAILED task here is one the strategy's failure policy carries on without)
-            self._set_job_state(job, JobState.RUNNING, "all tasks running")
+        if step.action == decisions.WAKE:
+            self.wake()
+        elif step.action == decisions.RESTART:
+            self._restart(job, step.message, failure=True)
+        elif step.action == decisions.FAIL_JOB:
+            self._stop_job(job, JobState.FAILED, step.message)
+        elif step.action == decisions.SUCCEED_AND_STOP:
+            self._stop_job(job, JobState.SUCCEEDED, step.message)
+        elif step.action == decisions.SUCCEED:
+            self._set_job_state(job, JobState.SUCCEEDED, step.message)
+        elif step.action == decisions.RUN:
+            self._set_job_state(job, JobState.RUNNING, step.message)
 
     # --- control loop -------------------------------------------------------------------------
-
-    def _refresh(self, name: str) -> None:
-        """Brings ``name``'s entry in the room index up to date: after its reservation, its
-        ports or its standing (registered, lost, draining) changed."""
-        w = self.agents.get(name)
-        if w is None or not w.session or w.lost or w.record.draining:
-            self._room.drop(name)
-            return
-        budget = w.record.budget_bytes
-        self._room.set(Capacity(name, budget, budget - self._reservations.get(name, 0),
-                                len(w.free_ports)))
-
-    def check_room(self) -> None:
-        """Asserts that the kept reservations and room index equal what a scan of every
-        live task and agent gives (tests call it: a missed update would place on stale
-        room)."""
-        scanned = self._reserved_scan()
-        assert self._reservations == scanned, (self._reservations, scanned)
-        want = {c.name: c for c in self.agents.capacities(scanned)}
-        have = {c.name: c for c in self._room}
-        assert have == want, (set(have.items()) ^ set(want.items()))
-        for needs, (version, offers) in self._offers.items():
-            if version == self._standing_version:
-                assert offers == self._budget_offers(needs), needs
-        # the live jobs and their order, kept as jobs come and end, against a scan
-        ended = {j.id for j in self._live.values() if _over(j)}
-        assert ended <= self._ending, ended - self._ending
-        assert {j.id for j in self.jobs.loaded_jobs() if not _over(j)} <= set(self._live)
-        if self._order is not None:
-            assert [j.id for j in self._order] == \
-                [j.id for j in sorted(self._live.values(), key=_order_key)]
-
-    def _reserved_scan(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for job in self._live.values():
-            for t in job.tasks:
-                if t.worker and not t.state.final:
-                    out[t.worker] = out.get(t.worker, 0) + t.memory_budget_bytes
-        return out
 
     def _tick_fresh(self) -> bool:
         """Whether the tick's caches may be used: inside a tick, and dropped first if room
         grew since they were filled (a task ended while the tick ran)."""
         if self._tick_cache is None:
             return False
-        if self._tick_version != self._room_version:
+        if self._tick_version != self.state.room_version:
             self._tick_cache.clear()
             self._tick_failed.clear()
-            self._tick_version = self._room_version
+            self._tick_version = self.state.room_version
         return True
 
     def _capacities(self, needs: Needs = NO_NEEDS) -> list[Capacity]:
@@ -1465,13 +1284,11 @@ class Coordinator:
         return self._capacities_now(needs)
 
     def _capacities_now(self, needs: Needs) -> list[Capacity]:
-        room = self._room
-        return [c for w in self.agents.values()
-                if (c := room.get(w.name)) is not None and needs.met_by(w.record)]
+        return self.state.capacities(needs)
 
     def _place(self, demands: list[TaskDemand], needs: Needs) -> Placement:
         if needs == NO_NEEDS:  # every agent in the room: its kept order serves
-            return self._room.place(demands)
+            return self.state.room.place(demands)
         return place(demands, self._capacities(needs))
 
     def tick(self) -> None:
@@ -1506,58 +1323,40 @@ class Coordinator:
             self._next_judgement = heard_now + self.tick_interval_s
             for w in self.agents.expired(heard_now, self.heartbeat_timeout_s + delay):
                 self._mark_lost(w)
-        over = {job_id for job_id in self._ending
-                if (j := self._live.get(job_id)) is not None and _over(j)}
-        self._ending.clear()
-        for job_id in over:
-            del self._live[job_id]
+        for job_id in self.state.retire_over():
             self._tried.pop(job_id, None)
             self._needs.pop(job_id, None)
-        if over and self._order is not None:
-            self._order = [j for j in self._order if j.id not in over]
-        self._expire(now)  # (after: it takes the jobs out of _live as over)
+        self._expire(now)  # (after: it takes the jobs that are over out of the live ones)
         self._collect(now)
         self._tick_cache, self._tick_failed = {}, {}
-        self._tick_version = self._room_version
+        self._tick_version = self.state.room_version
         try:
             self._schedule(now)
         finally:
             self._tick_cache, self._tick_failed = None, {}
-        if self._check_room:
-            self.check_room()
+        if self._check_state:
+            self.state.check()
 
     def _schedule(self, now: float) -> None:
-        if self._order is None:
-            self._order = sorted(self._live.values(), key=_order_key)
         # a copy: scheduling a job may end another (a failed probe fails its job)
-        for job in list(self._order):
-            if job.state == JobState.PENDING:
-                deadline = job.recovery.capacity_deadline
-                if deadline and now > deadline:
-                    self._stop_job(job, JobState.FAILED, "not placed by its --queue-for-capacity "
-                                                         f"deadline: {job.message}")
-                    continue
-                if job.id in self._probe_of and not self._after_probe(job):
-                    continue
+        for job in list(self.state.ordered()):
+            if job.state not in decisions.TICK_STATES:
+                continue
+            since = self._scheduled_at.setdefault(job.id, now) \
+                if job.state == JobState.SCHEDULED else 0.0
+            step = decisions.on_tick(job, now, probing=job.id in self._probe_of,
+                                     scheduled_since=since, start_timeout_s=self.start_timeout_s)
+            if step.action == decisions.FAIL_JOB:
+                self._stop_job(job, JobState.FAILED, step.message)
+            elif step.action == decisions.PLACE:
                 self._try_schedule(job)
-            elif job.state == JobState.RESTARTING:
-                if not job.recovery.replanned:
-                    if any(not t.state.final for t in job.tasks) \
-                            or now < job.recovery.restart_at:
-                        continue  # its processes are being stopped, or it backs off
-                    self._resume(job)
-                    if job.state != JobState.RESTARTING:
-                        continue
-                self._try_schedule(job)
-            elif job.state == JobState.SCHEDULED:
-                # Tasks that never all reach RUNNING (a peer that cannot start, a rendezvous that
-                # never completes) must not hold their reservations for ever.
-                since = self._scheduled_at.setdefault(job.id, now)
-                if now - since > self.start_timeout_s:
-                    slow = [f"{t.role}:{t.index} ({t.state.value})" for t in job.tasks
-                            if t.state != TaskState.RUNNING]
-                    self._stop_job(job, JobState.FAILED, f"tasks did not start within "
-                                                         f"{self.start_timeout_s:g} s: {', '.join(slow)}")
+            elif step.action == decisions.AFTER_PROBE:
+                if self._after_probe(job):
+                    self._try_schedule(job)
+            elif step.action == decisions.RESUME:
+                self._resume(job)
+                if job.state == JobState.RESTARTING:
+                    self._try_schedule(job)
 
     def _after_probe(self, job: Job) -> bool:
         """Whether ``job`` may be scheduled: its memory probe has ended and the job's tasks now
@@ -1660,13 +1459,9 @@ class Coordinator:
     def _mark_lost(self, w: LiveWorker, why: str = "") -> None:
         why = why or f"no heartbeat for {self.heartbeat_timeout_s:g} s"
         log.warning("worker %s lost: %s", w.name, why)
-        self.agents.mark_lost(w)
-        self._standing_version += 1
-        self._refresh(w.name)
-        for job in list(self._live.values()):
-            for t in job.tasks:
-                if t.worker == w.name and not t.state.final:
-                    self._fail_task(job, t, FailureKind.LOST, f"worker {w.name} lost ({why})")
+        self.state.agent_lost(w)
+        for job, t in decisions.lost_with(self.state.live.values(), w.name):
+            self._fail_task(job, t, FailureKind.LOST, f"worker {w.name} lost ({why})")
 
     def revoke_agents(self, match: Callable[[Caller, str], bool], why: str) -> list[str]:
         """The connected agents whose credential (and name) ``match`` are LOST at once: their
@@ -1715,7 +1510,7 @@ class Coordinator:
         # Nothing that could make room has happened since this job last failed to fit, and
         # its demands are the same: it would fail again (placement is deterministic, and other
         # placements only take room). Waiting jobs cost a tick nothing until something moves.
-        key = (self._room_version, tuple(t.memory_budget_bytes for t in job.tasks))
+        key = (self.state.room_version, tuple(t.memory_budget_bytes for t in job.tasks))
         if self._tried.get(job.id) == key:
             return
         needs = self._needs.get(job.id)
@@ -1742,15 +1537,7 @@ class Coordinator:
             return
         cluster: dict[str, list[str]] = {}
         for t in sorted(job.tasks, key=lambda t: (t.role, t.index)):
-            live = self.workers[placement.assignments[(t.role, t.index)]]
-            port = live.free_ports.pop(0)
-            t.worker = live.name
-            self._reservations[live.name] = (self._reservations.get(live.name, 0)
-                                             + t.memory_budget_bytes)
-            self._refresh(live.name)
-            t.address = f"{live.record.address}:{port}"
-            self._ports_held.setdefault(live.name, set()).add(str(port))
-            t.attempt += 1
+            self.state.place_task(t, self.workers[placement.assignments[(t.role, t.index)]])
             cluster.setdefault(t.role, []).append(t.address)
         self.store.put_tasks(job.tasks)
         if self._tick_cache is not None:  # room was taken: what failed may fail differently
@@ -1798,7 +1585,7 @@ class Coordinator:
                     log.error("control loop tick: %s", e)
             except Exception:  # a bug in one tick must not stop the control plane
                 log.exception("control loop tick failed")
-                if self._check_room:
+                if self._check_state:
                     raise
             # Wake-ups that come while a tick runs are served by the next one, at most
             # MIN_TICK_GAP_S later: a burst of registrations or reports costs a few ticks,
@@ -1818,7 +1605,7 @@ class Coordinator:
 
     def busy_workers(self) -> set[str]:
         """The workers that hold a task not yet ended."""
-        return {t.worker for j in self._live.values() for t in j.tasks
+        return {t.worker for j in self.state.live.values() for t in j.tasks
                 if t.worker and not t.state.final}
 
     def worker_rows(self, names: Iterable[str] | None = None, busy: set[str] | None = None
@@ -1830,7 +1617,7 @@ class Coordinator:
         part at a time (``/metrics``) and finds the busy ones once."""
         if busy is None:
             busy = self.busy_workers()
-        reserved = self._reservations
+        reserved = self.state.reservations
         chosen = self.agents.values() if names is None else \
             [w for w in map(self.agents.get, names) if w is not None]
         return [(w.name, w.record.device, _worker_state(w, w.name in busy), w.record.budget_bytes,
@@ -1841,10 +1628,10 @@ class Coordinator:
         """Every worker, or those of ``names`` (a name not known is left out), by name. Each
         costs about 14 µs to build: views of thousands of workers page or step through their
         names (``worker_rows``) and build a part at a time."""
-        reserved = self._reservations
+        reserved = self.state.reservations
         wanted = None if names is None else set(names)
         on: dict[str, list[WorkerTask]] = {}
-        for j in self._live.values():
+        for j in self.state.live.values():
             for t in j.tasks:
                 if t.worker and not t.state.final and (wanted is None or t.worker in wanted):
                     on.setdefault(t.worker, []).append(WorkerTask(

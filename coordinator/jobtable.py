@@ -8,13 +8,13 @@ the others: id, state, times and restarts, what listing, paging, metrics and ret
 A finished job is loaded from the store the first time it is looked up (``table[id]``), then
 kept like any other.
 
-Iterating ``values()`` loads every job: the hot paths read ``Coordinator._live``, and the
+Iterating ``values()`` loads every job: the hot paths read ``ClusterState.live``, and the
 views over all jobs read ``summaries()`` and load only what they show.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator, MutableMapping, NamedTuple
+from typing import TYPE_CHECKING, Any, Iterator, MutableMapping, NamedTuple, TypeVar, overload
 
 from strata.types import Job, JobState
 
@@ -40,6 +40,9 @@ class JobSummary(NamedTuple):
                    job.restarts)
 
 
+_T = TypeVar("_T")
+
+
 class JobTable(MutableMapping[str, Job]):
     def __init__(self, store: "Store"):
         self._store = store
@@ -61,6 +64,24 @@ class JobTable(MutableMapping[str, Job]):
             raise KeyError(job_id)
         self._loaded[job_id] = job
         return job
+
+    @overload
+    def get(self, job_id: str, /) -> Job | None: ...
+    @overload
+    def get(self, job_id: str, /, default: Job | _T) -> Job | _T: ...
+
+    def get(self, job_id: str, /, default: Any = None) -> Any:
+        """``Mapping.get`` without raising and catching for a loaded job: a heartbeat looks up
+        each of its tasks' jobs."""
+        job = self._loaded.get(job_id)
+        if job is not None:
+            return job
+        if job_id not in self._cold:
+            return default
+        try:
+            return self[job_id]
+        except KeyError:
+            return default
 
     def __setitem__(self, job_id: str, job: Job) -> None:
         self._cold.pop(job_id, None)

@@ -935,27 +935,24 @@ class _Help(argparse.RawDescriptionHelpFormatter):
         return f"{text} (default: {action.default})"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="strata", description="Strata: distributed TensorFlow training.",
-                                epilog="Exit codes: 0 ok; 1 job failed or command failed; 2 bad usage "
-                                       "or rejected spec; 3 coordinator unreachable; 4 not found; "
-                                       "124 strata wait timed out.")
-    from strata import __version__
-    from strata.types import JobState, WorkerState
+class _Commands:
+    """The subcommand parsers as they are built: ``add`` makes one, with the flags of a
+    client of the coordinator unless ``client=False``."""
 
-    p.add_argument("--version", action="version", version=f"strata {__version__}")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND")
-    sub.required = True
+    def __init__(self, sub: Any):
+        self.sub = sub
 
-    def add(name: str, fn: Callable[[argparse.Namespace], int], help_: str, client: bool = True):
-        sp = sub.add_parser(name, help=help_.split(". ")[0], description=help_)
+    def add(self, name: str, fn: Callable[[argparse.Namespace], int], help_: str,
+            client: bool = True) -> argparse.ArgumentParser:
+        sp = self.sub.add_parser(name, help=help_.split(". ")[0], description=help_)
         sp.set_defaults(fn=fn)
         if client:
             sp.add_argument("--coordinator", metavar="HOST:PORT",
                             help="coordinator address (default: $STRATA_COORDINATOR or 127.0.0.1:50051)")
-            tls_flags(sp)
+            self.tls_flags(sp)
         return sp
 
+    @staticmethod
     def tls_flags(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--tls-ca", default=None, metavar="FILE",
                         help="the CA that signed the coordinator's certificate: connect with TLS "
@@ -968,7 +965,30 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a file holding the bearer token (default: $STRATA_TOKEN; none: "
                              "no token)")
 
-    sp = add("coordinator", cmd_coordinator, "run the control plane", client=False)
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="strata", description="Strata: distributed TensorFlow training.",
+                                epilog="Exit codes: 0 ok; 1 job failed or command failed; 2 bad usage "
+                                       "or rejected spec; 3 coordinator unreachable; 4 not found; "
+                                       "124 strata wait timed out.")
+    from strata import __version__
+
+    p.add_argument("--version", action="version", version=f"strata {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    cmds = _Commands(sub)
+    _coordinator_command(cmds)
+    _cluster_commands(cmds)
+    _job_commands(cmds)
+    for name, sp in sub.choices.items():
+        sp.formatter_class = _Help
+        sp.epilog = f"example:\n  {EXAMPLES[name]}"
+    return p
+
+
+def _coordinator_command(cmds: _Commands) -> None:
+    """``strata coordinator``: the control plane's flags."""
+    sp = cmds.add("coordinator", cmd_coordinator, "run the control plane", client=False)
     sp.add_argument("--listen", default="127.0.0.1:50051", metavar="HOST:PORT",
                     help="the address to serve gRPC on; off loopback it needs TLS or --insecure")
     sp.add_argument("--http-listen", default="", metavar="HOST:PORT",
@@ -1022,7 +1042,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--upload-grace", default="1h", metavar="DURATION",
                     help="how long an uploaded file no job names is kept before it is deleted")
 
-    sp = add("admin", cmd_admin, "administer the cluster's credentials: revoke a caller "
+
+
+def _cluster_commands(cmds: _Commands) -> None:
+    """Running and administering a cluster: admin, certs, worker, up, demo."""
+    sp = cmds.add("admin", cmd_admin, "administer the cluster's credentials: revoke a caller "
                                  "(every token and certificate of its NAME) at once, restore "
                                  "one, list those revoked")
     sp.add_argument("action", choices=("revoke", "restore", "revoked"),
@@ -1032,7 +1056,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("name", nargs="?", default="", metavar="NAME",
                     help="the caller's NAME (as the tokens file or its certificate names it)")
 
-    sp = add("certs", cmd_certs, "make a CA, a coordinator certificate and client certificates",
+    sp = cmds.add("certs", cmd_certs, "make a CA, a coordinator certificate and client certificates",
              client=False)
     sp.add_argument("--out", required=True, metavar="DIR", help="where to write the files")
     sp.add_argument("--host", action="append", default=[], metavar="NAME",
@@ -1044,7 +1068,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "--auth-tokens (repeatable; default: agent:agent, client:admin)")
     sp.add_argument("--force", action="store_true", help="replace an existing CA in --out")
 
-    sp = add("worker", cmd_worker, "run a worker agent that owns one device", client=False)
+    sp = cmds.add("worker", cmd_worker, "run a worker agent that owns one device", client=False)
     sp.add_argument("--coordinator", default=os.environ.get("STRATA_COORDINATOR", "127.0.0.1:50051"),
                     metavar="HOST:PORT", help="the coordinator's address ($STRATA_COORDINATOR)")
     sp.add_argument("--memory-budget", required=True, metavar="SIZE", help="e.g. 2GiB, 512MiB, 1.5GB")
@@ -1070,11 +1094,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the CPU kernels this host's TensorFlow runs, which the memory "
                          "estimates depend on (default auto: TensorFlow's own rule, from "
                          "TF_ENABLE_ONEDNN_OPTS and the CPU's features)")
-    tls_flags(sp)
+    cmds.tls_flags(sp)
 
     for name, fn, help_ in (("up", cmd_up, "run a coordinator and N workers locally in the foreground"),
                             ("demo", cmd_demo, "train the digits MLP on a local 2-worker cluster")):
-        sp = add(name, fn, help_, client=False)
+        sp = cmds.add(name, fn, help_, client=False)
         if name == "up":
             sp.add_argument("--workers", type=int, default=2, help="worker agents to start")
         sp.add_argument("--memory-budget", default="1GiB", metavar="SIZE",
@@ -1097,7 +1121,13 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                             help="override a field of the demo job (repeatable)")
 
-    sp = add("submit", cmd_submit, "submit a job file (YAML or JSON)")
+
+def _job_commands(cmds: _Commands) -> None:
+    """Jobs and what users look at: submit, jobs, status, wait, drain, cancel, delete, logs,
+    workers, download, plan, health, validate."""
+    from strata.types import JobState, WorkerState
+
+    sp = cmds.add("submit", cmd_submit, "submit a job file (YAML or JSON)")
     sp.add_argument("job", metavar="JOB.yaml", help="the job file")
     sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a field, e.g. --set training.epochs=3 (repeatable)")
@@ -1106,7 +1136,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a job wider or larger than any the cluster has had workers for is "
                          "refused; with this it waits that long for them (30m, 12h), then fails")
 
-    sp = add("jobs", cmd_jobs, "list jobs")
+    sp = cmds.add("jobs", cmd_jobs, "list jobs")
     sp.add_argument("--json", action="store_true", help=JSON_HELP)
     sp.add_argument("--all", action="store_true",
                     help="also the memory probes (NAME-probe-...) jobs run before they start")
@@ -1114,23 +1144,23 @@ def build_parser() -> argparse.ArgumentParser:
                     choices=[s.value for s in JobState], metavar="STATE",
                     help="only jobs in this state (repeatable): "
                          + ", ".join(s.value for s in JobState))
-    sp = add("status", cmd_status, "show one job")
+    sp = cmds.add("status", cmd_status, "show one job")
     sp.add_argument("job_id", metavar="JOB_ID", help="the job")
     sp.add_argument("--json", action="store_true", help=JSON_HELP)
-    sp = add("wait", cmd_wait, "wait for a job to end; exit 0 if it SUCCEEDED, 1 if it FAILED "
+    sp = cmds.add("wait", cmd_wait, "wait for a job to end; exit 0 if it SUCCEEDED, 1 if it FAILED "
                                "or was CANCELLED")
     sp.add_argument("job_id", metavar="JOB_ID", help="the job")
     sp.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                     help=f"give up after this long, exit {EXIT_TIMEOUT} (default: no limit)")
-    sp = add("drain", cmd_drain, "stop placing tasks on a worker and move its jobs elsewhere "
+    sp = cmds.add("drain", cmd_drain, "stop placing tasks on a worker and move its jobs elsewhere "
                                  "(they resume from their checkpoints)")
     sp.add_argument("worker", metavar="WORKER", help="the worker's name (strata workers)")
-    sp = add("cancel", cmd_cancel, "cancel a job")
+    sp = cmds.add("cancel", cmd_cancel, "cancel a job")
     sp.add_argument("job_id", metavar="JOB_ID", help="the job")
-    sp = add("delete", cmd_delete, "delete a finished job: its records, events, logs and "
+    sp = cmds.add("delete", cmd_delete, "delete a finished job: its records, events, logs and "
                                    "stored outputs")
     sp.add_argument("job_id", metavar="JOB_ID", help="the job (cancel a running one first)")
-    sp = add("logs", cmd_logs, "print a job's task logs")
+    sp = cmds.add("logs", cmd_logs, "print a job's task logs")
     sp.add_argument("job_id", metavar="JOB_ID", help="the job")
     sp.add_argument("--task", metavar="ROLE:INDEX",
                     help="one task's log, e.g. worker:1 (default: every task's, each line "
@@ -1138,16 +1168,16 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--follow", action="store_true", help="keep printing until the job ends")
     sp.add_argument("--tail", type=int, default=0, metavar="N",
                     help="only the last N lines of each task's log (default: all)")
-    sp = add("workers", cmd_workers, "list worker agents and their memory")
+    sp = cmds.add("workers", cmd_workers, "list worker agents and their memory")
     sp.add_argument("--json", action="store_true", help=JSON_HELP)
     sp.add_argument("--state", action="append", default=[], type=str.upper,
                     choices=[s.value for s in WorkerState], metavar="STATE",
                     help="only workers in this state (repeatable): "
                          + ", ".join(s.value for s in WorkerState))
-    sp = add("download", cmd_download, "fetch a job's outputs (trained model, metrics.json)")
+    sp = cmds.add("download", cmd_download, "fetch a job's outputs (trained model, metrics.json)")
     sp.add_argument("job_id", metavar="JOB_ID", help="the job")
     sp.add_argument("dest", metavar="DIR", help="where to write them (made if missing)")
-    sp = add("plan", cmd_plan, "show what would run: tasks, workers, stages, memory per task; "
+    sp = cmds.add("plan", cmd_plan, "show what would run: tasks, workers, stages, memory per task; "
                                "starts nothing. With --workers and --memory-budget it needs no "
                                "coordinator")
     sp.add_argument("job", metavar="JOB.yaml", help="the job file")
@@ -1159,7 +1189,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--memory-budget", default=None, metavar="SIZE",
                     help="each offline worker's budget, e.g. 8GiB")
     sp.add_argument("--json", action="store_true", help=JSON_HELP)
-    sp = add("health", cmd_health, "probe the coordinator's health service (exit 0 when "
+    sp = cmds.add("health", cmd_health, "probe the coordinator's health service (exit 0 when "
                                    "SERVING), or an agent's last heartbeat")
     sp.add_argument("--heartbeat-file", default="", metavar="FILE",
                     help="an agent's WORK_DIR/agent.alive: healthy when a heartbeat was "
@@ -1167,17 +1197,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--max-age", type=float, default=30.0, metavar="SECONDS",
                     help="how old the last heartbeat may be; also the coordinator probe's "
                          "timeout")
-    sp = add("validate", cmd_validate, "check a job file on this machine, as the coordinator "
+    sp = cmds.add("validate", cmd_validate, "check a job file on this machine, as the coordinator "
                                        "would: fields, model, memory estimate, the data it can "
                                        "see; nothing is sent. With --coordinator, also what "
                                        "that cluster would say: whether it fits there")
     sp.add_argument("job", metavar="JOB.yaml", help="the job file")
     sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a field (repeatable)")
-    for name, sp in sub.choices.items():
-        sp.formatter_class = _Help
-        sp.epilog = f"example:\n  {EXAMPLES[name]}"
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -358,14 +358,7 @@ def parse_job_spec(raw: Any) -> JobSpec:
         if k not in _TOP_KEYS:
             raise SpecError(str(k), f"unknown field (known: {', '.join(sorted(_TOP_KEYS))})")
 
-    name = raw.get("name")
-    if name is not None and not isinstance(name, str):
-        raise _not_text("name", name)  # e.g. `name: 2024` or `name: no`: never "required"
-    if not name:
-        raise SpecError("name", "is required: a lowercase name like 'digits-mlp'")
-    if not NAME_RE.match(name):
-        raise SpecError("name", f"{name[:64]!r} must be 1-40 characters of a-z, 0-9 and '-', "
-                                "starting and ending with a letter or digit")
+    name = _name(raw)
     strategy_name = raw.get("strategy")
     strategy = strategies.get(strategies.DEFAULT if strategy_name in (None, "") else strategy_name)
     workers = _int(raw, "workers", "workers", 1, lo=1, hi=MAX_TASKS)
@@ -376,6 +369,61 @@ def parse_job_spec(raw: Any) -> JobSpec:
     microbatches = _int(raw, "microbatches", "microbatches", 1, lo=1, hi=4096)
 
     code = _code(raw.get("code"))
+    model_out = _model(raw, code)
+    data = _data(raw, workers)
+    training = _training(raw)
+    memory = _memory(raw)
+    gradients = _gradients(raw, workers, data.batch_size)
+
+    c = _section(raw, "checkpoint", {"every_steps", "keep"})
+    r = _section(raw, "restart", {"max_restarts", "backoff_s", "retry_user_errors"})
+    # 0 is a valid backoff (restart at once); _float takes positive numbers only
+    zero = r.get("backoff_s") == 0 and not isinstance(r.get("backoff_s"), bool)
+    backoff = 0.0 if zero else _float(r, "backoff_s", "restart.backoff_s",
+                                      JobSpec.restart_backoff_s)
+    if not 0 <= backoff <= 3600:
+        raise SpecError("restart.backoff_s", f"must be between 0 and 3600 seconds, got {backoff:g}")
+    spec = JobSpec(
+        name=name,
+        strategy=strategy.name,
+        workers=workers,
+        parameter_servers=parameter_servers,
+        stages=stages,
+        microbatches=microbatches,
+        model=model_out,
+        data=data,
+        training=training,
+        memory=memory,
+        checkpoint_every_steps=_int(c, "every_steps", "checkpoint.every_steps", 0, hi=1 << 40),
+        max_restarts=_int(r, "max_restarts", "restart.max_restarts", 0, hi=1000),
+        checkpoint_keep=_int(c, "keep", "checkpoint.keep", JobSpec.checkpoint_keep, lo=1, hi=1000),
+        restart_backoff_s=backoff,
+        retry_user_errors=_bool(r, "retry_user_errors", "restart.retry_user_errors", False),
+        code=code,
+        gradients=gradients,
+    )
+    _check_strategy_fields(spec, strategy)
+    strategy.validate(spec)
+    _check_code(spec, strategy)
+    if not spec.code_model:
+        _check_model(spec)
+    return spec
+
+
+def _name(raw: Mapping[str, Any]) -> str:
+    name = raw.get("name")
+    if name is not None and not isinstance(name, str):
+        raise _not_text("name", name)  # e.g. `name: 2024` or `name: no`: never "required"
+    if not name:
+        raise SpecError("name", "is required: a lowercase name like 'digits-mlp'")
+    if not NAME_RE.match(name):
+        raise SpecError("name", f"{name[:64]!r} must be 1-40 characters of a-z, 0-9 and '-', "
+                                "starting and ending with a letter or digit")
+    return name
+
+
+def _model(raw: Mapping[str, Any], code: dict[str, Any]) -> dict[str, Any]:
+    """``model``: exactly one of keras_json, keras_file, builtin, or none with code.model."""
     model = _section(raw, "model", {"keras_json", "builtin", "keras_file"})
     given = [k for k in ("keras_json", "keras_file", "builtin") if k in model]
     if code.get("model"):
@@ -408,7 +456,10 @@ def parse_job_spec(raw: Any) -> JobSpec:
             "hidden": _int_list(b, "hidden", "model.builtin.hidden", [1024, 512, 256], allow_empty=True),
             "classes": _int(b, "classes", "model.builtin.classes", DIGITS_CLASSES, lo=1, hi=1_000_000),
         }}
+    return model_out
 
+
+def _data(raw: Mapping[str, Any], workers: int) -> DataSpec:
     d = _section(raw, "data", {"source", "path", "batch_size", "examples", "test_path",
                                "features", "label", "image_size", "test_fraction"})
     source = _choice(d, "source", "data.source", "digits", DATA_SOURCES)
@@ -429,7 +480,10 @@ def parse_job_spec(raw: Any) -> JobSpec:
     if data.batch_size % workers:
         raise SpecError("data.batch_size", f"the global batch {data.batch_size} must divide evenly "
                                            f"among {workers} workers")
+    return data
 
+
+def _training(raw: Mapping[str, Any]) -> TrainingSpec:
     t = _section(raw, "training", {"epochs", "steps", "optimizer", "loss", "seed"})
     o = _section(t, "optimizer", {"name", "learning_rate"}, "training.")
     epochs = _int(t, "epochs", "training.epochs", 0, hi=1_000_000)
@@ -451,7 +505,10 @@ def parse_job_spec(raw: Any) -> JobSpec:
         loss=_choice(t, "loss", "training.loss", DEFAULT_LOSS, LOSSES) if t.get("loss") else "",
         seed=_int(t, "seed", "training.seed", 0, hi=(1 << 31) - 1),
     )
+    return training
 
+
+def _memory(raw: Mapping[str, Any]) -> MemorySpec:
     m = _section(raw, "memory", {"per_task_budget", "mixed_precision", "recompute", "profile"})
     budget = m.get("per_task_budget")
     if isinstance(budget, int) and not isinstance(budget, bool):
@@ -471,38 +528,12 @@ def parse_job_spec(raw: Any) -> JobSpec:
         recompute=_bool(m, "recompute", "memory.recompute", False),
         profile=_profile(m.get("profile")),
     )
+    return memory
 
-    gradients = _gradients(raw, workers, data.batch_size)
 
-    c = _section(raw, "checkpoint", {"every_steps", "keep"})
-    r = _section(raw, "restart", {"max_restarts", "backoff_s", "retry_user_errors"})
-    # 0 is a valid backoff (restart at once); _float takes positive numbers only
-    zero = r.get("backoff_s") == 0 and not isinstance(r.get("backoff_s"), bool)
-    backoff = 0.0 if zero else _float(r, "backoff_s", "restart.backoff_s",
-                                      JobSpec.restart_backoff_s)
-    if not 0 <= backoff <= 3600:
-        raise SpecError("restart.backoff_s", f"must be between 0 and 3600 seconds, got {backoff:g}")
-    spec = JobSpec(
-        name=name,
-        strategy=strategy.name,
-        workers=workers,
-        parameter_servers=parameter_servers,
-        stages=stages,
-        microbatches=microbatches,
-        model=model_out,
-        data=data,
-        training=training,
-        memory=memory,
-        checkpoint_every_steps=_int(c, "every_steps", "checkpoint.every_steps", 0, hi=1 << 40),
-        max_restarts=_int(r, "max_restarts", "restart.max_restarts", 0, hi=1000),
-        checkpoint_keep=_int(c, "keep", "checkpoint.keep", JobSpec.checkpoint_keep, lo=1, hi=1000),
-        restart_backoff_s=backoff,
-        retry_user_errors=_bool(r, "retry_user_errors", "restart.retry_user_errors", False),
-        code=code,
-        gradients=gradients,
-    )
-    _check_strategy_fields(spec, strategy)
-    strategy.validate(spec)
+def _check_code(spec: JobSpec, strategy: strategies.Strategy) -> None:
+    """A job's own code: only for strategies that run it; code.dataset needs the steps."""
+    code, training = spec.code, spec.training
     if code:
         which = "code.model" if code.get("model") else "code.dataset" \
             if code.get("dataset") else "code"
@@ -514,9 +545,6 @@ def parse_job_spec(raw: Any) -> JobSpec:
         if code.get("dataset") and not training.steps:
             raise SpecError("training.steps", "with code.dataset the data's size is unknown to "
                                               "Strata: give the number of steps")
-    if not spec.code_model:
-        _check_model(spec)
-    return spec
 
 
 def _features(raw: Any) -> dict[str, Any]:

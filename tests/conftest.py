@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-# Every coordinator the tests start, in this process or as a child, checks its kept
-# reservations and room index against a full scan after each tick (Coordinator.check_room).
-os.environ.setdefault("STRATA_CHECK_ROOM", "1")
+# Every coordinator the tests start, in this process or as a child, checks the indexes its
+# state keeps against a full scan after each tick (ClusterState.check).
+os.environ.setdefault("STRATA_CHECK_STATE", "1")
 
 from strata.local import LocalCluster  # noqa: E402
 

@@ -21,13 +21,13 @@ SPEC = {"name": "cp", "workers": 1,
 def agree_with_a_full_scan(coord) -> None:
     over = {j.id for j in coord.jobs.values()
             if j.state.final and all(t.state.final for t in j.tasks)}
-    assert set(coord.jobs) - over <= set(coord._live)
+    assert set(coord.jobs) - over <= set(coord.state.live)
     held: dict[str, set[str]] = {}
     for j in coord.jobs.values():
         for t in j.tasks:
             if t.worker and t.address and not t.state.final:
                 held.setdefault(t.worker, set()).add(t.address.rsplit(":", 1)[1])
-    assert {w: p for w, p in coord._ports_held.items() if p} == held
+    assert {w: p for w, p in coord.state.ports_held.items() if p} == held
 
 
 def test_waiting_jobs_are_not_retried_until_room_grows_then_placed_at_once(env, monkeypatch):
@@ -65,7 +65,7 @@ def test_waiting_jobs_are_not_retried_until_room_grows_then_placed_at_once(env, 
     assert states == ["PENDING"] * 49 + ["SCHEDULED"]
     agree_with_a_full_scan(coord)
     # the finished job has left the hot path
-    assert first.id not in coord._live and first.id in coord.jobs
+    assert first.id not in coord.state.live and first.id in coord.jobs
 
 
 def test_a_port_held_by_a_live_task_is_never_offered_again(env):
@@ -99,7 +99,7 @@ def test_a_restarted_coordinator_rebuilds_its_indexes_from_the_store(env, tmp_pa
     store.close()
     again = Coordinator(SqliteStore(str(tmp_path / "s.db")), str(tmp_path), clock=clock,
                         monotonic=clock)
-    assert running.id in again._live and done.id not in again._live
+    assert running.id in again.state.live and done.id not in again.state.live
     agree_with_a_full_scan(again)
 
 
@@ -702,4 +702,4 @@ def test_retention_reads_the_ended_jobs_oldest_first_and_waits_for_their_tasks(e
     clock.now += EXPIRY_INTERVAL_S
     coord.tick()
     assert placed.id not in coord.jobs and gone.id not in coord.jobs
-    assert coord._ended == []
+    assert coord.state._ended == []

@@ -548,10 +548,10 @@ def test_kept_room_matches_a_full_scan_through_random_cluster_events(env):
                 if w is not None and w.session and rng.random() < 0.7:
                     coord.heartbeat(other, sessions[other], w.memory, [], list(w.free_ports))
         demands = [TaskDemand("worker", i, rng.choice([128, 300, 700]) << 20) for i in range(2)]
-        scanned = coord.agents.capacities(coord._reserved_scan())
-        assert coord._room.place(demands) == place(demands, scanned), step
+        scanned = coord.agents.capacities(coord.state.reserved_scan())
+        assert coord.state.room.place(demands) == place(demands, scanned), step
         coord.tick()
-        coord.check_room()
+        coord.state.check()
     placed = [t for j in jobs for t in j.tasks if t.worker]
     assert len(placed) > 20 and sum(t.state.final for t in placed) > 10, len(placed)
 

@@ -1,0 +1,288 @@
+"""What the coordinator decides on an event, as data: pure functions of the state they are
+shown and the event, returning effects that ``Coordinator`` applies (state first, then the
+store, then events and messages to agents). Tested by tables of (state, event) -> effects
+in ``tests/test_decisions.py``, without a running coordinator.
+
+``on_report``: an agent's report of one task (progress, figures, a final state).
+``on_task_change``: what a task's new state means for its job.
+``on_tick``: what a pass of the control loop does with a live job.
+``lost_with``: the tasks an agent's loss fails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from types import MappingProxyType
+from typing import AbstractSet, Any, Iterable, Mapping
+
+from strata.strategies import FailureAction, Strategy
+from strata.types import FailureKind, Job, JobState, Task, TaskReport, TaskState, can_transition
+
+_NONE: Mapping[str, Any] = MappingProxyType({})
+# (enum members looked up once: a heartbeat repeats every task's report)
+_T_CANCELLED, _T_FAILED, _T_PENDING, _T_SUCCEEDED = (
+    TaskState.CANCELLED, TaskState.FAILED, TaskState.PENDING, TaskState.SUCCEEDED)
+_J_SUCCEEDED, _F_OOM = JobState.SUCCEEDED, FailureKind.OOM
+_RESUMABLE = (JobState.SCHEDULED, JobState.RUNNING)
+
+#: distinct notes of a job's tasks said as events; more are dropped (a task that sends a new
+#: note every step must not flood the job's events)
+MAX_NOTES_PER_JOB = 8
+
+
+class Move(str):
+    """What a report does to its task's state (``ReportEffects.move``)."""
+
+
+#: the task ran out of memory: the coordinator blames the task whose device ran out
+#: (``Coordinator._fail_oom``)
+FAIL_OOM = Move("fail_oom")
+#: the task failed otherwise (``Coordinator._fail_task``: the strategy's failure policy)
+FAIL = Move("fail")
+#: the task moved to another state (``ReportEffects.state``); its job then decides
+#: (``Coordinator._after_task_change``)
+CHANGE = Move("change")
+
+
+@dataclasses.dataclass(slots=True)
+class ReportEffects:
+    """The effects of one report. ``in_use_bytes`` and ``peak_bytes``: the task's figures
+    now (its peak never falls). ``task`` and ``job`` are other fields to set on the task and the
+    job (``metrics`` on ``job.metrics``, ``recovery`` on ``job.recovery``); ``largest_alloc`` a (task kind, bytes) to keep when
+    larger than what is kept; ``notes`` and ``events`` (kind, message) to add to the job's
+    events; ``write_job``: the job's record changed in a field stored at once; ``move``
+    (None: the state stays), with ``state``, ``failure``, ``exit_code`` and ``message`` the
+    report's (``message`` rewritten where the report is read differently); ``progressed``:
+    something watchers see changed (``Coordinator`` then writes figures now and then and
+    wakes them)."""
+
+    in_use_bytes: int
+    peak_bytes: int
+    task: Mapping[str, Any]
+    job: Mapping[str, Any]
+    metrics: Mapping[str, Any]
+    recovery: Mapping[str, Any]
+    largest_alloc: tuple[str, int] | None
+    notes: tuple[str, ...]
+    events: tuple[tuple[str, str], ...]
+    write_job: bool
+    move: Move | None
+    state: TaskState
+    failure: FailureKind
+    exit_code: int
+    message: str
+    progressed: bool
+
+
+def on_report(job: Job, task: Task, r: TaskReport, *, lead: bool, stopped_is_success: bool,
+              kind: str = "", largest_known: int = 0,
+              notes_said: AbstractSet[str] = frozenset()) -> ReportEffects:
+    """The effects of report ``r`` of ``task`` (of ``job``, not final for the task). ``lead``:
+    the task is its strategy's lead (its progress and result are the job's);
+    ``stopped_is_success``: the strategy counts this task stopped after its job succeeded as
+    succeeded (a server whose driver finished); ``kind`` (``strata.measured.task_kind``) and
+    ``largest_known``: the largest single allocation kept for that kind; ``notes_said``: the
+    notes of the job already said."""
+    peak = max(task.peak_memory_bytes, r.peak_bytes)
+    t: Mapping[str, Any] = _NONE
+    if r.weights_sha256 or r.replica_weights_sha256 or r.model_path:
+        t = _outputs(r)
+    largest = None
+    if r.largest_alloc_bytes and kind:
+        # (a computed figure, not the allocator's: never more than the task's budget)
+        alloc = min(r.largest_alloc_bytes, task.memory_budget_bytes)
+        if alloc > largest_known:
+            largest = (kind, alloc)
+    notes: tuple[str, ...] = ()
+    if r.notes:  # said once per job, whichever task says it
+        new: list[str] = []
+        for note in r.notes:
+            if note not in notes_said and note not in new \
+                    and len(notes_said) + len(new) < MAX_NOTES_PER_JOB:
+                new.append(note)
+        notes = tuple(new)
+    j: Mapping[str, Any] = _NONE
+    m: Mapping[str, Any] = _NONE
+    rec: Mapping[str, Any] = _NONE
+    events: tuple[tuple[str, str], ...] = ()
+    write = False
+    metrics = job.metrics
+    step, accuracy = metrics.step, metrics.test_accuracy
+    if lead:  # (a heartbeat repeats every task's report: the common case costs little)
+        j, m, rec, events, write = _lead_report(job, r)
+        step, accuracy = m.get("step", step), m.get("test_accuracy", accuracy)
+
+    state, message = r.state, r.message
+    if state == _T_CANCELLED and stopped_is_success and job.state == _J_SUCCEEDED:
+        # a server task stopped because its driver finished: that is how such a task ends
+        # when all went well
+        state, message = _T_SUCCEEDED, "stopped after the job succeeded"
+    move = None
+    if state != task.state and state != _T_PENDING:
+        if state == _T_FAILED:
+            move = FAIL_OOM if r.failure == _F_OOM else FAIL
+        elif can_transition(task.state, state):
+            move = CHANGE
+    progressed = (task.in_use_bytes != r.in_use_bytes or task.peak_memory_bytes != peak
+                  or step != metrics.step or accuracy != metrics.test_accuracy)
+    return ReportEffects(r.in_use_bytes, peak, t, j, m, rec, largest, notes, events, write, move,
+                         state, r.failure, r.exit_code, message, progressed)
+
+
+def _outputs(r: TaskReport) -> dict[str, Any]:
+    """What the task says it made: its weights' digests, the model it saved."""
+    t: dict[str, Any] = {}
+    if r.weights_sha256:
+        t["weights_sha256"] = r.weights_sha256
+    if r.replica_weights_sha256:
+        t["replica_weights_sha256"] = list(r.replica_weights_sha256)
+    if r.model_path:
+        t["model_path"] = r.model_path
+    return t
+
+
+def _lead_report(job: Job, r: TaskReport) -> tuple[Mapping[str, Any], Mapping[str, Any],
+                                                   Mapping[str, Any],
+                                                   tuple[tuple[str, str], ...], bool]:
+    """What the lead's report says of its job: (job fields, metrics, recovery fields, events,
+    whether the job's record is written now)."""
+    j: dict[str, Any] = {}
+    rec: Mapping[str, Any] = _NONE
+    events: tuple[tuple[str, str], ...] = ()
+    if r.training and r.training != job.training:
+        j["training"] = r.training  # what its model trains with, and where it came from
+        if not job.training:  # an event once: a lead that says it again writes no more
+            events += (("message", f"training with {r.training}"),)
+    if r.checkpoint_step > job.checkpoint_step:
+        j["checkpoint_step"] = r.checkpoint_step
+    # (a restarting job's reports are its old attempt's: resumes come after it is placed)
+    if job.recovery.step_at_failure and (r.resumed_step or r.step) and job.state in _RESUMABLE:
+        # the lead resumed from a checkpoint, or started afresh without one (its first
+        # progress carries no resumed step): what it trains again is counted once
+        repeated = max(0, job.recovery.step_at_failure - r.resumed_step)
+        j["steps_repeated"] = job.steps_repeated + repeated
+        rec = {"step_at_failure": 0}
+        events += (("message", (f"resumed from the checkpoint at step {r.resumed_step}"
+                                if r.resumed_step else "no checkpoint to resume from")
+                    + f"; {repeated} step(s) trained again"),)
+    write = bool(j)
+    m: Mapping[str, Any] = _NONE
+    if r.step:
+        progress: dict[str, Any] = {"step": r.step, "total_steps": r.total_steps, "loss": r.loss}
+        if r.examples_per_sec:
+            progress["examples_per_sec"] = r.examples_per_sec
+        m = progress
+        if r.first_step_time and not job.started_at:
+            j["started_at"] = r.first_step_time  # (written with the figures, now and then)
+    if r.test_accuracy is not None:
+        m = {**m, "test_accuracy": r.test_accuracy, "test_loss": r.test_loss,
+             "test_metrics": dict(r.test_metrics)}
+    return j or _NONE, m, rec, events, write
+
+
+# --- a task's change ---------------------------------------------------------------------------
+
+class JobAction(str):
+    """What a task's change does to its job (``JobStep.action``)."""
+
+
+NOTHING = JobAction("nothing")
+#: the job is over or restarting and the task ended: the control loop looks again (its
+#: budget is free once the process is gone)
+WAKE = JobAction("wake")
+#: restart the job (``restart.max_restarts`` counts it: a task failed)
+RESTART = JobAction("restart")
+#: fail the job and stop its other tasks
+FAIL_JOB = JobAction("fail_job")
+#: the job succeeded; with ``SUCCEED_AND_STOP`` its other tasks (servers) are stopped
+SUCCEED = JobAction("succeed")
+SUCCEED_AND_STOP = JobAction("succeed_and_stop")
+#: every task runs (or ended as its strategy allows): the job is RUNNING
+RUN = JobAction("run")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class JobStep:
+    """``action`` with its ``message``; ``cancelled``: the task, stopped while its job ran
+    (its agent shut down), is a failure of kind CANCELLED (stored first)."""
+
+    action: JobAction
+    message: str = ""
+    cancelled: bool = False
+
+
+def on_task_change(job: Job, task: Task, strategy: Strategy) -> JobStep:
+    """What ``task``'s new state (already set) means for ``job``, by ``strategy``'s rules
+    (``Strategy.on_failure``, ``decide_on_end``: pure functions of the job and task)."""
+    if job.state.final or job.state == JobState.RESTARTING:
+        return JobStep(WAKE if task.state.final else NOTHING)
+    if task.state == TaskState.CANCELLED and job.state in (JobState.SCHEDULED, JobState.RUNNING):
+        # stopped although its job runs (its agent shut down): the job lost a task
+        decision = strategy.on_failure(job, dataclasses.replace(task,
+                                                                failure=FailureKind.CANCELLED))
+        action = {FailureAction.RESTART: RESTART,
+                  FailureAction.FAIL_JOB: FAIL_JOB}.get(decision.action, NOTHING)
+        return JobStep(action, decision.message, cancelled=True)
+    if task.state.final:
+        end = strategy.decide_on_end(job, task)
+        if end is not None:
+            return JobStep(SUCCEED_AND_STOP if end.stop_others else SUCCEED, end.message)
+    if job.state == JobState.SCHEDULED and all(
+            t.state in (TaskState.RUNNING, TaskState.SUCCEEDED, TaskState.FAILED)
+            for t in job.tasks):
+        # (a FAILED task here is one the strategy's failure policy carries on without)
+        return JobStep(RUN, "all tasks running")
+    return JobStep(NOTHING)
+
+
+# --- a tick -------------------------------------------------------------------------------------
+
+#: try to place the job now (``Coordinator._try_schedule``)
+PLACE = JobAction("place")
+#: its memory probe may have ended: take its figures (``Coordinator._after_probe``), then place
+AFTER_PROBE = JobAction("after_probe")
+#: its processes are gone and its backoff is over: plan it again, then place it
+RESUME = JobAction("resume")
+
+
+#: the states of the jobs ``on_tick`` may act on (for the others it decides NOTHING): a tick
+#: asks only for these, so thousands of running jobs cost it nothing
+TICK_STATES = frozenset({JobState.PENDING, JobState.RESTARTING, JobState.SCHEDULED})
+
+_NOTHING, _PLACE, _AFTER_PROBE, _RESUME = (JobStep(NOTHING), JobStep(PLACE), JobStep(AFTER_PROBE),
+                                          JobStep(RESUME))
+
+
+def on_tick(job: Job, now: float, *, probing: bool = False, scheduled_since: float = 0.0,
+            start_timeout_s: float = 300.0) -> JobStep:
+    """What a pass of the control loop does with live ``job``: ``probing``, it waits for its
+    memory probe; ``scheduled_since``, when it was placed (SCHEDULED)."""
+    if job.state == JobState.PENDING:
+        deadline = job.recovery.capacity_deadline
+        if deadline and now > deadline:
+            return JobStep(FAIL_JOB, f"not placed by its --queue-for-capacity deadline: "
+                                     f"{job.message}")
+        return _AFTER_PROBE if probing else _PLACE
+    if job.state == JobState.RESTARTING:
+        if job.recovery.replanned:
+            return _PLACE
+        if any(not t.state.final for t in job.tasks) or now < job.recovery.restart_at:
+            return _NOTHING  # its processes are being stopped, or it backs off
+        return _RESUME
+    if job.state == JobState.SCHEDULED and now - scheduled_since > start_timeout_s:
+        # tasks that never all reach RUNNING (a peer that cannot start, a rendezvous that
+        # never completes) must not hold their reservations for ever
+        slow = [f"{t.role}:{t.index} ({t.state.value})" for t in job.tasks
+                if t.state != TaskState.RUNNING]
+        return JobStep(FAIL_JOB, f"tasks did not start within {start_timeout_s:g} s: "
+                                 f"{', '.join(slow)}")
+    return _NOTHING
+
+
+# --- an agent's loss ----------------------------------------------------------------------------
+
+def lost_with(jobs: Iterable[Job], worker: str) -> list[tuple[Job, Task]]:
+    """The unfinished tasks of ``jobs`` on ``worker``, which a lost agent takes with it (each
+    fails as LOST, and its job's failure policy decides: one task per agent per job)."""
+    return [(job, t) for job in jobs for t in job.tasks
+            if t.worker == worker and not t.state.final]

@@ -1,0 +1,284 @@
+"""The coordinator's decisions as tables of (state, event) -> effects, without a coordinator:
+``decisions.on_report``, an agent's report of one task."""
+
+from __future__ import annotations
+
+import pytest
+
+from strata.coordinator import decisions
+from strata.coordinator.decisions import CHANGE, FAIL, FAIL_OOM, MAX_NOTES_PER_JOB, on_report
+from strata.types import FailureKind, Job, JobState, Task, TaskReport, TaskState
+from strata.units import MiB
+
+
+def _job(state: JobState = JobState.RUNNING, **fields) -> Job:
+    job = Job(id="j", name="j", state=state, strategy="pipeline", spec=None, created_at=0.0)
+    for name, value in fields.items():
+        setattr(job, name, value)
+    return job
+
+
+def _task(state: TaskState = TaskState.RUNNING, **fields) -> Task:
+    return Task(job_id="j", role=fields.pop("role", "chief"), index=0, state=state,
+                memory_budget_bytes=100 * MiB, **fields)
+
+
+def _report(state: TaskState = TaskState.RUNNING, **fields) -> TaskReport:
+    return TaskReport("j", "chief", 0, state, **fields)
+
+
+#: (job state, task state, report, stopped_is_success) -> (move, state, message)
+MOVES = [
+    (JobState.RUNNING, TaskState.RUNNING, _report(), False, None, None),
+    (JobState.RUNNING, TaskState.STARTING, _report(), False, CHANGE, TaskState.RUNNING),
+    (JobState.RUNNING, TaskState.RUNNING, _report(TaskState.PENDING), False, None, None),
+    (JobState.RUNNING, TaskState.RUNNING, _report(TaskState.SUCCEEDED, message="done"), False,
+     CHANGE, TaskState.SUCCEEDED),
+    (JobState.RUNNING, TaskState.RUNNING,
+     _report(TaskState.FAILED, failure=FailureKind.EXIT_CODE, message="boom", exit_code=1), False,
+     FAIL, TaskState.FAILED),
+    (JobState.RUNNING, TaskState.RUNNING,
+     _report(TaskState.FAILED, failure=FailureKind.OOM, message="OOM"), False,
+     FAIL_OOM, TaskState.FAILED),
+    # a server stopped because its driver finished: succeeded, said so
+    (JobState.SUCCEEDED, TaskState.RUNNING, _report(TaskState.CANCELLED), True,
+     CHANGE, TaskState.SUCCEEDED),
+    # the same stop of a task that is not a server: cancelled as reported
+    (JobState.SUCCEEDED, TaskState.RUNNING, _report(TaskState.CANCELLED), False,
+     CHANGE, TaskState.CANCELLED),
+    # stopped while its job runs (its agent shut down): cancelled, the job then decides
+    (JobState.RUNNING, TaskState.RUNNING, _report(TaskState.CANCELLED), True,
+     CHANGE, TaskState.CANCELLED),
+    # a move the lifecycle forbids is not made
+    (JobState.RUNNING, TaskState.RUNNING, _report(TaskState.STARTING), False, None, None),
+]
+
+
+@pytest.mark.parametrize("job_state, task_state, report, stopped, move, state", MOVES)
+def test_what_a_report_does_to_its_task(job_state, task_state, report, stopped, move, state):
+    fx = on_report(_job(job_state), _task(task_state), report, lead=True,
+                   stopped_is_success=stopped)
+    assert fx.move == move
+    if move is not None:
+        assert fx.state == state and fx.failure == report.failure
+        assert fx.exit_code == report.exit_code
+        assert fx.message == ("stopped after the job succeeded"
+                              if stopped and job_state == JobState.SUCCEEDED else report.message)
+
+
+def test_progress_of_the_lead_is_the_jobs_and_only_a_change_wakes_watchers():
+    job, task = _job(), _task(peak_memory_bytes=50 * MiB)
+    r = _report(step=7, total_steps=10, loss=0.5, examples_per_sec=100.0, in_use_bytes=30 * MiB,
+                peak_bytes=40 * MiB, first_step_time=12.0, test_accuracy=0.9, test_loss=0.2,
+                test_metrics={"auc": 0.8})
+    fx = on_report(job, task, r, lead=True, stopped_is_success=False)
+    assert (fx.in_use_bytes, fx.peak_bytes) == (30 * MiB, 50 * MiB)  # peaks only rise
+    assert fx.task == {}
+    made = on_report(job, task, _report(weights_sha256="ab", model_path="m.keras"), lead=True,
+                     stopped_is_success=False)
+    assert made.task == {"weights_sha256": "ab", "model_path": "m.keras"}
+    assert fx.metrics == {"step": 7, "total_steps": 10, "loss": 0.5, "examples_per_sec": 100.0,
+                          "test_accuracy": 0.9, "test_loss": 0.2, "test_metrics": {"auc": 0.8}}
+    assert fx.job == {"started_at": 12.0} and fx.progressed and not fx.write_job
+    # a worker's progress is not the job's
+    fx = on_report(job, task, r, lead=False, stopped_is_success=False)
+    assert fx.metrics == {} and fx.job == {} and fx.progressed  # its memory still changed
+    # the same figures again: nothing for watchers
+    task.in_use_bytes = 30 * MiB
+    job.metrics.step, job.metrics.test_accuracy = 7, 0.9
+    assert not on_report(job, task, r, lead=True, stopped_is_success=False).progressed
+
+
+@pytest.mark.parametrize("step_at_failure, resumed, step, repeated, said", [
+    (120, 100, 101, 20, "resumed from the checkpoint at step 100; 20 step(s) trained again"),
+    (120, 0, 1, 120, "no checkpoint to resume from; 120 step(s) trained again"),
+    (0, 100, 101, None, None),      # no failure to account for
+    (120, 0, 0, None, None),        # no progress yet: it has not resumed
+])
+def test_a_resumed_lead_counts_the_steps_trained_again_once(step_at_failure, resumed, step,
+                                                            repeated, said):
+    job = _job(JobState.RUNNING, steps_repeated=5)
+    job.recovery.step_at_failure = step_at_failure
+    fx = on_report(job, _task(), _report(resumed_step=resumed, step=step), lead=True,
+                   stopped_is_success=False)
+    if repeated is None:
+        assert "steps_repeated" not in fx.job and fx.events == ()
+        return
+    assert fx.job["steps_repeated"] == 5 + repeated and fx.recovery == {"step_at_failure": 0}
+    assert fx.events == (("message", said),) and fx.write_job
+    # a restarting job's reports are its old attempt's
+    job.state = JobState.RESTARTING
+    assert "steps_repeated" not in on_report(job, _task(), _report(resumed_step=resumed,
+                                                                   step=step),
+                                             lead=True, stopped_is_success=False).job
+
+
+def test_training_and_checkpoints_of_the_lead_are_stored_and_said_once():
+    job = _job()
+    fx = on_report(job, _task(), _report(training="SGD from code.model", checkpoint_step=50),
+                   lead=True, stopped_is_success=False)
+    assert fx.job == {"training": "SGD from code.model", "checkpoint_step": 50} and fx.write_job
+    assert fx.events == (("message", "training with SGD from code.model"),)
+    job.training, job.checkpoint_step = "SGD from code.model", 50
+    fx = on_report(job, _task(), _report(training="SGD from code.model", checkpoint_step=50),
+                   lead=True, stopped_is_success=False)
+    assert fx.job == {} and not fx.write_job and fx.events == ()
+    # changed again: stored, not said again
+    fx = on_report(job, _task(), _report(training="Adam from the spec"), lead=True,
+                   stopped_is_success=False)
+    assert fx.job == {"training": "Adam from the spec"} and fx.events == ()
+
+
+def test_notes_are_said_once_per_job_and_bounded():
+    said = frozenset(f"n{i}" for i in range(MAX_NOTES_PER_JOB - 2))
+    fx = on_report(_job(), _task(), _report(notes=["n0", "new", "new", "other", "more"]),
+                   lead=False, stopped_is_success=False, notes_said=said)
+    assert fx.notes == ("new", "other")
+
+
+@pytest.mark.parametrize("reported, known, kept", [
+    (30 * MiB, 0, 30 * MiB),
+    (300 * MiB, 0, 100 * MiB),     # never more than the task's budget
+    (30 * MiB, 40 * MiB, None),    # not larger than what is kept
+    (0, 0, None),
+])
+def test_the_largest_allocation_is_kept_per_task_kind(reported, known, kept):
+    fx = on_report(_job(), _task(), _report(largest_alloc_bytes=reported), lead=False,
+                   stopped_is_success=False, kind="k", largest_known=known)
+    assert fx.largest_alloc == (None if kept is None else ("k", kept))
+
+
+def test_moves_are_named():
+    assert {decisions.FAIL_OOM, decisions.FAIL, decisions.CHANGE} == {"fail_oom", "fail", "change"}
+
+
+# --- a task's change ---------------------------------------------------------------------------
+
+from strata import strategies  # noqa: E402
+from strata.coordinator.decisions import (  # noqa: E402
+    FAIL_JOB, NOTHING, RESTART, RUN, SUCCEED, SUCCEED_AND_STOP, WAKE, on_task_change,
+)
+from strata.spec import parse_job_spec  # noqa: E402
+
+
+def _spec_job(strategy: str, state: JobState, tasks: list[tuple[str, TaskState]],
+              max_restarts: int = 2) -> Job:
+    raw = {"name": "j", "strategy": strategy, "workers": 1 if strategy == "pipeline" else 2,
+           "model": {"builtin": {"kind": "mlp", "input_shape": [64], "hidden": [16],
+                                 "classes": 10}},
+           "data": {"source": "digits", "batch_size": 64}, "training": {"steps": 10},
+           "restart": {"max_restarts": max_restarts}}
+    if strategy == "parameter_server":
+        raw["parameter_servers"] = 1
+    job = Job(id="j", name="j", state=state, strategy=strategy, spec=parse_job_spec(raw),
+              created_at=0.0)
+    counts: dict[str, int] = {}
+    for role, s in tasks:
+        job.tasks.append(Task(job_id="j", role=role, index=counts.get(role, 0), state=s))
+        counts[role] = counts.get(role, 0) + 1
+    return job
+
+
+R, S, C, F, ST = (TaskState.RUNNING, TaskState.SUCCEEDED, TaskState.CANCELLED, TaskState.FAILED,
+                  TaskState.STARTING)
+#: (strategy, job state, its tasks, the task that changed, max_restarts) -> (action, cancelled)
+CHANGES = [
+    # a job over or restarting: only a task's end matters, for the room it frees
+    ("multi_worker_mirrored", JobState.SUCCEEDED, [("worker", S), ("worker", S)], 1, 2, WAKE, False),
+    ("multi_worker_mirrored", JobState.RESTARTING, [("worker", R), ("worker", C)], 1, 2, WAKE, False),
+    ("multi_worker_mirrored", JobState.RESTARTING, [("worker", R), ("worker", R)], 1, 2, NOTHING, False),
+    # data parallel succeeds when every task has
+    ("multi_worker_mirrored", JobState.RUNNING, [("worker", S), ("worker", R)], 0, 2, NOTHING, False),
+    ("multi_worker_mirrored", JobState.RUNNING, [("worker", S), ("worker", S)], 1, 2, SUCCEED, False),
+    # the chief drives a pipeline: its success ends the job and stops the stages
+    ("pipeline", JobState.RUNNING, [("chief", S), ("worker", R)], 0, 2, SUCCEED_AND_STOP, False),
+    ("pipeline", JobState.RUNNING, [("chief", R), ("worker", S)], 1, 2, NOTHING, False),
+    # stopped while its job runs (its agent shut down): a failure, restarts left or not
+    ("pipeline", JobState.RUNNING, [("chief", R), ("worker", C)], 1, 2, RESTART, True),
+    ("pipeline", JobState.RUNNING, [("chief", R), ("worker", C)], 1, 0, FAIL_JOB, True),
+    # a parameter-server worker's loss is carried: another worker remains
+    ("parameter_server", JobState.RUNNING,
+     [("chief", R), ("worker", C), ("worker", R), ("ps", R)], 1, 2, NOTHING, True),
+    # every task up: the job runs
+    ("multi_worker_mirrored", JobState.SCHEDULED, [("worker", R), ("worker", R)], 1, 2, RUN, False),
+    ("multi_worker_mirrored", JobState.SCHEDULED, [("worker", R), ("worker", ST)], 0, 2, NOTHING, False),
+]
+
+
+@pytest.mark.parametrize("strategy, job_state, tasks, changed, restarts, action, cancelled",
+                         CHANGES)
+def test_what_a_tasks_change_does_to_its_job(strategy, job_state, tasks, changed, restarts,
+                                             action, cancelled):
+    job = _spec_job(strategy, job_state, tasks, restarts)
+    task = job.tasks[changed]
+    step = on_task_change(job, task, strategies.get(strategy))
+    assert (step.action, step.cancelled) == (action, cancelled), step.message
+    assert task.failure == FailureKind.NONE  # the decision changes nothing itself
+    if action in (RESTART, FAIL_JOB):
+        assert f"task {task.role}:{task.index} failed" in step.message
+
+
+# --- a tick -------------------------------------------------------------------------------------
+
+from strata.coordinator.decisions import AFTER_PROBE, PLACE, RESUME, on_tick  # noqa: E402
+
+
+def _tick_job(state: JobState, tasks: list[TaskState], **recovery) -> Job:
+    job = _job(state, message="waiting for 2 workers")
+    job.tasks = [Task(job_id="j", role="worker", index=i, state=s) for i, s in enumerate(tasks)]
+    for name, value in recovery.items():
+        setattr(job.recovery, name, value)
+    return job
+
+
+#: (job, now, probing, scheduled since) -> (action, words of the message)
+TICKS = [
+    (_tick_job(JobState.PENDING, [TaskState.PENDING]), 10.0, False, 0.0, PLACE, ""),
+    (_tick_job(JobState.PENDING, [TaskState.PENDING]), 10.0, True, 0.0, AFTER_PROBE, ""),
+    (_tick_job(JobState.PENDING, [TaskState.PENDING], capacity_deadline=20.0), 10.0, False, 0.0,
+     PLACE, ""),
+    (_tick_job(JobState.PENDING, [TaskState.PENDING], capacity_deadline=20.0), 21.0, False, 0.0,
+     FAIL_JOB, "not placed by its --queue-for-capacity deadline: waiting for 2 workers"),
+    # a restart waits for its processes to stop and its backoff, then is planned again
+    (_tick_job(JobState.RESTARTING, [TaskState.RUNNING], restart_at=5.0), 10.0, False, 0.0,
+     NOTHING, ""),
+    (_tick_job(JobState.RESTARTING, [TaskState.CANCELLED], restart_at=15.0), 10.0, False, 0.0,
+     NOTHING, ""),
+    (_tick_job(JobState.RESTARTING, [TaskState.CANCELLED], restart_at=5.0), 10.0, False, 0.0,
+     RESUME, ""),
+    (_tick_job(JobState.RESTARTING, [TaskState.PENDING], replanned=True), 10.0, False, 0.0,
+     PLACE, ""),
+    # placed tasks that never all run give their room back
+    (_tick_job(JobState.SCHEDULED, [TaskState.RUNNING, TaskState.STARTING]), 200.0, False, 0.0,
+     NOTHING, ""),
+    (_tick_job(JobState.SCHEDULED, [TaskState.RUNNING, TaskState.STARTING]), 301.0, False, 0.0,
+     FAIL_JOB, "tasks did not start within 300 s: worker:1 (STARTING)"),
+    (_tick_job(JobState.RUNNING, [TaskState.RUNNING]), 1e6, False, 0.0, NOTHING, ""),
+]
+
+
+@pytest.mark.parametrize("job, now, probing, since, action, message", TICKS)
+def test_what_a_tick_does_with_a_live_job(job, now, probing, since, action, message):
+    step = on_tick(job, now, probing=probing, scheduled_since=since, start_timeout_s=300.0)
+    assert step.action == action and step.message == message
+
+
+def test_an_agents_loss_takes_its_unfinished_tasks():
+    from strata.coordinator.decisions import lost_with
+
+    a, b = _job(), _job()
+    a.tasks = [Task(job_id="a", role="worker", index=0, state=TaskState.RUNNING, worker="w0"),
+               Task(job_id="a", role="worker", index=1, state=TaskState.RUNNING, worker="w1")]
+    b.tasks = [Task(job_id="b", role="worker", index=0, state=TaskState.SUCCEEDED, worker="w0"),
+               Task(job_id="b", role="worker", index=1, state=TaskState.STARTING, worker="w0")]
+    assert [(j, t.index) for j, t in lost_with([a, b], "w0")] == [(a, 0), (b, 1)]
+    assert lost_with([a, b], "w9") == []
+
+
+def test_a_tick_decides_nothing_for_the_states_it_skips():
+    from strata.coordinator.decisions import TICK_STATES
+
+    for state in JobState:
+        if state not in TICK_STATES:
+            job = _tick_job(state, [TaskState.RUNNING], capacity_deadline=1.0)
+            assert on_tick(job, 1e9, probing=True, scheduled_since=0.0).action == NOTHING
