@@ -324,7 +324,7 @@ def plain_child(args: argparse.Namespace) -> int:
     import keras
 
     from strata.worker import data as wdata
-    from strata.spec import OptimizerSpec
+    from strata.jobspec import OptimizerSpec
     from strata.worker import models as wmodels
 
     raw = mlp_spec(hidden=[args.width] * args.depth, input_dim=args.input_dim, batch=args.batch)

@@ -23,7 +23,7 @@ from strata.coordinator.store import WorkerRecord
 from strata.errors import DuplicateAgent, SpecError, UnknownAgentSession
 from strata.units import format_size
 from strata.taskconfig import TaskConfig
-from strata.spec import JobSpec
+from strata.jobspec import JobSpec
 from strata.auth import Caller
 from strata.types import DiskStatus, Job, JobState, MemoryStatus, Task, TaskReport, TaskState
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from strata.spec import JobSpec
+from strata.jobspec import JobSpec
 from strata.errors import SpecError
 from strata.types import TaskReport
 

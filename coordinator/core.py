@@ -55,7 +55,8 @@ from strata.units import format_size
 from strata.oom import describe as describe_oom
 from strata.oom import needed_bytes
 from strata.modelspec import ModelSpecError, profile_model
-from strata.spec import JobSpec, parse_job_spec
+from strata.spec import parse_job_spec
+from strata.jobspec import JobSpec
 from strata.strategies import FailureAction, describe_failure
 from strata.taskconfig import REPORT_INTERVAL_S, TaskConfig
 from strata.tfconfig import build_tf_config

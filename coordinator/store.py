@@ -18,10 +18,11 @@ from typing import Any, Callable, Iterable, TypeVar
 
 from strata.coordinator.confine import job_blobs
 from strata.coordinator.disk import is_full
-from strata.coordinator.jobtable import JobSummary
 from strata.errors import DiskFull
-from strata.spec import JobSpec
-from strata.types import FailureKind, Job, JobMetrics, JobRecovery, JobState, Task, TaskState
+from strata.jobspec import JobSpec
+from strata.types import (
+    FailureKind, Job, JobMetrics, JobRecovery, JobState, JobSummary, Task, TaskState,
+)
 
 
 @dataclasses.dataclass

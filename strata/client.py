@@ -23,7 +23,8 @@ from strata.protos import strata_pb2 as pb
 from strata.protos import strata_pb2_grpc as pb_grpc
 from strata import convert
 from strata.errors import SpecError, StrataError
-from strata.spec import JobSpec, load_spec_file, parse_job_spec
+from strata.spec import load_spec_file, parse_job_spec
+from strata.jobspec import JobSpec
 from strata.auth import read_token, with_token
 from strata.tls import ClientTls, channel
 from strata.types import CoordinatorDisk, Job, JobEvent, Plan, WorkerInfo

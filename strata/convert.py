@@ -9,13 +9,14 @@ from google.protobuf import json_format
 from google.protobuf.message import Message
 
 from strata.protos import strata_pb2 as pb
-from strata.spec import JobSpec, parse_job_spec
+from strata.spec import parse_job_spec
+from strata.jobspec import JobSpec
 from strata.errors import SpecError
 from strata.taskconfig import (
     TASK_CONFIG_VERSION, AgentSettings, ParameterServerSection, PipelineSection,
     StageAssignment, TaskConfig, TaskConfigError,
 )
-from strata.oom import OutOfMemory
+from strata.types import OutOfMemory
 from strata.types import (
     CoordinatorDisk, DiskStatus, FailureKind, Job, JobEvent, JobMetrics, JobRecovery, JobState,
     MemoryStatus, Plan, Task, TaskPlan, TaskReport, TaskState, WorkerInfo, WorkerState,

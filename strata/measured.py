@@ -27,7 +27,7 @@ from strata.units import format_size
 from strata.types import JobPlan, TaskPlan, WorkerOffer
 
 if TYPE_CHECKING:
-    from strata.spec import JobSpec
+    from strata.jobspec import JobSpec
 
 __all__ = ["spec_fingerprint", "task_kind", "apply_measured", "measured_kinds", "bound_of",
            "OOM_BOUND"]

@@ -18,14 +18,14 @@ reached, and ``describe`` says what would fit.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
 
 from strata.memory import default_budget
+from strata.types import OutOfMemory
 from strata.units import MiB, format_size
 
-__all__ = ["OutOfMemory", "parse_oom", "describe", "needed_bytes", "allocator_refusal"]
+__all__ = ["parse_oom", "describe", "needed_bytes", "allocator_refusal"]
 
 _ALLOC = re.compile(r"OOM when allocating tensor with shape\s*\[([0-9, ]*)\]\s*and type (\w+)"
                     r"(?: on (\S+))?")
@@ -39,28 +39,6 @@ _DTYPE_BYTES = {
     "complex64": 8, "complex128": 16,
 }
 _DTYPE_NAMES = {"float": "float32", "double": "float64", "half": "float16"}
-
-
-@dataclasses.dataclass(frozen=True)
-class OutOfMemory:
-    """One failed allocation. ``task`` is ``role:index`` of the task whose device it was on
-    (empty when the message names no cluster device); ``op`` the graph node, when named."""
-
-    task: str = ""
-    allocation_bytes: int = 0
-    shape: tuple[int, ...] = ()
-    dtype: str = ""
-    op: str = ""
-
-    @property
-    def allocation(self) -> str:
-        """e.g. ``9 MiB (float32 [1536, 1536] in adam/Sub_10)``; empty when unknown."""
-        if not self.allocation_bytes and not self.shape:
-            return ""
-        what = f"{self.dtype} [{', '.join(str(d) for d in self.shape)}]" if self.dtype else ""
-        if self.op:
-            what = f"{what} in {self.op}" if what else f"in {self.op}"
-        return format_size(self.allocation_bytes) + (f" ({what})" if what else "")
 
 
 def parse_oom(text: str) -> OutOfMemory | None:

@@ -14,7 +14,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from strata.spec import JobSpec
+    from strata.jobspec import JobSpec
 
 #: Bumped when a field of the contract changes meaning; a task refuses another version.
 TASK_CONFIG_VERSION = 1

@@ -8,7 +8,7 @@ import pytest
 from strata.coordinator.core import Coordinator, StartTaskCommand, StopTaskCommand
 from strata.spec import load_spec_file
 from strata.errors import InfeasibleError, InvalidTransition, NotFoundError, UnknownAgentSession
-from strata.oom import OutOfMemory
+from strata.types import OutOfMemory
 from strata.types import FailureKind, JobState, MemoryStatus, TaskReport, TaskState
 
 from conftest import queued as drain
@@ -366,7 +366,7 @@ def test_every_example_plans_on_four_agents(env, name, tmp_path):
 
 
 def test_remote_oom_is_blamed_on_the_stage_and_the_next_plan_uses_its_need(env):
-    from strata.oom import OutOfMemory
+    from strata.types import OutOfMemory
 
     coord, *_ = env
     sessions = {n: register(coord, n) for n in ("a", "b")}

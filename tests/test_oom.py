@@ -1,7 +1,8 @@
 """Out-of-memory reports: TensorFlow's text parsed, the failure blamed on the task whose device
 ran out, described with what would fit, and the need kept for the next plan."""
 
-from strata.oom import OutOfMemory, describe, needed_bytes, parse_oom
+from strata.oom import describe, needed_bytes, parse_oom
+from strata.types import OutOfMemory
 
 MiB = 1 << 20
 

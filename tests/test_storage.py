@@ -548,7 +548,7 @@ def test_output_uploads_in_parallel_cannot_run_past_the_job_cap_or_the_quota(tmp
 
 
 def test_an_oom_report_teaches_no_more_than_the_device_it_ran_on(env):
-    from strata.oom import OutOfMemory
+    from strata.types import OutOfMemory
     from strata.types import FailureKind
 
     coord, *_ = env

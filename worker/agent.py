@@ -36,7 +36,8 @@ from strata.taskconfig import AgentSettings
 from strata.auth import with_token
 from strata.tls import ClientTls, channel
 from strata.units import parse_size
-from strata.oom import OutOfMemory, allocator_refusal
+from strata.oom import allocator_refusal
+from strata.types import OutOfMemory
 from strata.types import DiskStatus, FailureKind, MemoryStatus, TaskReport, TaskState
 from strata.worker.heartbeats import HeartbeatStream
 from strata.worker.warm import ready_mark

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 # the examples a worker's shuffle buffer holds of a streamed source, which ``strata.memory``
 # counts in the task's data term
 from strata.memory import STREAM_SHUFFLE_EXAMPLES  # noqa: F401
-from strata.spec import DataSpec, TrainingSpec
+from strata.jobspec import DataSpec, TrainingSpec
 
 import numpy as np
 

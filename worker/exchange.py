@@ -1,6 +1,6 @@
 """How data-parallel replicas exchange gradients: packs, 16-bit compression, accumulation.
 
-The job's ``gradients`` section (``strata.spec.GradientSpec``) chooses; ``strata.worker.trainers.data_parallel``
+The job's ``gradients`` section (``strata.jobspec.GradientSpec``) chooses; ``strata.worker.trainers.data_parallel``
 uses both functions here.
 
 - ``install_all_reduce``: Keras 3 all-reduces every gradient in the optimizer's own step

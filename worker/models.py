@@ -25,7 +25,7 @@ import json
 import os
 from typing import Any
 
-from strata.spec import OptimizerSpec
+from strata.jobspec import OptimizerSpec
 from strata.modelspec import (
     ModelSpecError, check_keras_json_safe, final_activation, model_json, parse_keras_json,
 )
@@ -369,7 +369,7 @@ def training_setup(training: Any, model: Any, mixed_precision: str, from_logits:
     """The optimizer and per-example loss a job trains with, and the words that say what they
     are and where each came from: the job's ``training.optimizer`` / ``training.loss`` when
     it gives them, else what a ``code.model`` was compiled with, else the defaults
-    (``strata.spec.DEFAULT_OPTIMIZER``, ``DEFAULT_LOSS``). Returns (optimizer, loss, the
+    (``strata.jobspec.DEFAULT_OPTIMIZER``, ``DEFAULT_LOSS``). Returns (optimizer, loss, the
     loss's name as ``strata.worker.data`` knows losses, the description)."""
     import keras
 
@@ -425,7 +425,7 @@ def _fresh(optimizer: Any) -> Any:
 def loss_kind(loss: Any) -> str:
     """Which of ``LOSSES`` a compiled loss is (how targets are shaped and accuracy counted);
     the default's for any other."""
-    from strata.spec import DEFAULT_LOSS
+    from strata.jobspec import DEFAULT_LOSS
 
     name = loss if isinstance(loss, str) else (
         (getattr(loss, "get_config", lambda: {})() or {}).get("name")

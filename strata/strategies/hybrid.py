@@ -13,7 +13,7 @@ from strata.strategies import register
 from strata.strategies.pipeline import Pipeline
 
 if TYPE_CHECKING:
-    from strata.spec import JobSpec
+    from strata.jobspec import JobSpec
 
 
 @register

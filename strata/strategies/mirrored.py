@@ -22,7 +22,7 @@ from strata.types import Job, JobPlan, Task, TaskPlan, WorkerOffer
 
 if TYPE_CHECKING:
     from strata.modelspec import ModelProfile
-    from strata.spec import JobSpec
+    from strata.jobspec import JobSpec
 
 
 @register

@@ -27,7 +27,7 @@ from strata.units import format_size
 
 if TYPE_CHECKING:
     from strata.modelspec import ModelProfile
-    from strata.spec import JobSpec
+    from strata.jobspec import JobSpec
 
 
 @register

@@ -63,7 +63,7 @@ import time
 from typing import Any
 
 from strata.exitcodes import EXIT_KIND, TASK_EXIT_COLLECTIVE, TASK_EXIT_ERROR
-from strata.spec import JobSpec
+from strata.jobspec import JobSpec
 from strata.taskconfig import ParameterServerSection, TaskConfig, TaskConfigError
 from strata.worker.cluster import cluster_from_tf_config, reachable
 from strata.worker.events import Events, exit_task, format_mib, log
