@@ -5,6 +5,8 @@ in ``tests/test_decisions.py``, without a running coordinator.
 
 ``on_report``: an agent's report of one task (progress, figures, a final state).
 ``on_task_change``: what a task's new state means for its job.
+``on_failure``: what a task's failure does to its job (with ``may_retry_memory``).
+``restart``: a restart's record; ``stopping``: how a job's remaining tasks stop.
 ``on_tick``: what a pass of the control loop does with a live job.
 ``lost_with``: the tasks an agent's loss fails.
 """
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from types import MappingProxyType
-from typing import AbstractSet, Any, Iterable, Mapping
+from typing import AbstractSet, Any, Callable, Iterable, Mapping
 
 from strata.strategies import FailureAction, Strategy
 from strata.types import FailureKind, Job, JobState, Task, TaskReport, TaskState, can_transition
@@ -233,6 +235,121 @@ def on_task_change(job: Job, task: Task, strategy: Strategy) -> JobStep:
         # (a FAILED task here is one the strategy's failure policy carries on without)
         return JobStep(RUN, "all tasks running")
     return JobStep(NOTHING)
+
+
+# --- a task's failure ---------------------------------------------------------------------------
+
+#: the job carries on without the failed task (its policy says so): an event says why
+CONTINUE = JobAction("continue")
+#: restart once, not counted, planned on what the task was seen to need (``may_retry_memory``)
+MEMORY_RETRY = JobAction("memory_retry")
+#: the task failed as a casualty of its job's stop or restart: nothing more to decide
+_CASUALTY = JobStep(NOTHING)
+
+
+def on_failure(job: Job, task: Task, policy: JobStep, *, memory_retry: bool) -> JobStep:
+    """What ``task``'s failure (its state already FAILED) does to ``job``: ``policy`` is what the
+    strategy's failure policy says of it (``Strategy.on_failure`` as ``failure_step``);
+    ``memory_retry``: the failure was out of memory and ``may_retry_memory`` allows one retry.
+    A job that is no longer running or starting takes no decision: the task died in its stop."""
+    if job.state not in _RESUMABLE:
+        return _CASUALTY
+    if policy.action == CONTINUE:
+        return policy
+    if memory_retry:
+        return JobStep(MEMORY_RETRY, policy.message)
+    return policy
+
+
+def failure_step(action: FailureAction, message: str) -> JobStep:
+    """A strategy's failure decision as a job step (CONTINUE, RESTART or FAIL_JOB)."""
+    return JobStep({FailureAction.CONTINUE: CONTINUE, FailureAction.RESTART: RESTART}.get(
+        action, FAIL_JOB), message)
+
+
+def may_retry_memory(job: Job, task: Task, device_bytes: int) -> bool:
+    """Whether ``task``'s out-of-memory failure restarts its job once, not counted: only when
+    its budget was Strata's guess (no ``memory.per_task_budget``), the job was not retried for
+    memory before, it is not a probe (a probe grows instead: ``Coordinator._grow_probe``) and
+    the task did not have the whole device (``device_bytes``; 0: unknown)."""
+    assert job.spec is not None
+    rec = job.recovery
+    if job.spec.memory.per_task_budget or rec.memory_retried or rec.probe_of:
+        return False
+    return not (device_bytes and task.memory_budget_bytes >= device_bytes)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Restart:
+    """A restart's record: ``recovery`` fields to set on ``job.recovery``, the job's new
+    ``restarts`` count, the RESTARTING state's ``message`` and the ``event`` that says where it
+    resumes from; ``oom_budget`` (role, index, budget) that a re-plan must exceed, or None."""
+
+    restarts: int
+    recovery: Mapping[str, Any]
+    message: str
+    event: str
+    oom_budget: tuple[str, int, int] | None
+
+
+def restart(job: Job, cause: str, now: float, *, failure: bool,
+            oom: Task | None = None) -> Restart:
+    """The restart of ``job`` for ``cause`` at ``now``; ``failure``: it counts against
+    ``restart.max_restarts``; ``oom``: the task that ran out of memory, which the next plan
+    must give more."""
+    assert job.spec is not None
+    rec = job.recovery
+    restarts = job.restarts + 1
+    failures = rec.failures + (1 if failure else 0)
+    fields = {"failures": failures,
+              "requested_workers": rec.requested_workers or job.spec.workers,
+              "restart_at": now + job.spec.restart_backoff_s,
+              "step_at_failure": max(rec.step_at_failure, job.metrics.step),
+              "last_cause": cause, "replanned": False}
+    left = (f"{failures} of {job.spec.max_restarts}" if failure
+            else "not counted against restart.max_restarts")
+    resumes = (f"the checkpoint at step {job.checkpoint_step}" if job.checkpoint_step
+               else "the start (no checkpoint yet)")
+    return Restart(
+        restarts=restarts, recovery=MappingProxyType(fields),
+        message=f"restart {restarts} ({left}) in {job.spec.restart_backoff_s:g} s: {cause}",
+        event=f"restart {restarts}: {cause}; resumes from {resumes}",
+        oom_budget=None if oom is None else (oom.role, oom.index, oom.memory_budget_bytes))
+
+
+# --- a job's stop -------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Stop:
+    """How a job's remaining tasks stop: ``cancel`` (never reported started: nothing to wait
+    for), ``lost`` (their agent is lost: they failed with it), and the agents to tell
+    (``tell``, in the order the tasks are listed), whose tasks stay reserved until reported
+    gone."""
+
+    cancel: tuple[Task, ...]
+    lost: tuple[Task, ...]
+    tell: tuple[str, ...]
+
+
+def stopping(job: Job, lost: Callable[[str], bool | None]) -> Stop:
+    """The stop of ``job``'s tasks not yet ended. ``lost``: whether the agent of that name is
+    lost (None: no such agent). A task on a live agent is told to stop even when
+    PENDING: its start may still be in flight (should it arrive, the agent reports the task
+    running and heartbeats repeat the stop)."""
+    cancel: list[Task] = []
+    gone: list[Task] = []
+    tell: dict[str, None] = {}
+    for t in job.tasks:
+        if t.state.final:
+            continue
+        agent_lost = lost(t.worker) if t.worker else None
+        if agent_lost is False:
+            tell[t.worker] = None
+        if agent_lost is None or t.state == _T_PENDING:
+            cancel.append(t)
+        elif agent_lost:
+            gone.append(t)
+    return Stop(tuple(cancel), tuple(gone), tuple(tell))
 
 
 # --- a tick -------------------------------------------------------------------------------------

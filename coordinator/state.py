@@ -196,8 +196,8 @@ class ClusterState:
     def unheld_ports(self, name: str, ports: Iterable[int]) -> list[int]:
         """``ports`` less those ``name``'s unfinished tasks hold (an agent's report may be
         older than the start that took one)."""
-        held = self.ports_held.get(name, set())
-        return [p for p in ports if str(p) not in held]
+        held = self.ports_held.get(name)
+        return [p for p in ports if str(p) not in held] if held else list(ports)
 
     def agent_registered(self, live: LiveWorker, draining: bool) -> None:
         """``live`` registered (new, or back with a new budget and ports)."""
@@ -209,8 +209,7 @@ class ClusterState:
 
     def ports_offered(self, live: LiveWorker, ports: Iterable[int]) -> None:
         """A heartbeat's free ports for ``live`` (less those its tasks hold)."""
-        held = self.ports_held.get(live.name)
-        offered = [p for p in ports if str(p) not in held] if held else list(ports)
+        offered = self.unheld_ports(live.name, ports)
         if len(offered) > len(live.free_ports):
             self.room_version += 1
         changed = len(offered) != len(live.free_ports)

@@ -196,7 +196,7 @@ def test_a_restart_loads_the_live_jobs_and_the_history_when_asked(env, tmp_path)
     import asyncio
 
     from strata.coordinator.core import Coordinator
-    from strata.coordinator.service import JobServicer
+    from strata.coordinator.jobapi import JobServicer
     from strata.coordinator.store import SqliteStore
     from strata.protos import strata_pb2 as pb
 
@@ -270,7 +270,7 @@ def test_list_workers_pages_by_name_and_builds_only_its_page(env, monkeypatch):
     import asyncio
 
     from strata import convert
-    from strata.coordinator.service import JobServicer
+    from strata.coordinator.jobapi import JobServicer
     from strata.protos import strata_pb2 as pb
 
     coord = env[0]
@@ -509,9 +509,10 @@ def _cluster_server(tmp_path, options=()):
     coordinator's probe socket: ``(server thread, coordinator, probe)``."""
     from strata.coordinator.agents import CallWait
     from strata.coordinator.core import Coordinator
-    from strata.coordinator.service import (
-        CallProbe, ClusterServicer, JobServicer, add_service,
-    )
+    from strata.coordinator.clusterapi import ClusterServicer
+    from strata.coordinator.jobapi import JobServicer
+    from strata.coordinator.probe import CallProbe
+    from strata.coordinator.service import add_service
     from strata.coordinator.store import SqliteStore
 
     coord = Coordinator(SqliteStore(str(tmp_path / "s.db")), str(tmp_path))
@@ -664,7 +665,7 @@ def test_without_a_writable_temp_dir_the_coordinator_serves_unprobed(monkeypatch
     import tempfile
 
     from strata.coordinator.agents import CallWait
-    from strata.coordinator.service import CallProbe
+    from strata.coordinator.probe import CallProbe
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "missing"))
     probe = CallProbe(None, CallWait())  # type: ignore[arg-type]  (never reached)
@@ -678,7 +679,7 @@ def test_retention_reads_the_ended_jobs_oldest_first_and_waits_for_their_tasks(e
     """--retention deletes from the jobs that ended, oldest first (no scan of every job): a
     cancelled job whose task has not stopped yet is kept until it has; one a user deleted
     first is passed over."""
-    from strata.coordinator.core import EXPIRY_INTERVAL_S
+    from strata.coordinator.loop import EXPIRY_INTERVAL_S
 
     coord, clock, store, _ = env
     coord.retention_s = 100

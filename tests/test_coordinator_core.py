@@ -473,7 +473,7 @@ def test_a_failed_probe_fails_its_job_and_cancelling_the_job_cancels_the_probe(e
 
 
 def test_memory_profile_auto_probes_only_large_jobs_without_a_fixed_budget(env):
-    from strata.coordinator.core import PROBE_FROM_BYTES
+    from strata.coordinator.admission import PROBE_FROM_BYTES
 
     coord, *_ = env
     register(coord, "a"), register(coord, "b")
@@ -604,7 +604,7 @@ def test_a_code_models_probe_starts_small_and_grows_when_it_runs_out(env):
     """A model only the job's code builds has no estimate: its probe starts at
     PROBE_FIRST_BYTES per task, not a whole worker, so it runs beside other jobs; one that runs
     out of memory is probed again with more, and the job is planned on the probe that fit."""
-    from strata.coordinator.core import PROBE_FIRST_BYTES, PROBE_GROWTH
+    from strata.coordinator.admission import PROBE_FIRST_BYTES, PROBE_GROWTH
 
     coord, *_ = env
     sessions = {n: register(coord, n, budget=8 * GiB) for n in ("a", "b")}
@@ -724,7 +724,7 @@ def test_an_oom_bound_is_not_a_peak_a_code_job_that_ran_out_is_probed_again_abov
     """What a probe that ran out of memory showed is a lower bound, not the task's peak: the
     same code submitted again (its job cancelled meanwhile) is not planned at that bound but
     probed again, starting at half again above it."""
-    from strata.coordinator.core import PROBE_FIRST_BYTES
+    from strata.coordinator.admission import PROBE_FIRST_BYTES
 
     coord, *_ = env
     sessions = {n: register(coord, n, budget=8 * GiB) for n in ("a", "b")}

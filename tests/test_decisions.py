@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from strata.coordinator import decisions
@@ -282,3 +284,103 @@ def test_a_tick_decides_nothing_for_the_states_it_skips():
         if state not in TICK_STATES:
             job = _tick_job(state, [TaskState.RUNNING], capacity_deadline=1.0)
             assert on_tick(job, 1e9, probing=True, scheduled_since=0.0).action == NOTHING
+
+
+# --- a task's failure, a restart, a stop ---------------------------------------------------------
+
+from strata.coordinator.decisions import (  # noqa: E402
+    CONTINUE, MEMORY_RETRY, failure_step, may_retry_memory, on_failure, restart, stopping,
+)
+from strata.strategies import FailureAction  # noqa: E402
+
+_POLICY_RESTART = failure_step(FailureAction.RESTART, "task worker:1 failed")
+_POLICY_FAIL = failure_step(FailureAction.FAIL_JOB, "task worker:1 failed, no restarts left")
+_POLICY_CONTINUE = failure_step(FailureAction.CONTINUE, "carries on without worker:1")
+
+#: (job state, the policy's step, an allowed memory retry) -> action
+FAILURES = [
+    (JobState.RUNNING, _POLICY_RESTART, False, RESTART),
+    (JobState.SCHEDULED, _POLICY_FAIL, False, FAIL_JOB),
+    (JobState.RUNNING, _POLICY_CONTINUE, False, CONTINUE),
+    # out of memory on a budget Strata guessed: one retry, whatever the policy, unless it carries on
+    (JobState.RUNNING, _POLICY_FAIL, True, MEMORY_RETRY),
+    (JobState.RUNNING, _POLICY_RESTART, True, MEMORY_RETRY),
+    (JobState.RUNNING, _POLICY_CONTINUE, True, CONTINUE),
+    # a casualty of its job's stop or restart decides nothing
+    (JobState.RESTARTING, _POLICY_RESTART, True, NOTHING),
+    (JobState.FAILED, _POLICY_FAIL, False, NOTHING),
+    (JobState.CANCELLED, _POLICY_RESTART, False, NOTHING),
+]
+
+
+@pytest.mark.parametrize("job_state, policy, retry, action", FAILURES)
+def test_what_a_tasks_failure_does_to_its_job(job_state, policy, retry, action):
+    step = on_failure(_job(job_state), _task(TaskState.FAILED), policy, memory_retry=retry)
+    assert step.action == action
+    if action != NOTHING:
+        assert step.message == policy.message
+
+
+def test_failure_actions_are_named():
+    assert failure_step(FailureAction.RESTART, "m").action == RESTART
+    assert failure_step(FailureAction.FAIL_JOB, "m").action == FAIL_JOB
+    assert failure_step(FailureAction.CONTINUE, "m").action == CONTINUE
+
+
+@pytest.mark.parametrize("fixed, retried, probe, budget, device, allowed", [
+    (0, False, "", 100, 1000, True),
+    (0, False, "", 100, 0, True),          # the device's size not known: its budget was a guess
+    (100, False, "", 100, 1000, False),    # memory.per_task_budget: the user's figure
+    (0, True, "", 100, 1000, False),       # retried once already
+    (0, False, "j0", 100, 1000, False),    # a probe grows instead
+    (0, False, "", 1000, 1000, False),     # it had the whole device: no plan gives it more
+])
+def test_an_out_of_memory_failure_is_retried_once_on_a_guessed_budget(
+        fixed, retried, probe, budget, device, allowed):
+    job = _spec_job("multi_worker_mirrored", JobState.RUNNING, [("worker", R)])
+    job.spec = dataclasses.replace(job.spec, memory=dataclasses.replace(job.spec.memory,
+                                                                        per_task_budget=fixed))
+    job.recovery.memory_retried, job.recovery.probe_of = retried, probe
+    task = dataclasses.replace(job.tasks[0], memory_budget_bytes=budget)
+    assert may_retry_memory(job, task, device) is allowed
+
+
+@pytest.mark.parametrize("failure, checkpoint, oom", [(True, 0, False), (False, 40, True)])
+def test_a_restart_is_recorded_and_said(failure, checkpoint, oom):
+    job = _spec_job("multi_worker_mirrored", JobState.RUNNING, [("worker", R), ("worker", F)],
+                    max_restarts=3)
+    job.restarts, job.recovery.failures, job.checkpoint_step = 1, 1, checkpoint
+    job.metrics.step, job.recovery.step_at_failure = 42, 30
+    culprit = dataclasses.replace(job.tasks[1], memory_budget_bytes=64 * MiB) if oom else None
+    r = restart(job, "task worker:1 failed", 100.0, failure=failure, oom=culprit)
+    assert r.restarts == 2
+    assert r.recovery["failures"] == (2 if failure else 1)
+    assert r.recovery["restart_at"] == 100.0 + job.spec.restart_backoff_s
+    assert r.recovery["step_at_failure"] == 42 and r.recovery["replanned"] is False
+    assert r.recovery["requested_workers"] == 2
+    assert r.recovery["last_cause"] == "task worker:1 failed"
+    assert ("2 of 3" in r.message) is failure
+    assert ("not counted against restart.max_restarts" in r.message) is (not failure)
+    assert r.event.endswith("the checkpoint at step 40" if checkpoint
+                            else "the start (no checkpoint yet)")
+    assert r.oom_budget == (("worker", 1, 64 * MiB) if oom else None)
+    assert job.restarts == 1 and job.recovery.failures == 1  # the decision changes nothing
+
+
+def test_a_stop_cancels_what_never_started_fails_what_was_lost_and_tells_the_rest():
+    job = _job()
+    job.tasks = [Task(job_id="j", role="worker", index=i, state=s, worker=w)
+                 for i, (s, w) in enumerate([
+                     (TaskState.SUCCEEDED, "a"),   # over: untouched
+                     (TaskState.RUNNING, "a"),     # told
+                     (TaskState.PENDING, "b"),     # its start may be in flight: told, cancelled
+                     (TaskState.RUNNING, "lost"),  # failed with its agent
+                     (TaskState.RUNNING, "gone"),  # an agent unknown: cancelled
+                     (TaskState.PENDING, ""),      # never placed: cancelled
+                     (TaskState.RUNNING, "a")])]   # one message per agent
+    agents = {"a": False, "b": False, "lost": True}
+    stop = stopping(job, agents.get)
+    assert [t.index for t in stop.cancel] == [2, 4, 5]
+    assert [t.index for t in stop.lost] == [3]
+    assert stop.tell == ("a", "b")
+    assert [t.state for t in job.tasks][1] == TaskState.RUNNING  # the decision changes nothing

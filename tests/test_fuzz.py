@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from strata.coordinator.core import prepare
+from strata.coordinator.admission import prepare
 from strata.errors import SpecError
 from strata.modelspec import ModelSpecError
 from strata.protos import strata_pb2 as pb

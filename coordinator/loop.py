@@ -1,0 +1,321 @@
+"""The control loop: on every wake-up (and at least every tick interval) it judges the agents'
+silence, retires and expires ended jobs, collects unheld uploads, and asks
+``decisions.on_tick`` what to do with each waiting job: place it (``coordinator.placement``,
+on the room ``ClusterState`` keeps), resume it after a restart, take its memory probe's
+figures, or fail it. A placement is written before its tasks' starts are queued to their agents.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+import re
+import time
+from typing import Any, Callable
+
+from strata import strategies
+from strata.coordinator import decisions
+from strata.coordinator.agents import (
+    NO_NEEDS, CallWait, HeartbeatDelay, LiveWorker, Needs, StartTaskCommand,
+)
+from strata.coordinator.blobs import BlobStore
+from strata.coordinator.disk import DiskGuard
+from strata.coordinator.lifecycle import JobLifecycle
+from strata.coordinator.placement import Capacity, Placement, TaskDemand, place
+from strata.coordinator.state import ClusterState
+from strata.coordinator.store import Store
+from strata.errors import DiskFull
+from strata.taskconfig import REPORT_INTERVAL_S, TaskConfig
+from strata.tfconfig import build_tf_config
+from strata.types import FailureKind, Job, JobState, Task
+from strata.units import format_size
+
+log = logging.getLogger("strata.coordinator")
+
+#: the least time between two ticks of the control loop
+MIN_TICK_GAP_S = 0.05
+#: a gap between ticks longer than this (real time) means the event loop was held up
+LOOP_STALL_S = 2.0
+#: the most the wait of heartbeats before they are handled may add to the heartbeat timeout,
+#: in timeouts: a dead agent is still judged within (1 + this) timeouts under any burst
+MAX_DELAY_ALLOWANCE = 5.0
+#: how often finished jobs are checked against --retention
+EXPIRY_INTERVAL_S = 60.0
+
+
+@functools.lru_cache(maxsize=1024)  # a thousand waiting jobs share a handful of messages
+def _shape(message: str) -> str:
+    """A message with its numbers left out: what kind of thing it says."""
+    return re.sub(r"[0-9][0-9.,]*", "#", message)
+
+
+class ControlLoop(JobLifecycle):
+    """The control loop over the jobs' lifecycle (``Coordinator`` adds the API)."""
+
+    #: the state directory's room (``coordinator.disk``), set by ``Coordinator``
+    disk: DiskGuard
+
+    def __init__(self, store: Store, state: ClusterState, blobs: BlobStore,
+                 clock: Callable[[], float], *, monotonic: Callable[[], float],
+                 heartbeat_timeout_s: float, tick_interval_s: float, start_timeout_s: float,
+                 retention_s: float):
+        super().__init__(store, state, blobs, clock)
+        #: finished jobs are deleted this long after they ended (``--retention``; 0: kept)
+        self.retention_s = retention_s
+        self._next_expiry = 0.0
+        self._next_collection = 0.0
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.tick_interval_s = tick_interval_s
+        self.start_timeout_s = start_timeout_s
+        self._scheduled_at: dict[str, float] = {}  # job id -> when it was placed (this process)
+        #: what agents' silence is measured on (``LiveWorker.heard``): it never steps
+        self.monotonic = monotonic
+        #: STRATA_CHECK_STATE=1 (the test suite sets it): every tick checks the state's indexes
+        #: against a scan (``ClusterState.check``), and a mismatch stops the control loop
+        #: rather than being logged and passed
+        self._check_state = os.environ.get("STRATA_CHECK_STATE") == "1"
+        #: per waiting job, the room version and demands it last failed to fit at: it is not
+        #: tried again until one of them moves (``_try_schedule``)
+        self._tried: dict[str, tuple[Any, ...]] = {}
+        #: when agents are next judged (monotonic): once a tick interval, not on every wake-up
+        self._next_judgement = 0.0
+        #: each waiting job's needs (``Needs.of`` its spec, which does not change)
+        self._needs: dict[str, Needs] = {}
+        #: during a tick: the capacities by job needs, and the placements that failed by
+        #: (needs, demands), both dropped as soon as a job is placed (``tick``)
+        self._tick_cache: dict[Any, Any] | None = None
+        self._tick_failed: dict[Any, Any] = {}
+        self._tick_version = 0
+        self._last_tick_mono = 0.0
+        #: how long heartbeats wait before they are handled: added to the timeout (``tick``)
+        self.heartbeat_delay = HeartbeatDelay()
+        #: how long a new call waits before it is answered, when a probe measures it
+        #: (``service.CallProbe``): added to the timeout too (``tick``)
+        self.call_wait = CallWait()
+        self._delay_noted = False
+        self._disk_full_said = 0.0
+        self._stopping = False
+
+    def delete(self, job_id: str) -> Job:
+        """Forgets a finished job (``Coordinator.delete``: the API's, which ``_expire`` uses)."""
+        raise NotImplementedError
+
+    async def run(self) -> None:
+        """The control loop: a tick on every wake-up, and at least every tick_interval_s."""
+        while not self._stopping:
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=self.tick_interval_s)
+            except asyncio.TimeoutError:
+                pass
+            self._wake.clear()
+            try:
+                self.tick()
+            except DiskFull as e:  # said once a minute, never a traceback a tick
+                now = self.clock()
+                if now - self._disk_full_said >= 60.0:
+                    self._disk_full_said = now
+                    log.error("control loop tick: %s", e)
+            except Exception:  # a bug in one tick must not stop the control plane
+                log.exception("control loop tick failed")
+                if self._check_state:
+                    raise
+            # Wake-ups that come while a tick runs are served by the next one, at most
+            # MIN_TICK_GAP_S later: a burst of registrations or reports costs a few ticks,
+            # not one each, and the calls queued meanwhile are handled in between.
+            await asyncio.sleep(MIN_TICK_GAP_S)
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        self.agents.close()
+
+    def tick(self) -> None:
+        """One step of the control loop: detect lost agents, then schedule pending jobs."""
+        now = self.clock()
+        # After the event loop was held up (a long disk write, a slow plan, the whole machine
+        # paused), heartbeats that arrived meanwhile still wait to be handled, and agents had
+        # nobody to talk to: the time the loop did not run is not counted against them. Their
+        # silence is what the coordinator did not hear while it could listen.
+        mono = time.monotonic()
+        gap = mono - self._last_tick_mono if self._last_tick_mono else 0.0
+        self._last_tick_mono = mono
+        # Heartbeats can also wait in front of the handlers, not the loop (in the gRPC server's
+        # queue, behind thousands of registrations): an agent is lost only once silent for the
+        # timeout plus how long heartbeats handled lately had waited (``HeartbeatDelay``), or
+        # a new call waits to be answered (``CallWait``: a stream opened again, a unary
+        # heartbeat), whichever is longer.
+        delay = min(max(self.heartbeat_delay.estimate(now), self.call_wait.estimate(mono)),
+                    MAX_DELAY_ALLOWANCE * self.heartbeat_timeout_s)
+        if (delay > 1.0) != self._delay_noted:
+            self._delay_noted = delay > 1.0
+            log.warning("calls wait %.1f s before they are handled; agents are judged "
+                        "lost after %.1f s", delay, self.heartbeat_timeout_s + delay)
+        if gap > max(LOOP_STALL_S, 4 * self.tick_interval_s):
+            log.warning("the control loop was held up %.1f s: not counted against the agents' "
+                        "heartbeats", gap)
+            self.agents.excuse(gap)
+        heard_now = self.monotonic()
+        if heard_now >= self._next_judgement:
+            # every agent is looked at: once a tick interval, not on each of the wake-ups a
+            # stream of submits and reports brings (5,000 agents: about 1 ms each time)
+            self._next_judgement = heard_now + self.tick_interval_s
+            for w in self.agents.expired(heard_now, self.heartbeat_timeout_s + delay):
+                self._mark_lost(w)
+        for job_id in self.state.retire_over():
+            self._tried.pop(job_id, None)
+            self._needs.pop(job_id, None)
+        self._expire(now)  # (after: it takes the jobs that are over out of the live ones)
+        self._collect(now)
+        self._tick_cache, self._tick_failed = {}, {}
+        self._tick_version = self.state.room_version
+        try:
+            self._schedule(now)
+        finally:
+            self._tick_cache, self._tick_failed = None, {}
+        if self._check_state:
+            self.state.check()
+
+    def _expire(self, now: float) -> None:
+        """Deletes jobs that ended more than ``retention_s`` ago (``--retention``)."""
+        if not self.retention_s or now < self._next_expiry:
+            return
+        self._next_expiry = now + EXPIRY_INTERVAL_S
+        old = self.state.due_for_deletion(now, self.retention_s)
+        for job_id in old:
+            self.delete(job_id)
+        if old:
+            log.info("deleted %d job(s) that ended more than %g s ago", len(old),
+                     self.retention_s)
+
+    def _collect(self, now: float) -> None:
+        """Deletes the uploaded files nobody holds any more (``BlobStore.collect``) and makes
+        the disk's ballast again once there is room, every ``EXPIRY_INTERVAL_S``."""
+        if now < self._next_collection:
+            return
+        self._next_collection = now + EXPIRY_INTERVAL_S
+        files, freed = self.blobs.collect()
+        if files:
+            log.info("deleted %d uploaded file(s) no job names (%s)", files, format_size(freed))
+        self.disk.restore()
+
+    def _mark_lost(self, w: LiveWorker, why: str = "") -> None:
+        why = why or f"no heartbeat for {self.heartbeat_timeout_s:g} s"
+        log.warning("worker %s lost: %s", w.name, why)
+        self.state.agent_lost(w)
+        for job, t in decisions.lost_with(self.state.live.values(), w.name):
+            self._fail_task(job, t, FailureKind.LOST, f"worker {w.name} lost ({why})")
+
+    def _schedule(self, now: float) -> None:
+        # a copy: scheduling a job may end another (a failed probe fails its job)
+        for job in list(self.state.ordered()):
+            if job.state not in decisions.TICK_STATES:
+                continue
+            since = self._scheduled_at.setdefault(job.id, now) \
+                if job.state == JobState.SCHEDULED else 0.0
+            step = decisions.on_tick(job, now, probing=job.id in self._probe_of,
+                                     scheduled_since=since, start_timeout_s=self.start_timeout_s)
+            if step.action == decisions.FAIL_JOB:
+                self._stop_job(job, JobState.FAILED, step.message)
+            elif step.action == decisions.PLACE:
+                self._try_schedule(job)
+            elif step.action == decisions.AFTER_PROBE:
+                if self._after_probe(job):
+                    self._try_schedule(job)
+            elif step.action == decisions.RESUME:
+                self._resume(job)
+                if job.state == JobState.RESTARTING:
+                    self._try_schedule(job)
+
+    def _tick_fresh(self) -> bool:
+        """Whether the tick's caches may be used: inside a tick, and dropped first if room
+        grew since they were filled (a task ended while the tick ran)."""
+        if self._tick_cache is None:
+            return False
+        if self._tick_version != self.state.room_version:
+            self._tick_cache.clear()
+            self._tick_failed.clear()
+            self._tick_version = self.state.room_version
+        return True
+
+    def _capacities(self, needs: Needs = NO_NEEDS) -> list[Capacity]:
+        """The agents that can take tasks now and meet ``needs``, in the agents' order."""
+        if self._tick_fresh():  # within one tick, until a job is placed or room grows
+            assert self._tick_cache is not None
+            caps = self._tick_cache.get(needs)
+            if caps is None:
+                caps = self._tick_cache[needs] = self._capacities_now(needs)
+            return caps
+        return self._capacities_now(needs)
+
+    def _capacities_now(self, needs: Needs) -> list[Capacity]:
+        return self.state.capacities(needs)
+
+    def _place(self, demands: list[TaskDemand], needs: Needs) -> Placement:
+        if needs == NO_NEEDS:  # every agent in the room: its kept order serves
+            return self.state.room.place(demands)
+        return place(demands, self._capacities(needs))
+
+    def _try_schedule(self, job: Job) -> None:
+        assert job.spec is not None
+        # Nothing that could make room has happened since this job last failed to fit, and
+        # its demands are the same: it would fail again (placement is deterministic, and other
+        # placements only take room). Waiting jobs cost a tick nothing until something moves.
+        key = (self.state.room_version, tuple(t.memory_budget_bytes for t in job.tasks))
+        if self._tried.get(job.id) == key:
+            return
+        needs = self._needs.get(job.id)
+        if needs is None:
+            needs = self._needs[job.id] = Needs.of(job.spec)
+        # a job with the same needs and demands already failed this tick, on the same room
+        placement = self._tick_failed.get((needs, key[1])) if self._tick_fresh() else None
+        if placement is None:
+            demands = [TaskDemand(t.role, t.index, t.memory_budget_bytes) for t in job.tasks]
+            placement = self._place(demands, needs)
+        if not placement.assignments:
+            self._tried[job.id] = key
+            if self._tick_cache is not None:
+                self._tick_failed[(needs, key[1])] = placement
+            if job.message != placement.reason:
+                # Only a new kind of reason is stored and becomes an event: counts in it ("3 of
+                # 980 workers") change with every agent that comes or goes, and a write and an
+                # event per waiting job per registration stalled the loop with many waiting.
+                news = _shape(job.message) != _shape(placement.reason)
+                job.message = placement.reason
+                if news:
+                    self.store.put_job(job)
+                    self._event(job, "message", placement.reason)
+            return
+        cluster: dict[str, list[str]] = {}
+        for t in sorted(job.tasks, key=lambda t: (t.role, t.index)):
+            self.state.place_task(t, self.workers[placement.assignments[(t.role, t.index)]])
+            cluster.setdefault(t.role, []).append(t.address)
+        self.store.put_tasks(job.tasks)
+        if self._tick_cache is not None:  # room was taken: what failed may fail differently
+            self._tick_cache.clear()
+            self._tick_failed.clear()
+        self._scheduled_at[job.id] = self.clock()
+        self._set_job_state(job, JobState.SCHEDULED, "placed on " + ", ".join(
+            f"{t.role}:{t.index}->{t.worker}" for t in job.tasks))
+        for t in job.tasks:
+            self._send_start(job, t, cluster)
+
+    def task_config(self, job: Job, t: Task) -> TaskConfig:
+        """The task contract for ``t``, from the stored plan (the agent adds its settings)."""
+        assert job.spec is not None
+        return TaskConfig(job_id=job.id, role=t.role, index=t.index, spec=job.spec,
+                          memory_budget_bytes=t.memory_budget_bytes,
+                          report_interval_s=REPORT_INTERVAL_S, restart=job.restarts,
+                          probe=bool(job.recovery.probe_of),
+                          section=strategies.get(job.strategy).task_section(job, t))
+
+    def _send_start(self, job: Job, t: Task, cluster: dict[str, list[str]] | None = None) -> None:
+        if cluster is None:
+            cluster = {}
+            for x in sorted(job.tasks, key=lambda x: (x.role, x.index)):
+                cluster.setdefault(x.role, []).append(x.address)
+        self.agents.send(t.worker, StartTaskCommand(
+            job_id=job.id, role=t.role, index=t.index, attempt=t.attempt,
+            tf_config=build_tf_config(cluster, t.role, t.index),
+            memory_budget_bytes=t.memory_budget_bytes, config=self.task_config(job, t)))
