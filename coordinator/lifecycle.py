@@ -115,7 +115,10 @@ class JobLifecycle:
             return None, None
         return job, next((t for t in job.tasks if t.role == role and t.index == index), None)
 
-    def _set_job_state(self, job: Job, target: JobState, message: str) -> None:
+    def _set_job_state(self, job: Job, target: JobState, message: str,
+                       stored: bool = False) -> None:
+        """Moves ``job`` to ``target``, written first (``stored``: the caller wrote it), then
+        said as an event."""
         if not can_transition(job.state, target):
             raise InvalidTransition("job", job.state.value, target.value)
         before = (job.state, job.message, job.finished_at)
@@ -124,7 +127,8 @@ class JobLifecycle:
         if target.final:
             job.finished_at = self.clock()
         try:
-            self.store.put_job(job)
+            if not stored:
+                self.store.put_job(job)
         except BaseException:  # not written (a full disk): not changed
             job.state, job.message, job.finished_at = before
             raise

@@ -8,6 +8,7 @@ figures, or fail it. A placement is written before its tasks' starts are queued 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import os
@@ -287,17 +288,34 @@ class ControlLoop(JobLifecycle):
                     self.store.put_job(job)
                     self._event(job, "message", placement.reason)
             return
+        self._place_job(job, placement)
+
+    def _place_job(self, job: Job, placement: Placement) -> None:
+        """``job`` placed as ``placement`` says: written first (its tasks with their workers and
+        ports, the job SCHEDULED), so a full disk leaves it waiting as it was; then its budgets
+        and ports are taken, and its tasks' starts queued."""
+        order = sorted(job.tasks, key=lambda t: (t.role, t.index))
+        lives = [self.workers[placement.assignments[(t.role, t.index)]] for t in order]
+        taken: dict[str, int] = {}
+        placed: dict[tuple[str, int], Task] = {}
+        for t, live in zip(order, lives):
+            i = taken[live.name] = taken.get(live.name, -1) + 1
+            placed[(t.role, t.index)] = dataclasses.replace(
+                t, worker=live.name, address=f"{live.record.address}:{live.free_ports[i]}",
+                attempt=t.attempt + 1)
+        message = "placed on " + ", ".join(
+            f"{t.role}:{t.index}->{placed[(t.role, t.index)].worker}" for t in job.tasks)
+        self.store.put_tasks(placed.values())
+        self.store.put_job(dataclasses.replace(job, state=JobState.SCHEDULED, message=message))
         cluster: dict[str, list[str]] = {}
-        for t in sorted(job.tasks, key=lambda t: (t.role, t.index)):
-            self.state.place_task(t, self.workers[placement.assignments[(t.role, t.index)]])
+        for t, live in zip(order, lives):
+            self.state.place_task(t, live)
             cluster.setdefault(t.role, []).append(t.address)
-        self.store.put_tasks(job.tasks)
         if self._tick_cache is not None:  # room was taken: what failed may fail differently
             self._tick_cache.clear()
             self._tick_failed.clear()
         self._scheduled_at[job.id] = self.clock()
-        self._set_job_state(job, JobState.SCHEDULED, "placed on " + ", ".join(
-            f"{t.role}:{t.index}->{t.worker}" for t in job.tasks))
+        self._set_job_state(job, JobState.SCHEDULED, message, stored=True)
         for t in job.tasks:
             self._send_start(job, t, cluster)
 

@@ -758,3 +758,68 @@ def test_workers_cpu_kernels_decide_the_estimate(env):
     coord.register("c", "127.0.0.1", "CPU", 4 * GiB, [1, 2, 3, 4], [], cpu_kernels="eigen")
     both = coord.plan(spec).tasks[0].estimated_memory_bytes
     assert both > onednn + (1 << 20)  # Eigen's im2col buffer, at least
+
+
+def test_each_change_is_written_before_the_messages_it_causes(env):
+    """Persist before send: a placement, a failure's restart and a cancel write the job's
+    and its tasks' new state before a start or stop is queued to an agent, and a placement
+    whose write fails queues nothing."""
+    from strata.errors import DiskFull
+
+    coord, clock, store, _ = env
+    trail: list[str] = []
+    real_send, real_tasks, real_job = coord.agents.send, store.put_tasks, store.put_job
+    full = {"on": False}
+
+    def send(name, cmd):
+        trail.append(f"send {type(cmd).__name__}")
+        real_send(name, cmd)
+
+    def put_tasks(tasks):
+        if full["on"]:
+            raise DiskFull("the coordinator's disk is full")
+        trail.append("write tasks")
+        real_tasks(tasks)
+
+    def put_job(job):
+        trail.append(f"write job {job.state.value}")
+        real_job(job)
+
+    coord.agents.send, store.put_tasks, store.put_job = send, put_tasks, put_job
+    sessions = {n: register(coord, n) for n in ("a", "b")}
+    job = coord.submit(dict(SPEC, restart={"max_restarts": 2}))
+    full["on"] = True
+    trail.clear()
+    with pytest.raises(DiskFull):
+        coord.tick()
+    assert job.state == JobState.PENDING and not any(x.startswith("send") for x in trail)
+    assert all(not drain(coord, n) for n in sessions)
+    assert all(t.worker == "" and t.attempt == 0 for t in job.tasks)  # nothing taken
+    coord.state.check()
+    full["on"] = False
+    coord.wake()
+    clock.now += 1
+    coord._tried.clear()  # the room did not move: the coordinator would not try again yet
+    trail.clear()
+    coord.tick()
+    assert job.state == JobState.SCHEDULED and {t.worker for t in job.tasks} == {"a", "b"}
+    assert [t for t in store.load_job(job.id).tasks] == job.tasks  # as written
+    first_send = trail.index("send StartTaskCommand")
+    assert "write tasks" in trail[:first_send] and "write job SCHEDULED" in trail[:first_send]
+
+    for x in job.tasks:
+        coord.report(x.worker, sessions[x.worker], TaskReport(
+            job.id, x.role, x.index, TaskState.RUNNING, attempt=x.attempt))
+    t = job.tasks[0]
+    trail.clear()
+    coord.report(t.worker, sessions[t.worker], TaskReport(
+        job.id, t.role, t.index, TaskState.FAILED, attempt=t.attempt, message="boom",
+        failure=FailureKind.EXIT_CODE, exit_code=1))
+    assert job.state == JobState.RESTARTING
+    first_send = trail.index("send StopTaskCommand")
+    assert "write job RESTARTING" in trail[:first_send] and "write tasks" in trail[:first_send]
+
+    trail.clear()
+    coord.cancel(job.id)  # its other task is still being stopped: told again
+    first_send = trail.index("send StopTaskCommand")
+    assert "write job CANCELLED" in trail[:first_send]
