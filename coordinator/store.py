@@ -8,13 +8,14 @@ copies in memory and writes every change through, so a restarted coordinator sta
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 import functools
 import json
 import os
 import sqlite3
 import threading
-from typing import Any, Callable, Iterable, TypeVar
+from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 from strata.coordinator.confine import job_blobs
 from strata.coordinator.disk import is_full
@@ -242,11 +243,24 @@ class SqliteStore(Store):
         if self._db.in_transaction:
             self._db.execute("ROLLBACK")
 
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[None]:
+        """The statements inside as one transaction, under the lock: all written or none
+        (the connection is in autocommit mode: each statement outside one commits alone)."""
+        with self._lock:
+            self._db.execute("BEGIN")
+            try:
+                yield
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._rollback()  # never leave the connection inside a transaction
+                raise
+
     @_writes
     def put_job(self, job: Job) -> None:
         m = dataclasses.asdict(job.metrics)
         spec = json.dumps(job.spec.to_dict() if job.spec is not None else None)
-        with self._lock:
+        with self._transaction():  # the job and its bookkeeping together: no half a job
             self._db.execute(
                 "INSERT OR REPLACE INTO jobs VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
                 (job.id, job.name, job.state.value, job.strategy, spec, job.message,
@@ -262,15 +276,9 @@ class SqliteStore(Store):
     @_writes
     def replace_tasks(self, job_id: str, tasks: Iterable[Task]) -> None:
         rows = [_task_row(t) for t in tasks]
-        with self._lock:
-            self._db.execute("BEGIN")
-            try:
-                self._db.execute("DELETE FROM tasks WHERE job_id=?", (job_id,))
-                self._db.executemany("INSERT OR REPLACE INTO tasks VALUES (?,?,?,?)", rows)
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._rollback()
-                raise
+        with self._transaction():
+            self._db.execute("DELETE FROM tasks WHERE job_id=?", (job_id,))
+            self._db.executemany("INSERT OR REPLACE INTO tasks VALUES (?,?,?,?)", rows)
 
     def job_for_request(self, request_id: str) -> str | None:
         if not request_id:
@@ -283,14 +291,8 @@ class SqliteStore(Store):
     @_writes
     def put_tasks(self, tasks: Iterable[Task]) -> None:
         rows = [_task_row(t) for t in tasks]
-        with self._lock:
-            self._db.execute("BEGIN")
-            try:
-                self._db.executemany("INSERT OR REPLACE INTO tasks VALUES (?,?,?,?)", rows)
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._rollback()  # never leave the connection inside a transaction
-                raise
+        with self._transaction():
+            self._db.executemany("INSERT OR REPLACE INTO tasks VALUES (?,?,?,?)", rows)
 
     def load_jobs(self) -> list[Job]:
         return self._load()
@@ -368,10 +370,11 @@ class SqliteStore(Store):
 
     @_writes
     def delete_job(self, job_id: str) -> None:
-        with self._lock, self._db:
+        with self._transaction():
             for table in ("tasks", "events", "job_recovery"):
                 self._db.execute(f"DELETE FROM {table} WHERE job_id = ?", (job_id,))
             self._db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
+            self._next_seq.pop(job_id, None)  # a job of this id again numbers from 1
 
     @_writes
     def put_worker(self, worker: WorkerRecord) -> None:
