@@ -11,7 +11,7 @@ A refusal is a ``SpecError`` naming the field (``model.keras_json``, ``tasks[3].
 so it reaches the caller as INVALID_ARGUMENT with the field in the ``strata-field`` trailer,
 and it never quotes the value.
 
-Pure logic: no gRPC here (``coordinator.service`` calls it).
+Pure logic: no gRPC here (``coordinator.rpcguard`` calls it).
 """
 
 from __future__ import annotations

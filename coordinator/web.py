@@ -48,7 +48,7 @@ from strata.types import JobState, WorkerState, job_to_json, worker_to_json
 
 log = logging.getLogger("strata.coordinator.web")
 
-#: the gRPC edge's latencies (``coordinator.service.rpc`` observes every call)
+#: the gRPC edge's latencies (``coordinator.rpcguard.rpc`` observes every call)
 RPC_REGISTRY = CollectorRegistry()
 RPC_SECONDS = Histogram("strata_rpc_duration_seconds", "Time to handle a gRPC call (for a "
                         "streaming call, to its last message)", ["method", "code"],

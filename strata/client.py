@@ -100,7 +100,7 @@ _ERRORS = {
 }
 
 
-#: trailing metadata in which the coordinator names a rejected spec field (as coordinator.service)
+#: trailing metadata in which the coordinator names a rejected spec field (as coordinator.rpcguard)
 FIELD_METADATA_KEY = "strata-field"
 REASON_METADATA_KEY = "strata-reason"
 

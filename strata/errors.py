@@ -1,5 +1,5 @@
 """Typed errors under one root. Each carries structured fields; the coordinator maps them to gRPC
-status codes in exactly one place (``coordinator.service.status_for``), never by message text."""
+status codes in exactly one place (``coordinator.rpcguard.status_for``), never by message text."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ import os
 import pytest
 
 from strata.coordinator.bounds import MAX_STRING, Undecodable, check_request
-from strata.coordinator.service import MAX_PAGE_SIZE, page
+from strata.coordinator.paging import MAX_PAGE_SIZE, page
 from strata.dataroots import OutsideRoots, confine, under_roots
 from strata.errors import QuotaExceeded, SpecError
 from strata.modelspec import ModelSpecError, check_keras_json_safe, parse_keras_json

@@ -378,7 +378,7 @@ def test_what_counts_as_a_full_disk():
     full.sqlite_errorcode = 13  # SQLITE_FULL, as sqlite3 sets it
     assert is_full(full)
     assert not is_full(sqlite3.OperationalError("database is locked"))
-    from strata.coordinator.service import status_for
+    from strata.coordinator.rpcguard import status_for
 
     assert status_for(OSError(errno.ENOSPC, "x"))[0] == grpc.StatusCode.UNAVAILABLE
     assert status_for(DiskFull("the disk is full"))[0] == grpc.StatusCode.UNAVAILABLE
@@ -434,7 +434,7 @@ def test_a_reload_names_the_tokens_that_are_gone(tmp_path):
 
 
 def test_revoking_ends_the_open_calls_of_that_credential():
-    from strata.coordinator.service import OpenCalls
+    from strata.coordinator.opencalls import OpenCalls
 
     async def main():
         calls = OpenCalls()
@@ -601,7 +601,7 @@ def test_a_full_disk_during_a_tasks_end_changes_nothing_and_the_report_can_come_
 
 
 def test_a_job_names_only_files_its_owner_uploaded(env):
-    from strata.coordinator.service import JobServicer
+    from strata.coordinator.jobapi import JobServicer
     from strata.protos import strata_pb2 as pb
 
     coord, *_ = env
