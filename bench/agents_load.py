@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gc
 import json
 import os
@@ -317,6 +318,175 @@ def quantile(buckets: dict[float, float], q: float) -> float:
     return lower
 
 
+async def observe(channel: grpc.aio.Channel, session: str, stop: asyncio.Event,
+                  seen: list[tuple[float, float]]) -> None:
+    """The observer's heartbeats, ten a second on a channel of its own; each round trip goes
+    to ``seen`` as (started, seconds)."""
+    beats = pb_grpc.ClusterServiceStub(channel).Heartbeats()
+    while not stop.is_set():
+        t0 = time.monotonic()
+        try:
+            await beats.write(pb.HeartbeatRequest(name="observer", session=session,
+                                                  sent_at=time.time()))
+            await asyncio.wait_for(beats.read(), timeout=30)
+            seen.append((t0, time.monotonic() - t0))
+        except (grpc.aio.AioRpcError, asyncio.TimeoutError, asyncio.InvalidStateError):
+            beats.cancel()
+            beats = pb_grpc.ClusterServiceStub(channel).Heartbeats()
+        await asyncio.sleep(0.1)
+    beats.cancel()
+
+
+async def big_alive(cluster, session: str, stop: asyncio.Event) -> None:
+    """The large agent heartbeats too, as an agent does."""
+    beats = cluster.Heartbeats()
+    while not stop.is_set():
+        try:
+            await beats.write(pb.HeartbeatRequest(name="big", session=session,
+                                                  free_ports=[30001], sent_at=time.time()))
+            await asyncio.wait_for(beats.read(), timeout=5)
+        except (grpc.aio.AioRpcError, asyncio.TimeoutError, asyncio.InvalidStateError):
+            beats.cancel()
+            beats = cluster.Heartbeats()
+        await asyncio.sleep(random.uniform(1 - HEARTBEAT_JITTER, 1 + HEARTBEAT_JITTER))
+    beats.cancel()
+
+
+async def fill_jobs(jobs, args: argparse.Namespace) -> None:
+    """The jobs held before the agents come: ``--finished`` cancelled, ``--pending`` + 1 large
+    (one runs on the large agent, the others wait)."""
+    for _ in range(args.finished):
+        j = await jobs.SubmitJob(pb.SubmitJobRequest(spec=JOB), timeout=60)
+        await jobs.CancelJob(pb.CancelJobRequest(id=j.id), timeout=60)
+    for _ in range(args.pending + 1):
+        await jobs.SubmitJob(pb.SubmitJobRequest(spec=BIG), timeout=60)
+
+
+def start_generators(address: str, args: argparse.Namespace, d: str
+                     ) -> tuple[int, list[subprocess.Popen]]:
+    """The generator processes, the agents split evenly over them: (how many, the processes)."""
+    procs = max(1, min(args.procs, args.agents))
+    shares = [args.agents * (i + 1) // procs - args.agents * i // procs for i in range(procs)]
+    children = []
+    for i, n in enumerate(shares):
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", str(i), "--address",
+               address, "--dir", d, "--agents", str(n), "--offset", str(sum(shares[:i])),
+               "--total", str(args.agents), "--procs", str(procs), "--agents-per-channel",
+               str(args.agents_per_channel), "--registering", str(args.registering)] \
+            + ["--grid"] * args.grid + ["--unary"] * args.unary
+        children.append(subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": ROOT}))
+    return procs, children
+
+
+@dataclasses.dataclass
+class Window:
+    """What the parent measured over the window, and what the generators wrote."""
+
+    regs: list[dict]  # each generator's registrations
+    register_s: float
+    scrapes: int
+    page_reads: list[float]
+    window_cpu: float  # the coordinator's CPU seconds in the window
+    window_s: float
+    observed: list[float]  # the observer's round trips started in the window
+    late: dict[float, float]  # the coordinator's loop lateness histogram over the window
+    delay: dict[float, float]  # its heartbeat delay histogram over the window
+    lost: int  # agents the coordinator counts LOST at the end
+    results: list[dict]  # each generator's figures
+
+
+async def measure(args: argparse.Namespace, d: str, procs: int, jobs, stop: asyncio.Event,
+                  tasks: list[asyncio.Task], sub_lat: list[float],
+                  seen: list[tuple[float, float]], cpu: Callable[[], float],
+                  http_url: str) -> Window:
+    """Waits for every agent to register, opens the window for the generators, submits and
+    scrapes within it, then stops the generators and collects their figures."""
+    regs = [await wait_for_file(os.path.join(d, f"registered-{i}"), 300)
+            for i in range(procs)]
+    register_s = max(r["last"] for r in regs) - min(r["first"] for r in regs)
+    start = time.monotonic() + 3.0  # a few seconds to settle
+    write_json(os.path.join(d, "window"), {"start": start, "end": start + args.seconds})
+    await asyncio.sleep(start - time.monotonic())
+    end = start + args.seconds
+    tasks.append(asyncio.create_task(submitter(jobs, stop, (start, end), sub_lat)))
+    page_reads: list[float] = []
+    if args.status_page:
+        tasks.append(asyncio.create_task(status_page(http_url, stop, page_reads)))
+    # the coordinator's CPU over the measured window only; its scrapes of /metrics are in
+    # the window, as Prometheus's would be
+    cpu0, t0 = cpu(), time.monotonic()
+    hist0 = await asyncio.to_thread(histograms, http_url)
+    scrapes = 1
+    while args.scrape_every > 0 and start + scrapes * args.scrape_every < end:
+        await asyncio.sleep(max(0.0, start + scrapes * args.scrape_every - time.monotonic()))
+        await asyncio.to_thread(scrape, http_url)
+        scrapes += 1
+    await asyncio.sleep(max(0.0, end - time.monotonic()))
+    observed = [rt for t, rt in seen if start <= t < end]
+    window_cpu, window_s = cpu() - cpu0, time.monotonic() - t0
+    hist1 = await asyncio.to_thread(histograms, http_url)
+    late, delay = ({le: n - hist0.get(name, {}).get(le, 0.0)
+                    for le, n in hist1.get(name, {}).items()}
+                   for name in ("strata_event_loop_late_seconds",
+                                "strata_heartbeat_delay_seconds"))
+    workers = await jobs.ListWorkers(pb.ListWorkersRequest(states=[pb.LOST],
+                                                           page_size=1000), timeout=60)
+    write_json(os.path.join(d, "stop"), {})
+    results = [await wait_for_file(os.path.join(d, f"result-{i}"), 120)
+               for i in range(procs)]
+    return Window(regs, register_s, scrapes, page_reads, window_cpu, window_s, observed, late,
+                  delay, len(workers.workers), results)
+
+
+def summarize(args: argparse.Namespace, procs: int, w: Window, sub_lat: list[float]) -> dict:
+    """The figures printed (the module's docstring says what each is)."""
+    regs, results, late, window_s = w.regs, w.results, w.late, w.window_s
+    lat = [x for r in results for x in r["lat"]]
+    errors: dict[str, int] = {}
+    for r in results:
+        for k, v in r["errors"].items():
+            errors[k] = errors.get(k, 0) + v
+    beats = len(lat)
+    return {"transport": "unary" if args.unary else "stream",
+            "schedule": "grid" if args.grid else "after answer", "generators": procs,
+            "registered": sum(r["registered"] for r in regs),
+            "register_s": round(w.register_s, 1),
+            "register_retries": sum(r["retries"] for r in regs),
+            "generator_late_s_max": round(max(r["loop_late_max"] for r in regs), 2),
+            "heartbeats": beats, "heartbeats_per_s": round(beats / window_s),
+            "heartbeats_failed": sum(r["failed"] for r in results),
+            "coordinator_cpu_per_s": round(w.window_cpu / window_s, 2),
+            "coordinator_cpu_us_per_heartbeat": round(1e6 * w.window_cpu / max(1, beats)),
+            # its loop's 50 ms timer over the window: how many ran, and how many ran late
+            # (none against --echo: it times nothing)
+            "coordinator_loop_wakeups": int(late.get(float("inf"), 0)),
+            "coordinator_loop_late_over_ms": {
+                str(int(1e3 * le)): int(late.get(float("inf"), 0) - late.get(le, 0))
+                for le in (0.05, 0.1, 0.25, 0.5)},
+            "generator_cpu_per_s": round(sum(r["cpu"] for r in results) / window_s, 2),
+            # the generators' own loops, their 50 ms timer over the window, the same way
+            "generator_loop_wakeups": sum(len(r["late"]) for r in results),
+            "generator_loop_late_over_ms": {
+                str(ms): sum(1 for r in results for x in r["late"] if x > ms / 1e3)
+                for ms in (50, 100, 250, 500)},
+            "heartbeat_ms_p50": round(1e3 * pct(lat, 0.5), 1),
+            "heartbeat_ms_p99": round(1e3 * pct(lat, 0.99), 1),
+            "heartbeat_ms_max": round(1e3 * max(lat, default=0.0), 1),
+            # the coordinator's own view: sent to handled, over every heartbeat in the window
+            # (strata_heartbeat_delay_seconds, interpolated within its buckets)
+            "handled_after_ms_p50": round(1e3 * quantile(w.delay, 0.5), 1),
+            "handled_after_ms_p99": round(1e3 * quantile(w.delay, 0.99), 1),
+            "observer_heartbeats": len(w.observed),
+            "observer_ms_p50": round(1e3 * pct(w.observed, 0.5), 1),
+            "observer_ms_p99": round(1e3 * pct(w.observed, 0.99), 1),
+            "observer_ms_max": round(1e3 * max(w.observed, default=0.0), 1),
+            "scrapes": w.scrapes, "status_page_reads": len(w.page_reads),
+            "status_page_read_ms_max": round(1e3 * max(w.page_reads, default=0.0), 1),
+            "submits": len(sub_lat), "submit_ms_p50": round(1e3 * pct(sub_lat, 0.5), 1),
+            "submit_ms_p99": round(1e3 * pct(sub_lat, 0.99), 1),
+            "lost_at_end": w.lost, "agents_failed": errors}
+
+
 async def run(address: str, args: argparse.Namespace, cpu: Callable[[], float],
               http_url: str) -> dict:
     ch = grpc.aio.insecure_channel(address)
@@ -335,85 +505,13 @@ async def run(address: str, args: argparse.Namespace, cpu: Callable[[], float],
         name="observer", host="10.0.0.3", device="CPU", budget_bytes=GiB, draining=True),
         timeout=60)
     observer_ch = grpc.aio.insecure_channel(address)
-
-    async def observe() -> None:
-        beats = pb_grpc.ClusterServiceStub(observer_ch).Heartbeats()
-        while not stop.is_set():
-            t0 = time.monotonic()
-            try:
-                await beats.write(pb.HeartbeatRequest(name="observer", session=observer.session,
-                                                      sent_at=time.time()))
-                await asyncio.wait_for(beats.read(), timeout=30)
-                seen.append((t0, time.monotonic() - t0))
-            except (grpc.aio.AioRpcError, asyncio.TimeoutError, asyncio.InvalidStateError):
-                beats.cancel()
-                beats = pb_grpc.ClusterServiceStub(observer_ch).Heartbeats()
-            await asyncio.sleep(0.1)
-        beats.cancel()
-
-    async def big_alive() -> None:  # the large agent heartbeats too, as an agent does
-        beats = cluster.Heartbeats()
-        while not stop.is_set():
-            try:
-                await beats.write(pb.HeartbeatRequest(name="big", session=big.session,
-                                                      free_ports=[30001], sent_at=time.time()))
-                await asyncio.wait_for(beats.read(), timeout=5)
-            except (grpc.aio.AioRpcError, asyncio.TimeoutError, asyncio.InvalidStateError):
-                beats.cancel()
-                beats = cluster.Heartbeats()
-            await asyncio.sleep(random.uniform(1 - HEARTBEAT_JITTER, 1 + HEARTBEAT_JITTER))
-        beats.cancel()
-    tasks = [asyncio.create_task(big_alive()), asyncio.create_task(observe())]
-    for _ in range(args.finished):
-        j = await jobs.SubmitJob(pb.SubmitJobRequest(spec=JOB), timeout=60)
-        await jobs.CancelJob(pb.CancelJobRequest(id=j.id), timeout=60)
-    for _ in range(args.pending + 1):
-        await jobs.SubmitJob(pb.SubmitJobRequest(spec=BIG), timeout=60)
+    tasks = [asyncio.create_task(big_alive(cluster, big.session, stop)),
+             asyncio.create_task(observe(observer_ch, observer.session, stop, seen))]
+    await fill_jobs(jobs, args)
     d = tempfile.mkdtemp(prefix="strata-load-gen-")
-    procs = max(1, min(args.procs, args.agents))
-    shares = [args.agents * (i + 1) // procs - args.agents * i // procs for i in range(procs)]
-    children = []
-    for i, n in enumerate(shares):
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", str(i), "--address",
-               address, "--dir", d, "--agents", str(n), "--offset", str(sum(shares[:i])),
-               "--total", str(args.agents), "--procs", str(procs), "--agents-per-channel",
-               str(args.agents_per_channel), "--registering", str(args.registering)] \
-            + ["--grid"] * args.grid + ["--unary"] * args.unary
-        children.append(subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": ROOT}))
+    procs, children = start_generators(address, args, d)
     try:
-        regs = [await wait_for_file(os.path.join(d, f"registered-{i}"), 300)
-                for i in range(procs)]
-        register_s = max(r["last"] for r in regs) - min(r["first"] for r in regs)
-        start = time.monotonic() + 3.0  # a few seconds to settle
-        write_json(os.path.join(d, "window"), {"start": start, "end": start + args.seconds})
-        await asyncio.sleep(start - time.monotonic())
-        end = start + args.seconds
-        tasks.append(asyncio.create_task(submitter(jobs, stop, (start, end), sub_lat)))
-        page_reads: list[float] = []
-        if args.status_page:
-            tasks.append(asyncio.create_task(status_page(http_url, stop, page_reads)))
-        # the coordinator's CPU over the measured window only; its scrapes of /metrics are in
-        # the window, as Prometheus's would be
-        cpu0, t0 = cpu(), time.monotonic()
-        hist0 = await asyncio.to_thread(histograms, http_url)
-        scrapes = 1
-        while args.scrape_every > 0 and start + scrapes * args.scrape_every < end:
-            await asyncio.sleep(max(0.0, start + scrapes * args.scrape_every - time.monotonic()))
-            await asyncio.to_thread(scrape, http_url)
-            scrapes += 1
-        await asyncio.sleep(max(0.0, end - time.monotonic()))
-        observed = [rt for t, rt in seen if start <= t < end]
-        window_cpu, window_s = cpu() - cpu0, time.monotonic() - t0
-        hist1 = await asyncio.to_thread(histograms, http_url)
-        late, delay = ({le: n - hist0.get(name, {}).get(le, 0.0)
-                        for le, n in hist1.get(name, {}).items()}
-                       for name in ("strata_event_loop_late_seconds",
-                                    "strata_heartbeat_delay_seconds"))
-        workers = await jobs.ListWorkers(pb.ListWorkersRequest(states=[pb.LOST],
-                                                               page_size=1000), timeout=60)
-        write_json(os.path.join(d, "stop"), {})
-        results = [await wait_for_file(os.path.join(d, f"result-{i}"), 120)
-                   for i in range(procs)]
+        w = await measure(args, d, procs, jobs, stop, tasks, sub_lat, seen, cpu, http_url)
     finally:
         for c in children:
             if c.poll() is None:
@@ -425,52 +523,10 @@ async def run(address: str, args: argparse.Namespace, cpu: Callable[[], float],
     await asyncio.gather(*tasks, return_exceptions=True)
     await ch.close()
     await observer_ch.close()
-    lat = [x for r in results for x in r["lat"]]
-    errors: dict[str, int] = {}
-    for r in results:
-        for k, v in r["errors"].items():
-            errors[k] = errors.get(k, 0) + v
-    beats = len(lat)
-    return {"transport": "unary" if args.unary else "stream",
-            "schedule": "grid" if args.grid else "after answer", "generators": procs,
-            "registered": sum(r["registered"] for r in regs), "register_s": round(register_s, 1),
-            "register_retries": sum(r["retries"] for r in regs),
-            "generator_late_s_max": round(max(r["loop_late_max"] for r in regs), 2),
-            "heartbeats": beats, "heartbeats_per_s": round(beats / window_s),
-            "heartbeats_failed": sum(r["failed"] for r in results),
-            "coordinator_cpu_per_s": round(window_cpu / window_s, 2),
-            "coordinator_cpu_us_per_heartbeat": round(1e6 * window_cpu / max(1, beats)),
-            # its loop's 50 ms timer over the window: how many ran, and how many ran late
-            # (none against --echo: it times nothing)
-            "coordinator_loop_wakeups": int(late.get(float("inf"), 0)),
-            "coordinator_loop_late_over_ms": {
-                str(int(1e3 * le)): int(late.get(float("inf"), 0) - late.get(le, 0))
-                for le in (0.05, 0.1, 0.25, 0.5)},
-            "generator_cpu_per_s": round(sum(r["cpu"] for r in results) / window_s, 2),
-            # the generators' own loops, their 50 ms timer over the window, the same way
-            "generator_loop_wakeups": sum(len(r["late"]) for r in results),
-            "generator_loop_late_over_ms": {
-                str(ms): sum(1 for r in results for x in r["late"] if x > ms / 1e3)
-                for ms in (50, 100, 250, 500)},
-            "heartbeat_ms_p50": round(1e3 * pct(lat, 0.5), 1),
-            "heartbeat_ms_p99": round(1e3 * pct(lat, 0.99), 1),
-            "heartbeat_ms_max": round(1e3 * max(lat, default=0.0), 1),
-            # the coordinator's own view: sent to handled, over every heartbeat in the window
-            # (strata_heartbeat_delay_seconds, interpolated within its buckets)
-            "handled_after_ms_p50": round(1e3 * quantile(delay, 0.5), 1),
-            "handled_after_ms_p99": round(1e3 * quantile(delay, 0.99), 1),
-            "observer_heartbeats": len(observed),
-            "observer_ms_p50": round(1e3 * pct(observed, 0.5), 1),
-            "observer_ms_p99": round(1e3 * pct(observed, 0.99), 1),
-            "observer_ms_max": round(1e3 * max(observed, default=0.0), 1),
-            "scrapes": scrapes, "status_page_reads": len(page_reads),
-            "status_page_read_ms_max": round(1e3 * max(page_reads, default=0.0), 1),
-            "submits": len(sub_lat), "submit_ms_p50": round(1e3 * pct(sub_lat, 0.5), 1),
-            "submit_ms_p99": round(1e3 * pct(sub_lat, 0.99), 1),
-            "lost_at_end": len(workers.workers), "agents_failed": errors}
+    return summarize(args, procs, w, sub_lat)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--agents", type=int, default=1000)
     ap.add_argument("--seconds", type=float, default=30)
@@ -505,7 +561,11 @@ def main() -> None:
     ap.add_argument("--dir", help=argparse.SUPPRESS)
     ap.add_argument("--offset", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--total", type=int, default=0, help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     if args.child >= 0:
         asyncio.run(generator(args))
         return

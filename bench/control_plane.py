@@ -70,7 +70,7 @@ def p(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--agents", type=int, default=5000)
     ap.add_argument("--running", type=int, default=2000)
@@ -78,12 +78,13 @@ def main() -> None:
     ap.add_argument("--finished", type=int, default=2000)
     args = ap.parse_args()
     assert args.running <= args.agents
-    tmp = tempfile.mkdtemp(prefix="strata-cp-")
-    db = os.path.join(tmp, "s.db")
-    clock = Clock()
-    coord = Coordinator(SqliteStore(db), tmp, heartbeat_timeout_s=1e9, clock=clock)
-    coord.max_pending_per_user = 10**9  # one simulated user queues them all
-    t0 = time.perf_counter()
+    return args
+
+
+def populate(coord: Coordinator, args: argparse.Namespace
+             ) -> tuple[dict[str, str], list, dict[str, TaskReport]]:
+    """The state measured: the agents registered, the finished, running and pending jobs.
+    Returns the agents' sessions, the running jobs and each busy agent's task report."""
     sessions = {}
     for i in range(args.agents):
         name = f"agent-{i:05d}"
@@ -107,15 +108,21 @@ def main() -> None:
         on[t.worker] = r
     for _ in range(args.pending):
         coord.submit(BIG)
-    setup_s = time.perf_counter() - t0
+    return sessions, running, on
 
+
+def time_ticks(coord: Coordinator, clock: Clock) -> list[float]:
     ticks = []
     for _ in range(20):
         clock.now += 0.5
         s = time.perf_counter()
         coord.tick()
         ticks.append(time.perf_counter() - s)
+    return ticks
 
+
+def time_ticks_after_change(coord: Coordinator, clock: Clock, sessions: dict[str, str],
+                            running: list, on: dict[str, TaskReport]) -> list[float]:
     changed = []
     ended = 0
     for job in running[1:11]:  # ten tasks end, one at a time, each followed by a tick
@@ -129,7 +136,11 @@ def main() -> None:
         s = time.perf_counter()
         coord.tick()
         changed.append(time.perf_counter() - s)
+    return changed
 
+
+def time_heartbeats(coord: Coordinator, sessions: dict[str, str],
+                    on: dict[str, TaskReport]) -> list[float]:
     beats = []
     names = list(sessions)
     random.Random(0).shuffle(names)
@@ -139,27 +150,32 @@ def main() -> None:
         s = time.perf_counter()
         coord.heartbeat(name, sessions[name], mem, reports, [30000, 30001])
         beats.append(time.perf_counter() - s)
+    return beats
 
+
+def time_submits(coord: Coordinator) -> list[float]:
     submits = []
     for _ in range(200):
         s = time.perf_counter()
         job = coord.submit(SPEC)
         submits.append(time.perf_counter() - s)
         coord.cancel(job.id)
+    return submits
 
-    s = time.perf_counter()
-    coord.list_workers()
-    list_s = time.perf_counter() - s
+
+def time_retention(coord: Coordinator, clock: Clock) -> list[float]:
     retention = []
     for _ in range(5):
         coord._next_expiry = 0.0
         s = time.perf_counter()
         coord._expire(clock.now)
         retention.append(time.perf_counter() - s)
-    # the long-lived state out of the collector's walks, as the coordinator's GcPolicy keeps
-    # it: else a full collection of it (60 ms here) lands in whichever step allocates
-    gc.collect()
-    gc.freeze()
+    return retention
+
+
+def time_web(coord: Coordinator) -> dict[str, tuple[list[float], list[float], list[float]]]:
+    """For ``/metrics`` and ``/api/state``: the seconds of each read on the coordinator's loop,
+    the longest it held the loop at once, and the part in a thread."""
     web = Web(coord, None)
     served: dict[str, tuple[list[float], list[float], list[float]]] = {}
     for path in ("/metrics", "/api/state"):
@@ -184,6 +200,34 @@ def main() -> None:
             if callable(body):
                 body()  # in a thread
             made.append(time.perf_counter() - s)
+    return served
+
+
+def main() -> None:
+    args = parse_args()
+    tmp = tempfile.mkdtemp(prefix="strata-cp-")
+    db = os.path.join(tmp, "s.db")
+    clock = Clock()
+    coord = Coordinator(SqliteStore(db), tmp, heartbeat_timeout_s=1e9, clock=clock)
+    coord.max_pending_per_user = 10**9  # one simulated user queues them all
+    t0 = time.perf_counter()
+    sessions, running, on = populate(coord, args)
+    setup_s = time.perf_counter() - t0
+
+    ticks = time_ticks(coord, clock)
+    changed = time_ticks_after_change(coord, clock, sessions, running, on)
+    beats = time_heartbeats(coord, sessions, on)
+    submits = time_submits(coord)
+
+    s = time.perf_counter()
+    coord.list_workers()
+    list_s = time.perf_counter() - s
+    retention = time_retention(coord, clock)
+    # the long-lived state out of the collector's walks, as the coordinator's GcPolicy keeps
+    # it: else a full collection of it (60 ms here) lands in whichever step allocates
+    gc.collect()
+    gc.freeze()
+    served = time_web(coord)
     coord.store.close()
 
     s = time.perf_counter()

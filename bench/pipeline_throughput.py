@@ -146,62 +146,52 @@ def plan_layout(spec: dict) -> tuple[dict, list[dict]]:
     return section, layout
 
 
-def launch_job(raw: dict, workdir: str, *, threads: int = 1,
-               budget_bytes: int | dict | None = None,
-               report_interval_s: float = 0.5, timeout_s: float = 600,
-               env_extra: dict | None = None) -> dict:
-    """Runs one pipeline/hybrid job by hand (``budget_bytes``: every task's budget, or a
-    {task: bytes} override; default the planner's estimate + headroom). Returns {"chief":
-    TaskProc, "servers": {task: TaskProc}, "procs", "layout": [...], "rc": the chief's exit
-    status, "spec": the normalized spec, "cpu_samples", "foreign_tasks"}."""
-    import portpicker
+def task_config(spec: dict, section: dict, role: str, idx: str, budget: int, workdir: str,
+                threads: int, report_interval_s: float) -> dict:
+    """The TaskConfig message in its JSON form, as the coordinator and agent would build it."""
+    cfg = {"version": TASK_CONFIG_VERSION, "job_id": "bench", "role": role,
+           "index": int(idx), "spec": spec, "memory_budget_bytes": budget,
+           "report_interval_s": report_interval_s,
+           "agent": {"output_dir": os.path.join(workdir, "out"), "threads": threads,
+                     "device": "CPU"}}
+    if role == "chief":
+        cfg["stage_layout"] = dict(section, layout=[
+            {k: v for k, v in dict(e, role=e["task"].partition(":")[0],
+                                   index=int(e["task"].partition(":")[2])).items()
+             if k != "task"} for e in section["layout"]])
+    return cfg
 
-    spec = parse_job_spec(raw).to_dict()
-    section, layout = plan_layout(spec)
-    S, R = section["stages"], section["replicas"]
-    n_workers = S * R - 1
-    ports = [portpicker.pick_unused_port() for _ in range(n_workers + 1)]
-    cluster = {"chief": [f"127.0.0.1:{ports[0]}"]}
-    if n_workers:
-        cluster["worker"] = [f"127.0.0.1:{p}" for p in ports[1:]]
-    os.makedirs(workdir, exist_ok=True)
-    procs: dict[str, TaskProc] = {}
-    by_task = {e["task"]: e for e in layout}
-    # servers first, then the chief (which waits for them anyway)
-    order = [f"worker:{k}" for k in range(n_workers)] + ["chief:0"]
-    for task in order:
-        role, _, idx = task.partition(":")
-        entry = by_task[task]
-        budget = (budget_bytes.get(task) if isinstance(budget_bytes, dict) else budget_bytes) \
-            or entry["memory_budget_bytes"]
-        # the TaskConfig message in its JSON form, as the coordinator and agent would build it
-        cfg = {"version": TASK_CONFIG_VERSION, "job_id": "bench", "role": role,
-               "index": int(idx), "spec": spec, "memory_budget_bytes": budget,
-               "report_interval_s": report_interval_s,
-               "agent": {"output_dir": os.path.join(workdir, "out"), "threads": threads,
-                         "device": "CPU"}}
-        if role == "chief":
-            cfg["stage_layout"] = dict(section, layout=[
-                {k: v for k, v in dict(e, role=e["task"].partition(":")[0],
-                                       index=int(e["task"].partition(":")[2])).items()
-                 if k != "task"} for e in section["layout"]])
-        path = os.path.join(workdir, f"{role}{idx}.json")
-        with open(path, "w") as f:
-            json.dump(cfg, f)
-        env = dict(os.environ, PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="2",
-                   TF_CONFIG=json.dumps({"cluster": cluster,
-                                         "task": {"type": role, "index": int(idx)}}),
-                   TF_CPU_ALLOCATOR_USE_BFC="true",
-                   TF_CPU_BFC_MEM_LIMIT_IN_MB=str(max(1, budget // MiB)))
-        env.update(env_extra or {})
-        r, w = os.pipe()
-        log_path = os.path.join(workdir, f"{role}{idx}.log")
-        with open(log_path, "w") as logf:
-            proc = subprocess.Popen([sys.executable, "-m", "strata.worker.task", "--config", path,
-                                     "--events-fd", str(w)], cwd=ROOT, env=env, pass_fds=(w,),
-                                    stdout=logf, stderr=subprocess.STDOUT)
-        os.close(w)
-        procs[task] = TaskProc(task, proc, r, log_path)
+
+def start_task(task: str, cfg: dict, cluster: dict, workdir: str,
+               env_extra: dict | None) -> TaskProc:
+    """One task process started as an agent would: its config written, ``TF_CONFIG``, a BFC
+    allocator limited to its budget, events on a pipe, output to ``ROLEINDEX.log``."""
+    role, _, idx = task.partition(":")
+    budget = cfg["memory_budget_bytes"]
+    path = os.path.join(workdir, f"{role}{idx}.json")
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    env = dict(os.environ, PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="2",
+               TF_CONFIG=json.dumps({"cluster": cluster,
+                                     "task": {"type": role, "index": int(idx)}}),
+               TF_CPU_ALLOCATOR_USE_BFC="true",
+               TF_CPU_BFC_MEM_LIMIT_IN_MB=str(max(1, budget // MiB)))
+    env.update(env_extra or {})
+    r, w = os.pipe()
+    log_path = os.path.join(workdir, f"{role}{idx}.log")
+    with open(log_path, "w") as logf:
+        proc = subprocess.Popen([sys.executable, "-m", "strata.worker.task", "--config", path,
+                                 "--events-fd", str(w)], cwd=ROOT, env=env, pass_fds=(w,),
+                                stdout=logf, stderr=subprocess.STDOUT)
+    os.close(w)
+    return TaskProc(task, proc, r, log_path)
+
+
+def wait_sampling(procs: dict[str, TaskProc], timeout_s: float
+                  ) -> tuple[int | None, list[tuple[float, int, float]], int]:
+    """Waits for the chief (at most ``timeout_s``), sampling every 0.1 s its last step and the
+    CPU seconds of all the tasks, then stops them all. Returns the chief's exit status (None:
+    timed out), the samples and the most task processes of other jobs seen meanwhile."""
     chief = procs["chief:0"]
     samples: list[tuple[float, int, float]] = []  # (time, chief's last step, CPU s of all tasks)
     done = threading.Event()
@@ -230,9 +220,44 @@ def launch_job(raw: dict, workdir: str, *, threads: int = 1,
         for t, p in procs.items():
             if t != "chief:0":
                 p.stop()
+    return rc, samples, foreign[0]
+
+
+def launch_job(raw: dict, workdir: str, *, threads: int = 1,
+               budget_bytes: int | dict | None = None,
+               report_interval_s: float = 0.5, timeout_s: float = 600,
+               env_extra: dict | None = None) -> dict:
+    """Runs one pipeline/hybrid job by hand (``budget_bytes``: every task's budget, or a
+    {task: bytes} override; default the planner's estimate + headroom). Returns {"chief":
+    TaskProc, "servers": {task: TaskProc}, "procs", "layout": [...], "rc": the chief's exit
+    status, "spec": the normalized spec, "cpu_samples", "foreign_tasks"}."""
+    import portpicker
+
+    spec = parse_job_spec(raw).to_dict()
+    section, layout = plan_layout(spec)
+    S, R = section["stages"], section["replicas"]
+    n_workers = S * R - 1
+    ports = [portpicker.pick_unused_port() for _ in range(n_workers + 1)]
+    cluster = {"chief": [f"127.0.0.1:{ports[0]}"]}
+    if n_workers:
+        cluster["worker"] = [f"127.0.0.1:{p}" for p in ports[1:]]
+    os.makedirs(workdir, exist_ok=True)
+    procs: dict[str, TaskProc] = {}
+    by_task = {e["task"]: e for e in layout}
+    # servers first, then the chief (which waits for them anyway)
+    order = [f"worker:{k}" for k in range(n_workers)] + ["chief:0"]
+    for task in order:
+        role, _, idx = task.partition(":")
+        entry = by_task[task]
+        budget = (budget_bytes.get(task) if isinstance(budget_bytes, dict) else budget_bytes) \
+            or entry["memory_budget_bytes"]
+        cfg = task_config(spec, section, role, idx, budget, workdir, threads, report_interval_s)
+        procs[task] = start_task(task, cfg, cluster, workdir, env_extra)
+    chief = procs["chief:0"]
+    rc, samples, foreign = wait_sampling(procs, timeout_s)
     return {"chief": chief, "servers": {t: p for t, p in procs.items() if t != "chief:0"},
             "procs": procs, "layout": layout, "rc": rc, "spec": spec, "section": section,
-            "cpu_samples": samples, "foreign_tasks": foreign[0]}
+            "cpu_samples": samples, "foreign_tasks": foreign}
 
 
 def foreign_tasks(own: set[int]) -> int:
@@ -432,7 +457,7 @@ def calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true",
                     help="K in 1,2 and M in 1,4 only, fewer steps (about 2 minutes)")
@@ -455,37 +480,36 @@ def main() -> int:
                     help="instead: the stage memory table (measured peaks against the planner's "
                          "estimates, 7 configurations, about 4 minutes)")
     ap.add_argument("--plain-child", action="store_true", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.plain_child:
-        return plain_child(args)
-    if args.calibrate:
-        return calibrate(args)
-    ks = [int(k) for k in args.stages.split(",")]
-    ms = [int(m) for m in args.microbatches.split(",")]
-    if args.quick:
-        ks, ms, args.steps, args.warmup = [k for k in ks if k <= 2], [1, 4], 8, 3
-    work = tempfile.mkdtemp(prefix="strata-pipe-bench-")
-    hidden = [args.width] * args.depth
-    # worker.server does not hand the task's thread count to tf.distribute.Server (its
-    # sessions use every core); TensorFlow's own variable makes every task use --threads
-    env = {"TF_NUM_INTRAOP_THREADS": str(args.threads)}
-    t_all = time.time()
-    params = profile_model(mlp_spec(hidden=hidden, input_dim=args.input_dim)["model"]).total_params
-    results = {"config": {"width": args.width, "depth": args.depth, "input_dim": args.input_dim,
-                          "batch": args.batch, "steps": args.steps, "warmup": args.warmup,
-                          "threads_per_stage": args.threads, "params": params,
-                          "cores": os.cpu_count()},
-               "pipeline": [], "plain": {}}
-    print(f"model: {args.input_dim}-" + "-".join(str(h) for h in hidden) + f"-10 MLP, {params:,} "
-          f"params, global batch {args.batch}, Adam, synthetic data; {args.steps} steps per run, "
-          f"steady state from step {args.warmup}; {args.threads} intra-op thread(s) per stage "
-          f"task; {os.cpu_count()} cores", flush=True)
+    return ap.parse_args()
+
+
+def measure_plain(args: argparse.Namespace, ks: list[int], results: dict) -> None:
+    """The plain process with K x ``--threads`` intra-op threads, for each K."""
     for k in ks:
         wait_quiet(args.wait_quiet)
         rate = run_plain(args.width, args.depth, args.input_dim, args.batch, k * args.threads,
                          args.steps, args.warmup)
         results["plain"][k] = rate
         print(f"plain process, {k * args.threads} intra-op threads: {rate:,.0f} ex/s", flush=True)
+
+
+def run_line(row: dict, noisy: int) -> str:
+    """One pipeline run's figures, as printed once it ends."""
+    k, m, rate, mem = row["stages"], row["microbatches"], row["examples_per_sec"], row["memory"]
+    return (f"K={k} M={m:2d}: {rate:7,.0f} ex/s  x{row['speedup_vs_k1'] or 0:.2f} vs K=1 "
+            f"M=1, "
+            f"x{row['speedup_vs_k1_same_m'] or 0:.2f} vs K=1 same M (ideal "
+            f"x{row['ideal_speedup']:.2f}), {row['vs_plain']:.2f} of plain, "
+            f"{row['busy_cores']:.2f} cores busy, first step {row['first_step_s']:.1f} s; "
+            f"stage peak/estimate " + ", ".join(f"{r['peak'] / MiB:.0f}/"
+                                                f"{r['estimate'] / MiB:.0f}" for r in mem)
+            + f" MiB; run {row['wall_s']:.0f} s"
+            + (f"; NOISY: {noisy} other task processes ran" if noisy else ""))
+
+
+def measure_pipelines(args: argparse.Namespace, ks: list[int], ms: list[int],
+                      hidden: list[int], work: str, env: dict[str, str], results: dict) -> None:
+    """Each K stages x M micro-batches run, its row added to ``results["pipeline"]``."""
     base = None
     base_m: dict[int, float] = {}
     for k in ks:
@@ -517,15 +541,11 @@ def main() -> int:
                    "first_step_s": job["chief"].of("first_step")[0]["latency_s"],
                    "wall_s": time.time() - t0, "memory": mem, "foreign_tasks": noisy}
             results["pipeline"].append(row)
-            print(f"K={k} M={m:2d}: {rate:7,.0f} ex/s  x{row['speedup_vs_k1'] or 0:.2f} vs K=1 "
-                  f"M=1, "
-                  f"x{row['speedup_vs_k1_same_m'] or 0:.2f} vs K=1 same M (ideal "
-                  f"x{row['ideal_speedup']:.2f}), {row['vs_plain']:.2f} of plain, "
-                  f"{row['busy_cores']:.2f} cores busy, first step {row['first_step_s']:.1f} s; "
-                  f"stage peak/estimate " + ", ".join(f"{r['peak'] / MiB:.0f}/"
-                                                      f"{r['estimate'] / MiB:.0f}" for r in mem)
-                  + f" MiB; run {row['wall_s']:.0f} s"
-                  + (f"; NOISY: {noisy} other task processes ran" if noisy else ""), flush=True)
+            print(run_line(row, noisy), flush=True)
+
+
+def print_table(results: dict, threads: int) -> None:
+    """The pipeline runs as a table, the stage peaks against their estimates, the plain runs."""
     print()
     print("| K | M | examples/s | speed-up vs K=1, M=1 | vs K=1, same M | ideal K*M/(M+K-1) | "
           "efficiency M/(M+K-1) | vs plain process (K threads) | cores busy | first step | "
@@ -547,8 +567,39 @@ def main() -> int:
         under = all(r["peak"] <= r["budget"] for row in results["pipeline"] for r in row["memory"])
         print(f"\nstage peak / estimate over all runs: {min(ratios):.2f} - {max(ratios):.2f}; "
               f"every peak under its budget: {under}")
-    print("plain process: " + ", ".join(f"{k * args.threads} threads {v:,.0f} ex/s"
+    print("plain process: " + ", ".join(f"{k * threads} threads {v:,.0f} ex/s"
                                         for k, v in results["plain"].items()))
+
+
+def main() -> int:
+    args = parse_args()
+    if args.plain_child:
+        return plain_child(args)
+    if args.calibrate:
+        return calibrate(args)
+    ks = [int(k) for k in args.stages.split(",")]
+    ms = [int(m) for m in args.microbatches.split(",")]
+    if args.quick:
+        ks, ms, args.steps, args.warmup = [k for k in ks if k <= 2], [1, 4], 8, 3
+    work = tempfile.mkdtemp(prefix="strata-pipe-bench-")
+    hidden = [args.width] * args.depth
+    # worker.server does not hand the task's thread count to tf.distribute.Server (its
+    # sessions use every core); TensorFlow's own variable makes every task use --threads
+    env = {"TF_NUM_INTRAOP_THREADS": str(args.threads)}
+    t_all = time.time()
+    params = profile_model(mlp_spec(hidden=hidden, input_dim=args.input_dim)["model"]).total_params
+    results = {"config": {"width": args.width, "depth": args.depth, "input_dim": args.input_dim,
+                          "batch": args.batch, "steps": args.steps, "warmup": args.warmup,
+                          "threads_per_stage": args.threads, "params": params,
+                          "cores": os.cpu_count()},
+               "pipeline": [], "plain": {}}
+    print(f"model: {args.input_dim}-" + "-".join(str(h) for h in hidden) + f"-10 MLP, {params:,} "
+          f"params, global batch {args.batch}, Adam, synthetic data; {args.steps} steps per run, "
+          f"steady state from step {args.warmup}; {args.threads} intra-op thread(s) per stage "
+          f"task; {os.cpu_count()} cores", flush=True)
+    measure_plain(args, ks, results)
+    measure_pipelines(args, ks, ms, hidden, work, env, results)
+    print_table(results, args.threads)
     print(f"total {time.time() - t_all:.0f} s")
     if args.json:
         with open(args.json, "w") as f:

@@ -54,7 +54,7 @@ def job(i: int, rng: random.Random, max_restarts: int) -> dict:
             "restart": {"max_restarts": max_restarts, "backoff_s": 1}}
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--jobs", type=int, default=8)
     p.add_argument("--minutes", type=float, default=10.0)
@@ -62,64 +62,73 @@ def main() -> int:
     p.add_argument("--kill-every", type=float, default=20.0, metavar="SECONDS")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-restarts", type=int, default=6)
-    args = p.parse_args()
-    rng = random.Random(args.seed)
-    cluster = LocalCluster(workers=args.workers, memory_budget="1GiB", threads=1,
-                           heartbeat_timeout_s=4).start()
-    kills = {"task": 0, "agent": 0, "coordinator": 0}
-    t_start = time.monotonic()
-    deadline = t_start + args.minutes * 60
-    try:
-        with Client(cluster.address) as c:
-            ids = [c.submit(job(i, rng, args.max_restarts)).id for i in range(args.jobs)]
-        next_kill = time.monotonic() + args.kill_every
-        while time.monotonic() < deadline:
-            try:
-                with Client(cluster.address) as c:
-                    jobs = [c.get(i) for i in ids]
-            except CoordinatorError:
-                time.sleep(1)
-                continue
-            if all(j.state.final for j in jobs):
-                break
-            if time.monotonic() >= next_kill:
-                next_kill = time.monotonic() + args.kill_every * rng.uniform(0.5, 1.5)
-                what = rng.choices(["task", "agent", "coordinator"], [60, 25, 15])[0]
-                if what == "task":
-                    pids = [pid for j in jobs if not j.state.final
-                            for pid in task_processes(f"/jobs/{j.id}/")]
-                    if pids:
-                        os.kill(rng.choice(pids), signal.SIGKILL)
-                        kills["task"] += 1
-                elif what == "agent":
-                    name = rng.choice(sorted(cluster.agents))
-                    cluster.kill_worker(name, signal.SIGKILL)
-                    time.sleep(rng.uniform(2, 8))
-                    cluster.add_worker(name, wait=False)
-                    kills["agent"] += 1
-                else:
-                    assert cluster.coordinator is not None
-                    os.killpg(cluster.coordinator.pid, signal.SIGKILL)
-                    cluster.coordinator.wait(timeout=10)
-                    time.sleep(rng.uniform(1, 5))
-                    cluster.start_coordinator()
-                    kills["coordinator"] += 1
+    return p.parse_args()
+
+
+def kill_one(cluster: LocalCluster, jobs: list, rng: random.Random,
+             kills: dict[str, int]) -> None:
+    """SIGKILL of a task process (60%), of an agent restarted under its name (25%), or of the
+    coordinator restarted on its state (15%); counted in ``kills``."""
+    what = rng.choices(["task", "agent", "coordinator"], [60, 25, 15])[0]
+    if what == "task":
+        pids = [pid for j in jobs if not j.state.final
+                for pid in task_processes(f"/jobs/{j.id}/")]
+        if pids:
+            os.kill(rng.choice(pids), signal.SIGKILL)
+            kills["task"] += 1
+    elif what == "agent":
+        name = rng.choice(sorted(cluster.agents))
+        cluster.kill_worker(name, signal.SIGKILL)
+        time.sleep(rng.uniform(2, 8))
+        cluster.add_worker(name, wait=False)
+        kills["agent"] += 1
+    else:
+        assert cluster.coordinator is not None
+        os.killpg(cluster.coordinator.pid, signal.SIGKILL)
+        cluster.coordinator.wait(timeout=10)
+        time.sleep(rng.uniform(1, 5))
+        cluster.start_coordinator()
+        kills["coordinator"] += 1
+
+
+def run_with_kills(cluster: LocalCluster, ids: list[str], args: argparse.Namespace,
+                   rng: random.Random, kills: dict[str, int], deadline: float) -> None:
+    """Until every job has ended or ``deadline``: one kill every ``--kill-every`` s, jittered."""
+    next_kill = time.monotonic() + args.kill_every
+    while time.monotonic() < deadline:
+        try:
+            with Client(cluster.address) as c:
+                jobs = [c.get(i) for i in ids]
+        except CoordinatorError:
             time.sleep(1)
-        causes: dict[str, int] = {}
-        with Client(cluster.address) as c:
-            jobs = [c.get(i) for i in ids]
-            for i in ids:
-                for e in c.watch(i):
-                    if e.seq and e.kind == "restart":
-                        kind = next((k for k, text in (
-                            ("agent lost", "lost (no heartbeat"), ("task SIGKILLed", "SIGKILL"),
-                            ("peer failed", "a collective or a peer"),
-                            ("agent restarted", "no longer runs"), ("PS unreachable", "unreachable"),
-                            ("stopped", "stopped")) if text in e.message), e.message[:60])
-                        causes[kind] = causes.get(kind, 0) + 1
-    finally:
-        cluster.stop()
-    wall = time.monotonic() - t_start
+            continue
+        if all(j.state.final for j in jobs):
+            break
+        if time.monotonic() >= next_kill:
+            next_kill = time.monotonic() + args.kill_every * rng.uniform(0.5, 1.5)
+            kill_one(cluster, jobs, rng, kills)
+        time.sleep(1)
+
+
+def restart_causes(cluster: LocalCluster, ids: list[str]) -> tuple[list, dict[str, int]]:
+    """The jobs as they ended, and how many of their restarts each cause made."""
+    causes: dict[str, int] = {}
+    with Client(cluster.address) as c:
+        jobs = [c.get(i) for i in ids]
+        for i in ids:
+            for e in c.watch(i):
+                if e.seq and e.kind == "restart":
+                    kind = next((k for k, text in (
+                        ("agent lost", "lost (no heartbeat"), ("task SIGKILLed", "SIGKILL"),
+                        ("peer failed", "a collective or a peer"),
+                        ("agent restarted", "no longer runs"), ("PS unreachable", "unreachable"),
+                        ("stopped", "stopped")) if text in e.message), e.message[:60])
+                    causes[kind] = causes.get(kind, 0) + 1
+    return jobs, causes
+
+
+def report(jobs: list, kills: dict[str, int], causes: dict[str, int], wall: float) -> int:
+    """Prints each job and the summary; 1 if any job ended wrong."""
     wrong, gave_up = [], []
     print(f"{'job':<12} {'strategy':<22} {'state':<10} {'steps':>11} {'restarts':>8} "
           f"{'repeated':>8}")
@@ -144,6 +153,25 @@ def main() -> int:
           f"gave up: {len(gave_up)}; wrong: {len(wrong)}")
     print("restart causes: " + ", ".join(f"{k} {v}" for k, v in sorted(causes.items())))
     return 1 if wrong else 0
+
+
+def main() -> int:
+    args = parse_args()
+    rng = random.Random(args.seed)
+    cluster = LocalCluster(workers=args.workers, memory_budget="1GiB", threads=1,
+                           heartbeat_timeout_s=4).start()
+    kills = {"task": 0, "agent": 0, "coordinator": 0}
+    t_start = time.monotonic()
+    deadline = t_start + args.minutes * 60
+    try:
+        with Client(cluster.address) as c:
+            ids = [c.submit(job(i, rng, args.max_restarts)).id for i in range(args.jobs)]
+        run_with_kills(cluster, ids, args, rng, kills, deadline)
+        jobs, causes = restart_causes(cluster, ids)
+    finally:
+        cluster.stop()
+    wall = time.monotonic() - t_start
+    return report(jobs, kills, causes, wall)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,10 @@ import pytest
 from strata.protos import strata_pb2 as pb
 from strata.types import TaskState
 from strata.worker import agent as agent_mod
-from strata.worker.agent import Agent, AgentConfig, DiskMeter, TaskProcess
+from strata.worker import taskprocess
+from strata.worker.agent import Agent, AgentConfig
+from strata.worker.disk import DiskMeter
+from strata.worker.taskprocess import TaskProcess
 
 
 @pytest.fixture
@@ -96,8 +99,8 @@ def test_the_disk_meter_counts_the_agents_files_and_reads_what_is_free(tmp_path)
 
 
 def test_a_tasks_local_log_rotates_and_the_held_back_logs_are_bounded(agent, monkeypatch):
-    monkeypatch.setattr(agent_mod, "MAX_LOCAL_LOG_BYTES", 2000)
-    monkeypatch.setattr(agent_mod, "MAX_LOG_BUFFER_BYTES", 1500)
+    monkeypatch.setattr(taskprocess, "MAX_LOCAL_LOG_BYTES", 2000)
+    monkeypatch.setattr(taskprocess, "MAX_LOG_BUFFER_BYTES", 1500)
     task = TaskProcess(agent, start("j"))
     os.makedirs(task.dir)
     lines = b"".join(b"line %04d of the task's output\n" % i for i in range(200))  # 6,400 B

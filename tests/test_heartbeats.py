@@ -211,7 +211,8 @@ class _Coordinator:
 
 
 def _agent_with_logs(address: str, work_dir: str, data: bytes):
-    from strata.worker.agent import Agent, AgentConfig, TaskProcess
+    from strata.worker.agent import Agent, AgentConfig
+    from strata.worker.taskprocess import TaskProcess
 
     agent = Agent(AgentConfig(coordinator=address, name="w", budget_bytes=GiB,
                               work_dir=work_dir))
@@ -244,7 +245,7 @@ def test_slow_log_sends_do_not_hold_up_the_heartbeats(tmp_path):
 def test_a_tasks_logs_arrive_in_order_when_two_threads_send_them(tmp_path):
     # The log loop's send fails (the chunk goes back to the front) while the task's end
     # sends too: the second sender waits for the first, so the chunks arrive in order.
-    from strata.worker.agent import MAX_LOG_CHUNK
+    from strata.worker.taskprocess import MAX_LOG_CHUNK
 
     server = _Coordinator(interval_s=1.0, append_s=0.5, fail_appends=1)
     data = b"".join(bytes([65 + i]) * MAX_LOG_CHUNK for i in range(3))

@@ -67,7 +67,7 @@ def test_a_crash_at_the_budget_is_classified_out_of_memory():
     import signal
 
     from strata.types import FailureKind, TaskState
-    from strata.worker.agent import classify_exit
+    from strata.worker.taskexit import classify_exit
 
     def tail():
         return "log tail"

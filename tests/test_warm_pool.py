@@ -10,8 +10,8 @@ import sys
 import threading
 import time
 
-from strata.worker import agent
-from strata.worker.agent import Warm, WarmPool
+from strata.worker import warmpool
+from strata.worker.warmpool import Warm, WarmPool
 from strata.worker.cluster import reachable, wait_reachable
 from strata.worker.warm import ready_mark
 
@@ -36,7 +36,7 @@ class CountingPool(WarmPool):
 
 def test_a_task_takes_a_ready_process_first_and_the_refill_waits_for_its_first_step(tmp_path,
                                                                                    monkeypatch):
-    monkeypatch.setattr(agent, "REFILL_AFTER_S", 5.0)
+    monkeypatch.setattr(warmpool, "REFILL_AFTER_S", 5.0)
     pool = CountingPool(2, str(tmp_path))
     try:
         pool.fill()
@@ -62,7 +62,7 @@ def test_a_task_takes_a_ready_process_first_and_the_refill_waits_for_its_first_s
 
 
 def test_the_refill_happens_anyway_after_its_limit(tmp_path, monkeypatch):
-    monkeypatch.setattr(agent, "REFILL_AFTER_S", 0.3)
+    monkeypatch.setattr(warmpool, "REFILL_AFTER_S", 0.3)
     pool = CountingPool(1, str(tmp_path))
     try:
         pool.fill()

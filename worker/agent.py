@@ -5,52 +5,43 @@ StartTask / StopTask commands, heartbeats its memory status, and reports every t
 at once. Each task is one ``python -m strata.worker.task`` process in its own process group, so a stop
 kills the whole tree. The memory slice is enforced by TensorFlow's allocator: on CPU through
 ``TF_CPU_ALLOCATOR_USE_BFC`` + ``TF_CPU_BFC_MEM_LIMIT_IN_MB``, on GPU through the logical device's
-``memory_limit`` (the task applies it from its config).
+``memory_limit`` (the task applies it from its config). One task process and its watchers are
+``strata.worker.taskprocess``; the warm pool ``strata.worker.warmpool``; its disk
+``strata.worker.disk``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import hashlib
 import json
 import logging
-import math
 import os
 import random
 import shutil
 import signal
 import socket
-import subprocess
-import sys
 import threading
-from typing import Callable
 import time
 
 import grpc
 
 from strata.protos import strata_pb2 as pb
 from strata.protos import strata_pb2_grpc as pb_grpc
-from strata import convert, exitcodes
-from strata.taskconfig import AgentSettings
+from strata import convert
 from strata.auth import with_token
-from strata.tls import ClientTls, channel
-from strata.units import parse_size
-from strata.oom import allocator_refusal
-from strata.types import OutOfMemory
-from strata.types import DiskStatus, FailureKind, MemoryStatus, TaskReport, TaskState
+from strata.tls import channel
+from strata.types import MemoryStatus
+from strata.worker.agentconfig import AgentConfig
+from strata.worker.disk import DiskMeter, collect_blobs
 from strata.worker.heartbeats import HeartbeatStream
-from strata.worker.warm import ready_mark
+from strata.worker.taskenv import STOP_GRACE_S
+from strata.worker.taskprocess import TaskProcess, blobs_needed
+from strata.worker.warmpool import WarmPool
 
 log = logging.getLogger("strata.worker")
 
-#: a task that crashes (SIGSEGV, SIGABRT, SIGBUS) with its allocator peak this close to its
-#: budget is reported out of memory
-NEAR_BUDGET = 0.9
-
 RPC_TIMEOUT_S = 5.0
 BLOB_TIMEOUT_S = 600.0  # one file a job brings or produces, fetched or sent whole
-STOP_GRACE_S = 5.0
 PORT_POOL = 4
 LOG_FLUSH_INTERVAL_S = 0.5
 #: how soon the heartbeat loop, waiting for its next beat, sees it must register again
@@ -58,7 +49,6 @@ REREGISTER_POLL_S = 0.1
 #: a heartbeat this much later than due is logged (nothing in the loop waits that long)
 HELD_UP_S = 2.0
 FINISHED_KEEP_S = 120.0   # finished tasks stay in heartbeats this long, in case a report was lost
-MAX_LOG_CHUNK = 256 * 1024
 #: under --work-dir: the time of the latest heartbeat the coordinator accepted
 ALIVE_FILE = "agent.alive"
 REGISTER_BACKOFF_MAX_S = 5.0
@@ -66,12 +56,6 @@ REGISTER_BACKOFF_MAX_S = 5.0
 HEARTBEAT_JITTER = 0.1
 #: SIGTERM: how long the agent waits for the coordinator to move its tasks elsewhere
 DRAIN_TIMEOUT_S = 60.0
-#: a task's own log here is at most this: ``task.log`` is moved to ``task.log.1`` (replacing
-#: the one before) when it reaches half of it, so a task that prints without end fills no disk
-MAX_LOCAL_LOG_BYTES = 64 << 20
-#: log bytes of one task kept to send while the coordinator does not take them (its disk is
-#: full, a partition): beyond it the oldest are dropped, and the log says so
-MAX_LOG_BUFFER_BYTES = 16 << 20
 #: how often the agent counts its own files (``DiskMeter``) and collects fetched files no task
 #: uses: those of a deleted job at once (``purge``), any other ``BLOB_KEEP_S`` after its last
 #: use, and the least recently used beyond ``MAX_IDLE_BLOB_BYTES`` (a sweep of many models
@@ -107,551 +91,10 @@ def _hold_port() -> socket.socket:
     return s
 
 
-@dataclasses.dataclass
-class AgentConfig:
-    coordinator: str
-    name: str
-    budget_bytes: int
-    device: str = "CPU"
-    work_dir: str = ".strata/worker"
-    host: str = ""
-    threads: int = 0
-    python: str = sys.executable
-    #: --shared-dir: a directory every agent of the cluster sees at the same path, holding
-    #: each job's checkpoints and outputs under ``jobs/JOB_ID/`` (empty: no checkpointed jobs)
-    shared_dir: str = ""
-    #: --data-root: jobs read data.path and data.test_path only under these (``strata.dataroots``;
-    #: empty: anywhere this user may read)
-    data_roots: tuple[str, ...] = ()
-    #: task processes kept ready with TensorFlow imported (``--warm-pool``; 0: none)
-    warm_pool: int = 0
-    #: the CPU kernels its tasks' TensorFlow runs (``--cpu-kernels``; ``strata.cpukernels``),
-    #: told to the coordinator, whose memory estimates depend on it; empty on a GPU
-    cpu_kernels: str = ""
-    #: the coordinator's CA, and this agent's certificate under mutual TLS (empty: plain text)
-    tls: ClientTls = dataclasses.field(default_factory=ClientTls)
-    #: its ``agent`` token (``strata.auth``; empty when the coordinator has no auth)
-    token: str = dataclasses.field(default="", repr=False)
-
-
-def classify_exit(code: int, *, stopped: bool, has_result: bool, error_kind: str, message: str,
-                  peak: int, budget: int, log_tail: Callable[[], str],
-                  refused: Callable[[], str] = lambda: ""
-                  ) -> tuple[TaskState, FailureKind, int, str]:
-    """How a task process ended: ``(state, failure, exit code, message)`` from its exit status,
-    the error event it sent (``error_kind``, ``message``), its allocator figures, and
-    ``refused()``: the size of an allocation its allocator logged it refused (empty: none)."""
-    if stopped:
-        return TaskState.CANCELLED, FailureKind.NONE, code, "stopped"
-    if code == 0 and has_result:
-        return TaskState.SUCCEEDED, FailureKind.NONE, 0, ""
-    if code == exitcodes.TASK_EXIT_OOM or error_kind == "oom":
-        return TaskState.FAILED, FailureKind.OOM, code, message
-    if code == exitcodes.TASK_EXIT_BAD_CONFIG or error_kind == "bad_config":
-        return TaskState.FAILED, FailureKind.BAD_CONFIG, code, message
-    if code == exitcodes.TASK_EXIT_USER_CODE or error_kind == "user_code":
-        return TaskState.FAILED, FailureKind.USER_CODE, code, message
-    if code == exitcodes.TASK_EXIT_COLLECTIVE or error_kind == "collective_timeout":
-        return TaskState.FAILED, FailureKind.COLLECTIVE_TIMEOUT, code, message
-    if code < 0:
-        sig = -code
-        name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else str(sig)
-        if sig in (signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS) and budget \
-                and peak >= NEAR_BUDGET * budget:
-            # seen: a stage server died by SIGSEGV with its peak at 92% of its budget, an
-            # allocation failing where TensorFlow does not raise ResourceExhaustedError
-            return (TaskState.FAILED, FailureKind.OOM, code,
-                    f"killed by {name} with its allocator peak at {peak / budget:.0%} of its "
-                    f"{budget >> 20} MiB budget: out of memory where TensorFlow raised no error")
-        if sig in (signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS) and (size := refused()):
-            # seen: copying a 128 MiB array into a tensor under a 68 MiB budget; the allocator
-            # refused it (and logged so) but the copy had no error path, so the peak stayed low
-            return (TaskState.FAILED, FailureKind.OOM, code,
-                    f"killed by {name} after its allocator refused {size}"
-                    + (f" over its {budget >> 20} MiB budget" if budget else "")
-                    + ": out of memory where TensorFlow raised no error")
-        hint = " (SIGKILL from outside: possibly the kernel's OOM killer)" if sig == 9 else ""
-        return TaskState.FAILED, FailureKind.SIGNAL, code, f"killed by {name}{hint}"
-    if code == 0:
-        return TaskState.FAILED, FailureKind.EXIT_CODE, 0, "exited without a result"
-    return TaskState.FAILED, FailureKind.EXIT_CODE, code, message or log_tail()
-
-
-def blobs_needed(cmd: pb.StartTask) -> list[tuple[str, str]]:
-    """The uploaded files a task's job names, as (SHA-256, the suffix its local copy takes:
-    Keras reads a model file only by its extension)."""
-    out = []
-    model = cmd.config.spec.model
-    if model.HasField("keras_file") and model.keras_file.sha256:
-        out.append((model.keras_file.sha256, ".keras"))
-    if cmd.config.spec.HasField("code") and cmd.config.spec.code.sha256:
-        out.append((cmd.config.spec.code.sha256, ".tar.gz"))
-    return out
-
-
-class TaskProcess:
-    """One task process and the threads that watch it."""
-
-    def __init__(self, agent: "Agent", cmd: pb.StartTask):
-        self.agent = agent
-        self.job_id, self.role, self.index = cmd.job_id, cmd.role, cmd.index
-        self.attempt = cmd.attempt
-        self.budget = cmd.memory_budget_bytes
-        self.dir = os.path.join(agent.cfg.work_dir, "jobs", cmd.job_id, f"{cmd.role}-{cmd.index}")
-        # the job's outputs go to the shared directory when there is one (a restarted job's
-        # new lead may run elsewhere); they also reach the coordinator (``upload_outputs``)
-        self.output_dir = os.path.join(agent.cfg.shared_dir or agent.cfg.work_dir, "jobs",
-                                       cmd.job_id, "output")
-        self.status = TaskReport(job_id=self.job_id, role=self.role, index=self.index,
-                                 state=TaskState.PENDING, attempt=self.attempt)
-        self.proc: subprocess.Popen | None = None
-        self.stop_requested = False
-        #: the task sent its result (with or without test figures)
-        self.has_result = False
-        self.finished_at = 0.0
-        self.error_kind = ""
-        self._log_buf = bytearray()
-        self._log_lock = threading.Lock()
-        #: held while this task's logs are sent, so that chunks arrive in order whichever
-        #: thread sends them (the log loop, or the task's end)
-        self.sending_logs = threading.Lock()
-        self._threads: list[threading.Thread] = []
-        self._cmd = cmd
-        #: set at the first training step or the end: the warm pool refills then
-        self.settled = threading.Event()
-
-    @property
-    def key(self) -> tuple[str, str, int]:
-        return (self.job_id, self.role, self.index)
-
-    def start(self) -> None:
-        try:
-            self._start()
-        except Exception as e:  # noqa: BLE001 - any launch problem is this task's failure
-            log.exception("cannot start task %s/%s:%d", self.job_id, self.role, self.index)
-            self._finish(TaskState.FAILED, FailureKind.LAUNCH, -1, f"cannot start the task: {e}")
-
-    def _start(self) -> None:
-        cmd = self._cmd
-        os.makedirs(self.dir, exist_ok=True)
-        # The contract passes through as the coordinator built it; the agent fills only its
-        # own settings (the task sees the agent's one GPU as GPU:0: CUDA_VISIBLE_DEVICES below).
-        for sha, suffix in blobs_needed(cmd):
-            self.agent.fetch_blob(sha, suffix)
-        config = convert.with_agent_settings(cmd.config, AgentSettings(
-            output_dir=os.path.abspath(self.output_dir), threads=self.agent.cfg.threads,
-            device="GPU:0" if self.agent.cfg.device.startswith("GPU") else "CPU",
-            blob_dir=os.path.abspath(self.agent.blob_dir),
-            shared_dir=os.path.abspath(self.agent.cfg.shared_dir) if self.agent.cfg.shared_dir
-            else "", data_roots=self.agent.cfg.data_roots))
-        config_path = os.path.join(self.dir, "config.pb")
-        with open(config_path, "wb") as f:
-            f.write(config.SerializeToString())
-        budget_mib = max(1, self.budget // (1 << 20))
-        own = task_env(self.agent.cfg.device, cmd.tf_config, budget_mib)
-        warm = self.agent.warm.take(self.settled)
-        if warm is not None:
-            # a process with TensorFlow imported already: it takes the task's own settings
-            # before anything of TensorFlow's runtime starts (``strata.worker.warm``)
-            try:
-                order = {"config": config_path, "cwd": self.dir, "env": own}
-                assert warm.proc.stdin is not None
-                warm.proc.stdin.write((json.dumps(order) + "\n").encode())
-                warm.proc.stdin.flush()
-            except OSError:
-                warm.close()
-                warm = None
-        if warm is not None:
-            self.proc, read_fd = warm.proc, warm.events_fd
-            how = "warm"
-        else:
-            env = base_env(self.agent.cfg.device)
-            env.update(own)
-            read_fd, write_fd = os.pipe()
-            try:
-                self.proc = subprocess.Popen(
-                    [self.agent.cfg.python, "-m", "strata.worker.task", "--config", config_path,
-                     "--events-fd", str(write_fd)],
-                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                    pass_fds=(write_fd,), start_new_session=True, cwd=self.dir, env=env)
-            except OSError as e:
-                os.close(read_fd)
-                os.close(write_fd)
-                self._finish(TaskState.FAILED, FailureKind.LAUNCH, -1,
-                             f"cannot start the task: {e}")
-                return
-            os.close(write_fd)
-            how = "cold"
-        self.status.state = TaskState.STARTING
-        self.agent.report(self)
-        log.info("task %s/%s:%d started (pid %d, %s, budget %d MiB)", self.job_id, self.role,
-                 self.index, self.proc.pid, how, budget_mib)
-        for target, args in ((self._read_logs, (self.proc.stdout,)), (self._read_events, (read_fd,)),
-                             (self._wait, ())):
-            t = threading.Thread(target=target, args=args, daemon=True,
-                                 name=f"{target.__name__}-{self.role}{self.index}")
-            t.start()
-            self._threads.append(t)
-
-    # --- watchers -----------------------------------------------------------------------------
-
-    def _read_logs(self, stream) -> None:
-        path = os.path.join(self.dir, "task.log")
-        local = open(path, "ab")
-        try:
-            written = local.tell()
-            for line in iter(stream.readline, b""):
-                if written + len(line) > MAX_LOCAL_LOG_BYTES // 2:
-                    local.close()  # the older half, as task.log.1
-                    os.replace(path, path + ".1")
-                    local, written = open(path, "ab"), 0
-                local.write(line)
-                local.flush()
-                written += len(line)
-                with self._log_lock:
-                    self._log_buf += line
-                    over = len(self._log_buf) - MAX_LOG_BUFFER_BYTES
-                    if over > 0:
-                        del self._log_buf[:over]
-                        self._log_buf[:0] = (b"[strata] the agent dropped %d bytes of this log "
-                                             b"the coordinator did not take\n" % over)
-        finally:
-            local.close()
-        stream.close()
-
-    def take_logs(self) -> bytes:
-        with self._log_lock:
-            data = bytes(self._log_buf[:MAX_LOG_CHUNK])
-            del self._log_buf[:MAX_LOG_CHUNK]
-        return data
-
-    def drop_logs(self) -> None:
-        """Forgets the logs not sent yet (the coordinator no longer takes them)."""
-        with self._log_lock:
-            self._log_buf.clear()
-
-    def return_logs(self, data: bytes) -> None:
-        """Puts back a chunk the coordinator did not take, to be sent first next time."""
-        with self._log_lock:
-            self._log_buf[:0] = data
-
-    def _read_events(self, fd: int) -> None:
-        with os.fdopen(fd, "r", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                try:
-                    ev = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if isinstance(ev, dict):
-                    self._on_event(ev)
-
-    def _on_event(self, ev: dict) -> None:
-        try:
-            self._apply_event(ev)
-        except (TypeError, ValueError, AttributeError) as e:  # a malformed event is not fatal
-            log.warning("ignoring malformed event from %s:%d: %s", self.role, self.index, e)
-
-    def _apply_event(self, ev: dict) -> None:
-        s = self.status
-        kind = ev.get("event")
-        mem = ev.get("memory") or {}
-        if mem:
-            s.in_use_bytes = int(mem.get("current", 0))
-            s.peak_bytes = max(s.peak_bytes, int(mem.get("peak", 0)))
-        if kind == "started":
-            s.state = TaskState.RUNNING
-        elif kind == "first_step":
-            s.first_step_time = float(ev.get("time", time.time()))
-            self.settled.set()
-        elif kind == "progress":
-            s.state = TaskState.RUNNING
-            s.step = int(ev.get("step", 0))
-            s.total_steps = int(ev.get("total_steps", 0))
-            s.loss = float(ev["loss"]) if ev.get("loss") is not None else float("nan")
-            s.examples_per_sec = float(ev.get("examples_per_sec") or 0.0)
-        elif kind == "result":
-            self.has_result = True
-            acc = ev.get("test_accuracy")  # None: the job has no test split
-            s.test_accuracy = float(acc) if acc is not None else None
-            s.test_loss = float(ev["test_loss"]) if ev.get("test_loss") is not None else (
-                float("nan") if acc is not None else None)
-            s.weights_sha256 = str(ev.get("weights_sha256") or "")
-            s.model_path = str(ev.get("model_path") or "")
-            digests = ev.get("replica_weights_sha256") or []
-            s.replica_weights_sha256 = [str(d) for d in digests][:4096]
-            metrics = ev.get("test_metrics") or {}
-            s.test_metrics = {str(k)[:64]: float(v) for k, v in list(metrics.items())[:64]
-                              if isinstance(v, (int, float)) and math.isfinite(v)}
-        elif kind == "setup":
-            s.training = str(ev.get("training") or "")[:1000]
-        elif kind == "note":
-            note = str(ev.get("message") or "")[:500]
-            if note and note not in s.notes and len(s.notes) < 8:
-                s.notes.append(note)
-        elif kind == "checkpoint":
-            s.checkpoint_step = max(s.checkpoint_step, int(ev.get("step", 0)))
-        elif kind == "resumed":
-            s.resumed_step = max(0, int(ev.get("step", 0)))
-        elif kind == "peaks":  # where its peak grew (in its log) and its largest allocation
-            s.largest_alloc_bytes = max(0, int(ev.get("largest_alloc") or 0))
-        elif kind in ("memory", "stopped"):
-            pass  # a server task (PS, worker or pipeline stage): its memory figures, above
-        elif kind == "error":
-            self.error_kind = str(ev.get("kind", "error"))
-            s.message = str(ev.get("message", ""))[:2000]
-            oom = ev.get("oom")
-            if isinstance(oom, dict):
-                s.oom = OutOfMemory(
-                    task=str(oom.get("task") or "")[:64],
-                    allocation_bytes=max(0, int(oom.get("allocation_bytes") or 0)),
-                    shape=tuple(int(d) for d in (oom.get("shape") or ())[:16]),
-                    dtype=str(oom.get("dtype") or "")[:32], op=str(oom.get("op") or "")[:200])
-        else:
-            return
-        self.agent.report(self)
-
-    def _wait(self) -> None:
-        assert self.proc is not None
-        code = self.proc.wait()
-        for t in self._threads:
-            if t is not threading.current_thread():
-                t.join(timeout=5.0)
-        self.agent.flush_logs(self)
-        refusal: list[str] = []
-
-        def refused() -> str:
-            if not refusal:
-                refusal.append(self._refused())
-            return refusal[0]
-        outcome = classify_exit(
-            code, stopped=self.stop_requested, has_result=self.has_result,
-            error_kind=self.error_kind, message=self.status.message,
-            peak=self.status.peak_bytes, budget=self.budget, log_tail=self._log_tail,
-            refused=refused)
-        if outcome[1] == FailureKind.OOM and self.status.oom is None and refusal and refusal[0]:
-            # what the coordinator's account and its next budget start from
-            try:
-                self.status.oom = OutOfMemory(allocation_bytes=parse_size(refusal[0]))
-            except ValueError:
-                pass
-        if outcome[0] == TaskState.SUCCEEDED and self.status.model_path:
-            # the job's outputs reach the coordinator before the task is reported done, so a
-            # job that has SUCCEEDED can be downloaded at once
-            self.agent.upload_outputs(self, self.output_dir)
-        self._finish(*outcome)
-
-    def _log_end(self, nbytes: int) -> str:
-        """The last ``nbytes`` of the task's log (empty if it cannot be read)."""
-        try:
-            with open(os.path.join(self.dir, "task.log"), "rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - nbytes))
-                return f.read().decode("utf-8", "replace")
-        except OSError:
-            return ""
-
-    def _log_tail(self) -> str:
-        return " | ".join(self._log_end(600).strip().splitlines()[-3:])
-
-    def _refused(self) -> str:
-        """An allocation the task's allocator logged it refused, in its log's last 1 MiB (the
-        refusal is followed by the allocator's summary: thousands of lines)."""
-        return allocator_refusal(self._log_end(1 << 20))
-
-    def _finish(self, state: TaskState, failure: FailureKind, code: int, message: str) -> None:
-        s = self.status
-        s.state, s.failure, s.exit_code, s.message = state, failure, code, message
-        s.in_use_bytes = 0
-        self.finished_at = time.time()
-        self.settled.set()
-        log.info("task %s/%s:%d %s%s", self.job_id, self.role, self.index, state.value,
-                 f" ({failure.value}: {message})" if failure != FailureKind.NONE else "")
-        self.agent.report(self)
-
-    # --- control ------------------------------------------------------------------------------
-
-    def stop(self) -> None:
-        """SIGTERM to the task's process group, SIGKILL after a grace period."""
-        self.stop_requested = True
-        proc = self.proc
-        if proc is None or proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=STOP_GRACE_S)
-        # The group may hold children that outlived the leader.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-
-    @property
-    def running(self) -> bool:
-        return not self.status.state.final
-
-
-def base_env(device: str) -> dict[str, str]:
-    """What every task process of this agent starts with, warm or not: the agent's one device,
-    quiet C++ logs, and the project importable however the agent runs."""
-    env = dict(os.environ)
-    env["TF_CPP_MIN_LOG_LEVEL"] = env.get("TF_CPP_MIN_LOG_LEVEL", "1")
-    env["PYTHONUNBUFFERED"] = "1"
-    env["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1] if device.startswith("GPU") else ""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return env
-
-
-def task_env(device: str, tf_config: str, budget_mib: int) -> dict[str, str]:
-    """What is one task's own: its cluster and, on CPU, its allocator's limit. TensorFlow reads
-    these when the strategy and the CPU device are created, not at import, so a warm process
-    takes them as well as a new one."""
-    env = {"TF_CONFIG": tf_config}
-    if not device.startswith("GPU"):
-        env["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
-        env["TF_CPU_BFC_MEM_LIMIT_IN_MB"] = str(budget_mib)
-    return env
-
-
-@dataclasses.dataclass
-class Warm:
-    proc: subprocess.Popen
-    events_fd: int
-    dir: str  # its working directory, where it marks itself ready
-
-    @property
-    def is_ready(self) -> bool:
-        return os.path.exists(ready_mark(self.dir, self.proc.pid))
-
-    def close(self) -> None:
-        """Ends a warm process that was never given a task (its whole process group)."""
-        with contextlib.suppress(OSError):
-            os.close(self.events_fd)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=STOP_GRACE_S)
-        with contextlib.suppress(OSError):
-            os.unlink(ready_mark(self.dir, self.proc.pid))
-
-
-#: the longest a warm pool waits for the task that took a process to start training before
-#: it refills (``WarmPool.take``)
-REFILL_AFTER_S = 30.0
-
-
-class WarmPool:
-    """``--warm-pool N``: processes with TensorFlow imported, ready for a task
-    (``strata.worker.warm``). A task takes one if one is ready (else starts cold) and the pool
-    refills in the background. The agent stops every one it started when it stops."""
-
-    def __init__(self, size: int, python: str, device: str, work_dir: str):
-        self.size = size
-        self.python, self.device = python, device
-        self.dir = os.path.join(work_dir, "warm")
-        self.ready: list[Warm] = []
-        self.lock = threading.Lock()
-        self.closed = False
-
-    def _spawn(self) -> Warm | None:
-        os.makedirs(self.dir, exist_ok=True)
-        read_fd, write_fd = os.pipe()
-        try:
-            proc = subprocess.Popen(
-                [self.python, "-m", "strata.worker.warm", "--events-fd", str(write_fd)],
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.PIPE,
-                pass_fds=(write_fd,), start_new_session=True, cwd=self.dir,
-                env=base_env(self.device))
-        except OSError as e:
-            log.warning("cannot start a warm task process: %s", e)
-            os.close(read_fd)
-            return None
-        finally:
-            os.close(write_fd)
-        return Warm(proc, read_fd, self.dir)
-
-    def fill(self) -> None:
-        while True:
-            with self.lock:
-                if self.closed or len(self.ready) >= self.size:
-                    return
-            warm = self._spawn()
-            if warm is None:
-                return
-            with self.lock:
-                if self.closed:
-                    warm.close()
-                    return
-                self.ready.append(warm)
-
-    def take(self, settled: threading.Event | None = None) -> Warm | None:
-        """A ready process, or None. The pool refills once ``settled`` is set (the task that
-        took one reached its first step or ended) or after ``REFILL_AFTER_S``: a refill imports
-        TensorFlow, seconds of CPU that would otherwise compete with the starting task's own
-        (on 2 cores it made a warm start 2.4-3.0 s instead of 1.5 s)."""
-        with self.lock:
-            # one that has finished importing first (``strata.worker.warm`` marks it), else
-            # the oldest: still importing, it is further along than a new process
-            self.ready.sort(key=lambda w: not w.is_ready)
-            while self.ready:
-                warm = self.ready.pop(0)
-                if warm.proc.poll() is None:
-                    break
-                warm.close()  # died waiting: start another
-            else:
-                warm = None
-        if self.size and not self.closed:
-            threading.Thread(target=self._refill_after, args=(settled,), daemon=True,
-                             name="warm-pool").start()
-        return warm
-
-    def _refill_after(self, settled: threading.Event | None) -> None:
-        if settled is not None:
-            settled.wait(REFILL_AFTER_S)
-        self.fill()
-
-    def close(self) -> None:
-        with self.lock:
-            self.closed = True
-            ready, self.ready = self.ready, []
-        for warm in ready:
-            warm.close()
-
-
-class DiskMeter:
-    """The agent's disk: the bytes under its work directory (task folders, fetched files),
-    counted every ``DISK_WALK_INTERVAL_S`` by the log thread, and what its file system has
-    left, read at each heartbeat (one ``statvfs``)."""
-
-    def __init__(self, root: str):
-        self.root = root
-        self.used = 0
-
-    def walk(self) -> int:
-        total = 0
-        for base, _dirs, files in os.walk(self.root):
-            for name in files:
-                try:
-                    total += os.lstat(os.path.join(base, name)).st_size
-                except OSError:
-                    pass
-        self.used = total
-        return total
-
-    def status(self) -> DiskStatus:
-        try:
-            st = os.statvfs(self.root)
-        except OSError:
-            return DiskStatus(used_bytes=self.used)
-        return DiskStatus(used_bytes=self.used, free_bytes=st.f_bavail * st.f_frsize,
-                          total_bytes=st.f_blocks * st.f_frsize)
-
-
 class Agent:
+    """One worker agent: its registration and heartbeats, the commands it takes, its tasks
+    and their logs, and the files it fetches and keeps."""
+
     def __init__(self, cfg: AgentConfig):
         self.cfg = cfg
         if not cfg.host:
@@ -802,40 +245,8 @@ class Agent:
         ``max_idle_bytes`` (``only``: those of these digests, whatever their age). Returns
         how many."""
         needed = self._needed_blobs()
-        try:
-            names = os.listdir(self.blob_dir)
-        except OSError:
-            return 0
-        now = time.time()
-        gone = 0
-        with self._blob_lock:
-            idle = []
-            for name in names:
-                path = os.path.join(self.blob_dir, name)
-                if name[:64] in needed:
-                    continue
-                try:
-                    st = os.stat(path)
-                    if (only is not None and name[:64] in only) or \
-                            (only is None and now - st.st_mtime >= keep_s):
-                        os.unlink(path)
-                        gone += 1
-                    else:
-                        idle.append((st.st_mtime, st.st_size, path))
-                except OSError:
-                    pass
-            if only is None:
-                total = sum(size for _, size, _ in idle)
-                for _mtime, size, path in sorted(idle):  # least recently used first
-                    if total <= max_idle_bytes:
-                        break
-                    try:
-                        os.unlink(path)
-                        gone += 1
-                        total -= size
-                    except OSError:
-                        pass
-        return gone
+        return collect_blobs(self.blob_dir, self._blob_lock, needed, keep_s, max_idle_bytes,
+                             only)
 
     # --- commands -----------------------------------------------------------------------------
 

@@ -2,7 +2,7 @@
 
     python -m strata.worker.warm --events-fd N
 
-The agent keeps ``--warm-pool`` of these ready (``strata.worker.agent.WarmPool``) and hands a
+The agent keeps ``--warm-pool`` of these ready (``strata.worker.warmpool.WarmPool``) and hands a
 task to one by writing one JSON line to its stdin: ``{"config": PATH, "cwd": DIR, "env":
 {...}}``. The process then becomes that task exactly as ``python -m strata.worker.task``
 would, with the same events, exit statuses and watchdog.
