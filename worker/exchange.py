@@ -111,42 +111,60 @@ def accumulating_step(tf: Any, model: Any, optimizer: Any, loss_fn: Any, mixed: 
     cross replicas inside a loop body. Those models' slices are written out one after the
     other instead, each slice's rows waiting for the previous slice's gradients, so one slice's
     activations are alive at a time as in the loop; the graph is ``k`` times the size."""
-    variables = model.trainable_variables
-    scaled = mixed == "float16"
-    unused: list[bool] = []  # variables without a gradient, found while tracing a slice
-    unrolled = _synchronises(model)
+    sliced = _SlicedStep(tf, model, optimizer, loss_fn, mixed, reduce, k)
 
-    def written_out_note() -> None:
+    def step_fn(x: Any, y: Any, w: Any = None) -> Any:
+        return sliced.step(x, y, w)
+
+    return step_fn
+
+
+class _SlicedStep:
+    """``accumulating_step``'s parts: a slice's gradients (``one_slice``), the slices looped
+    or written out, and the step that sums them and applies the sum once."""
+
+    def __init__(self, tf: Any, model: Any, optimizer: Any, loss_fn: Any, mixed: str,
+                 reduce: Callable[[Any], Any], k: int):
+        self.tf, self.model, self.optimizer, self.loss_fn = tf, model, optimizer, loss_fn
+        self.reduce, self.k = reduce, k
+        self.variables = model.trainable_variables
+        self.scaled = mixed == "float16"
+        self.unused: list[bool] = []  # variables without a gradient, found while tracing a slice
+        self.unrolled = _synchronises(model)
+        if self.unrolled:
+            self.written_out_note()
+
+    def written_out_note(self) -> None:
         log(f"gradients.accumulate: the model all-reduces in its forward pass (a synchronized "
-            f"BatchNormalization); its {k} slices are written out one after the other rather "
-            "than looped")
-    if unrolled:
-        written_out_note()
+            f"BatchNormalization); its {self.k} slices are written out one after the other "
+            "rather than looped")
 
-    def one_slice(lo: Any, hi: Any, n: Any, scale: Any, share: Any, x: Any, y: Any, w: Any,
-                  acc: list, after: list) -> tuple:
+    def one_slice(self, lo: Any, hi: Any, n: Any, scale: Any, share: Any, x: Any, y: Any,
+                  w: Any, acc: list, after: list) -> tuple:
         """Slice ``[lo, hi)`` of a batch of ``n`` rows, once ``after`` has run; ``scale`` and
         ``share`` as ``training_loss`` takes them."""
+        tf = self.tf
         with tf.control_dependencies(after):
             xi, yi, wi = tf.nest.map_structure(
                 lambda t: None if t is None else tf.identity(t[lo:hi]), (x, y, w))
         rows = tf.cast(hi - lo, tf.float32) / tf.cast(tf.maximum(n, 1), tf.float32)
         with tf.GradientTape() as tape:
-            loss = training_loss(tf, model, loss_fn, reduce, xi, yi, wi, rows=rows, scale=scale,
-                                 share=share)
-            loss_for_grad = optimizer.scale_loss(loss) if scaled else loss
-        grads = tape.gradient(loss_for_grad, variables)
-        unused[:] = [g is None for g in grads]
+            loss = training_loss(tf, self.model, self.loss_fn, self.reduce, xi, yi, wi,
+                                 rows=rows, scale=scale, share=share)
+            loss_for_grad = self.optimizer.scale_loss(loss) if self.scaled else loss
+        grads = tape.gradient(loss_for_grad, self.variables)
+        self.unused[:] = [g is None for g in grads]
         summed = [a if g is None else a + tf.cast(tf.convert_to_tensor(g), a.dtype)
                   for a, g in zip(acc, grads)]
         return loss, summed
 
-    def looped(x: Any, y: Any, w: Any, n: Any, acc0: list) -> tuple:
-        parts = tf.minimum(n, k)  # a batch of fewer than k rows: n slices of one
+    def looped(self, x: Any, y: Any, w: Any, n: Any, acc0: list) -> tuple:
+        tf = self.tf
+        parts = tf.minimum(n, self.k)  # a batch of fewer than k rows: n slices of one
 
         def body(i: Any, total: Any, acc: list) -> tuple:
-            loss, summed = one_slice(i * n // parts, (i + 1) * n // parts, n, 1.0,
-                                     1.0 / tf.cast(parts, tf.float32), x, y, w, acc, [])
+            loss, summed = self.one_slice(i * n // parts, (i + 1) * n // parts, n, 1.0,
+                                          1.0 / tf.cast(parts, tf.float32), x, y, w, acc, [])
             return i + 1, total + loss, summed
 
         # one slice at a time: a while loop runs independent iterations side by side (10 by
@@ -156,7 +174,8 @@ def accumulating_step(tf: Any, model: Any, optimizer: Any, loss_fn: Any, mixed: 
             parallel_iterations=1)
         return total, acc
 
-    def written_out(x: Any, y: Any, w: Any, n: Any, acc0: list) -> tuple:
+    def written_out(self, x: Any, y: Any, w: Any, n: Any, acc0: list) -> tuple:
+        tf, k = self.tf, self.k
         total, acc, after = tf.constant(0.0, tf.float32), acc0, []
         for i in range(k):
             lo, hi = i * n // k, (i + 1) * n // k
@@ -165,32 +184,30 @@ def accumulating_step(tf: Any, model: Any, optimizer: Any, loss_fn: Any, mixed: 
             # batch again with its loss times 0 (statistics updated, gradient unchanged).
             empty = hi <= lo
             lo, hi = tf.where(empty, 0, lo), tf.where(empty, n, hi)
-            loss, acc = one_slice(lo, hi, n, tf.where(empty, 0.0, 1.0), 1.0 / k, x, y, w,
-                                  acc, after)
+            loss, acc = self.one_slice(lo, hi, n, tf.where(empty, 0.0, 1.0), 1.0 / k, x, y, w,
+                                       acc, after)
             total = total + loss
             after = list(acc) + [total]
         return total, acc
 
-    def step_fn(x: Any, y: Any, w: Any = None) -> Any:
-        nonlocal unrolled
+    def step(self, x: Any, y: Any, w: Any = None) -> Any:
+        tf = self.tf
         n = tf.shape(tf.nest.flatten(y)[0])[0]
-        acc0 = [tf.zeros(v.shape, v.dtype) for v in variables]
-        if not unrolled:
+        acc0 = [tf.zeros(v.shape, v.dtype) for v in self.variables]
+        if not self.unrolled:
             try:
-                total, acc = looped(x, y, w, n, acc0)
+                total, acc = self.looped(x, y, w, n, acc0)
             except RuntimeError as e:
                 # merge_call inside the loop body: a cross-replica step Strata did not see
                 if "merge_call" not in str(e):
                     raise
-                unrolled = True
-                written_out_note()
-        if unrolled:
-            total, acc = written_out(x, y, w, n, acc0)
-        grads = [None if none else a for a, none in zip(acc, unused)]
-        optimizer.apply_gradients(zip(grads, variables))
+                self.unrolled = True
+                self.written_out_note()
+        if self.unrolled:
+            total, acc = self.written_out(x, y, w, n, acc0)
+        grads = [None if none else a for a, none in zip(acc, self.unused)]
+        self.optimizer.apply_gradients(zip(grads, self.variables))
         return total
-
-    return step_fn
 
 
 def _synchronises(model: Any) -> bool:

@@ -582,6 +582,31 @@ class TrainingRunner:
         return out
 
     def run(self) -> int:
+        self._start_task()
+        self.data = self.load()
+        steps = self.data.steps
+        if self.cfg.agent.output_dir and not self.cfg.probe:  # a probe keeps no outputs
+            self.scalars = Scalars(self.tf, self.cfg)
+        self._resume_point(steps)
+        self._build_and_restore(steps)
+        rows = (f"{self.data.n_train} train / {self.data.x_test.shape[0]} test rows"
+                if self.data.x_train is not None else f"data from {self.spec.code_dataset}")
+        log(f"training: {self.param_count():,} params, {steps} steps"
+            + (f" (from step {self.start_step + 1})" if self.start_step else "")
+            + f", global batch {self.gb}, {rows}, mixed precision {self.mixed}")
+        self.peaks.note("build")
+        t_train = time.time()
+        self.train(steps)
+        train_s = time.time() - t_train
+        self._report_result(steps, train_s)
+        # Leave from here, not by returning: returning frees the strategy, its iterators and
+        # collective state, whose destructors talk to the cluster's coordination service. When
+        # a peer has already exited that blocks ~10 s before failing.
+        exit_task(TASK_EXIT_OK, self.events)
+        return TASK_EXIT_OK  # not reached
+
+    def _start_task(self) -> None:
+        """Checks, the device, joining the cluster; the ``started`` event."""
         t0 = time.time()
         self.check()
         self.setup_device()
@@ -592,10 +617,10 @@ class TrainingRunner:
             f"device {self.cfg.agent.device}, threads {self.cfg.agent.threads or 'default'}, "
             f"TF {self.tf.__version__} (import and join {time.time() - t0:.1f} s); "
             + ", ".join(f"{k} {v}" for k, v in started.items()))
-        self.data = self.load()
-        steps = self.data.steps
-        if self.cfg.agent.output_dir and not self.cfg.probe:  # a probe keeps no outputs
-            self.scalars = Scalars(self.tf, self.cfg)
+
+    def _resume_point(self, steps: int) -> None:
+        """With checkpoints: the checkpoint to resume from, agreed (``self.resume_from``), and
+        the step ``build`` starts the input at."""
         if self.cfg.checkpoints_enabled:
             self.checkpointer = Checkpointer(self.cfg, self.events,
                                              writer=self.checkpoint_writer())
@@ -603,6 +628,9 @@ class TrainingRunner:
             if self.resume_from is not None:
                 # ``build`` starts the input where this step left it
                 self.start_step = min(self.resume_from.step, steps)
+
+    def _build_and_restore(self, steps: int) -> None:
+        """``build``, what trains it and the notes reported, and the checkpoint restored."""
         try:
             self.build()
         except ModelSpecError as e:  # a model Keras refuses to build, optimizer, loss
@@ -622,15 +650,9 @@ class TrainingRunner:
                 if restored >= steps:
                     log(f"the checkpoint's step {restored} is at or past the planned {steps} "
                         "steps: nothing left to train")
-        rows = (f"{self.data.n_train} train / {self.data.x_test.shape[0]} test rows"
-                if self.data.x_train is not None else f"data from {self.spec.code_dataset}")
-        log(f"training: {self.param_count():,} params, {steps} steps"
-            + (f" (from step {self.start_step + 1})" if self.start_step else "")
-            + f", global batch {self.gb}, {rows}, mixed precision {self.mixed}")
-        self.peaks.note("build")
-        t_train = time.time()
-        self.train(steps)
-        train_s = time.time() - t_train
+
+    def _report_result(self, steps: int, train_s: float) -> None:
+        """Evaluation, the outputs, the ``peaks`` and ``result`` events."""
         if self.spec.code_model and not self.metrics:
             from strata.worker.models import compiled_metrics
 
@@ -660,8 +682,3 @@ class TrainingRunner:
             f"steps ({train_s:.1f} s); peak memory {format_mib(m['peak'])}; weights "
             f"{digest[:12]}" + (f"; saved {fields['model_path']}" if fields.get("model_path")
                                 else ""))
-        # Leave from here, not by returning: returning frees the strategy, its iterators and
-        # collective state, whose destructors talk to the cluster's coordination service. When
-        # a peer has already exited that blocks ~10 s before failing.
-        exit_task(TASK_EXIT_OK, self.events)
-        return TASK_EXIT_OK  # not reached

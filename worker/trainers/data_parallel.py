@@ -110,102 +110,11 @@ class MirroredRunner(TrainingRunner):
     def build(self) -> None:
         import keras
 
-        from strata.worker import data as wdata
-        from strata.worker import models as wmodels
-
         tf, strategy, d = self.tf, self.strategy, self.data
         assert d is not None
         keras.utils.set_random_seed(self.seed)
-        with strategy.scope():
-            if self.spec.code_model:
-                model = self.user_model()
-                last = model.layers[-1] if model.layers else None
-                act = getattr(getattr(last, "activation", None), "__name__", "")
-                from_logits = act != "softmax" and type(last).__name__ != "Softmax"
-            else:
-                model, from_logits = wmodels.build_model(self.spec.model, self.mixed,
-                                                         sync_batchnorm=self.n_replicas > 1,
-                                                         blob_dir=self.cfg.agent.blob_dir)
-            optimizer, loss_fn, _kind, self.training_text = wmodels.training_setup(
-                self.spec.training, model, self.mixed, from_logits, bool(self.spec.code_model))
-        self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
-        gb, seed, x_train, y_train = self.gb, self.seed, d.x_train, d.y_train
-        skip = self.start_step  # batches each worker's input skips (a resumed task)
-
-        global_input = None  # the whole input, for the strategy to shard (``DatasetCall``)
-        after_input: Callable[[], None] = lambda: None  # noqa: E731 - looks at the input made
-        if self.spec.code_dataset:
-            from strata.worker.usercode import DatasetCall, load_callable, reads_whole
-            from strata.worker.usercode import user_dataset
-
-            user_fn = load_callable(self.cfg, self.spec.code_dataset, "code.dataset")
-            what = self.spec.code_dataset
-            loss_kind = self.loss_kind()
-            how = DatasetCall.of(user_fn, what)
-            inputs = getattr(model, "inputs", None)
-            rank = len(inputs[0].shape) if inputs and len(inputs) == 1 else None
-
-            def dataset_fn(ctx: Any) -> Any:
-                rows = ctx.get_per_replica_batch_size(gb)
-                ds = user_dataset(tf, what, user_fn, ctx, "train", max_rows=rows,
-                                  loss=loss_kind, how=how, global_batch=gb, model_rank=rank,
-                                  batch=rows)
-                built.append(ds)  # looked at once the strategy made its input (below)
-                # the job runs training.steps steps, whatever its size
-                return ds.repeat().skip(skip) if skip else ds.repeat()
-            built: list[Any] = []
-            self._user_dataset = (user_fn, what, how)
-            if how.context and self.n_workers > 1:
-                def unsharded() -> None:
-                    if built and reads_whole(tf, built[0]):
-                        self.notes.append(
-                            f"code.dataset {what} does not shard by input_context: every "
-                            "worker reads the whole training data, so the workers train on "
-                            "the same examples (shard by input_context.input_pipeline_id)")
-                after_input = unsharded
-            elif not how.context:
-                ds = user_dataset(tf, what, user_fn, None, "train", max_rows=gb,
-                                  loss=loss_kind, how=how, global_batch=gb, model_rank=rank,
-                                  batch=gb)
-                off = tf.data.experimental.AutoShardPolicy.OFF
-                if self.n_workers > 1 and \
-                        ds.options().experimental_distribute.auto_shard_policy == off:
-                    self.notes.append(
-                        f"code.dataset {what} turns auto-sharding off: every worker reads the "
-                        "whole training data and the workers train on the same examples")
-                ds = ds.repeat()
-                global_input = ds.skip(skip) if skip else ds
-        elif self.spec.data.source in STREAMED_SOURCES:
-            data_spec, loss = self.spec.data, self.loss_kind()
-            names = tuple(getattr(t, "name", "") for t in model.inputs)
-            dtypes = [str(t.dtype) for t in model.inputs]
-            out_shape = tuple(int(v) for v in model.outputs[0].shape[1:])
-
-            def prepare(x: Any, y: Any) -> Any:
-                if isinstance(x, dict):
-                    x = {k: tf.cast(v, dtypes[0]) for k, v in x.items()}
-                else:
-                    x = tf.cast(x, dtypes[0])
-                return x, wdata.tf_targets(y, loss, out_shape)
-
-            def dataset_fn(ctx: Any) -> Any:
-                wid = ctx.input_pipeline_id
-                ds = wdata.stream(data_spec, "train", shards=ctx.num_input_pipelines,
-                                  index=wid, input_names=names).map(prepare)
-                ds = ds.shuffle(wdata.STREAM_SHUFFLE_EXAMPLES, seed=seed + wid).repeat() \
-                    .batch(ctx.get_per_replica_batch_size(gb), drop_remainder=True)
-                return (ds.skip(skip) if skip else ds).prefetch(1)
-
-            def test_fn(ctx: Any, split: str) -> Any:
-                return wdata.stream(data_spec, "test", input_names=names).map(prepare) \
-                    .batch(max(1, self.per_replica))
-            self._user_dataset = (test_fn, f"data.source {data_spec.source}", None)
-        else:
-            def dataset_fn(ctx: Any) -> Any:
-                wid, nw = ctx.input_pipeline_id, ctx.num_input_pipelines
-                x, y = wdata.shard(x_train, y_train, wid, nw)
-                return wdata.make_train_dataset(x, y, ctx.get_per_replica_batch_size(gb),
-                                                seed + wid, skip=skip)
+        model, loss_fn, optimizer = self._build_model()
+        dataset_fn, global_input, after_input = self._train_input(model)
 
         # the input pipeline (and its transient second copy of the shard while the iterator is
         # created) comes before the optimizer slots exist, which keeps this start-up peak low
@@ -218,14 +127,7 @@ class MirroredRunner(TrainingRunner):
         g = self.spec.gradients
         if g.compression != "none" or g.pack_bytes:
             install_all_reduce(tf, optimizer, g.compression, g.pack_bytes)
-
-        def reduce(per_example: Any) -> Any:
-            return tf.nn.compute_average_loss(per_example, global_batch_size=gb)
-        if g.accumulate > 1:
-            step_fn = accumulating_step(tf, model, optimizer, loss_fn, self.mixed, reduce,
-                                        g.accumulate)
-        else:
-            step_fn = gradient_step(tf, model, optimizer, loss_fn, self.mixed, reduce)
+        step_fn = self._step_fn(model, optimizer, loss_fn)
 
         @tf.function
         def train_step(it: Any) -> Any:
@@ -242,6 +144,143 @@ class MirroredRunner(TrainingRunner):
         log(f"model {model.name}: {model.count_params():,} params, {self.per_replica} examples "
             "per replica" + (f" in {g.accumulate} slices" if g.accumulate > 1 else "")
             + (f", all-reduce in {g.compression}" if g.compression != "none" else ""))
+
+    def _build_model(self) -> tuple[Any, Any, Any]:
+        """The model, its loss and its optimizer, under the strategy's scope (also kept as
+        ``self.model``, ``self.loss_fn``, ``self.optimizer``)."""
+        from strata.worker import models as wmodels
+
+        with self.strategy.scope():
+            if self.spec.code_model:
+                model = self.user_model()
+                last = model.layers[-1] if model.layers else None
+                act = getattr(getattr(last, "activation", None), "__name__", "")
+                from_logits = act != "softmax" and type(last).__name__ != "Softmax"
+            else:
+                model, from_logits = wmodels.build_model(self.spec.model, self.mixed,
+                                                         sync_batchnorm=self.n_replicas > 1,
+                                                         blob_dir=self.cfg.agent.blob_dir)
+            optimizer, loss_fn, _kind, self.training_text = wmodels.training_setup(
+                self.spec.training, model, self.mixed, from_logits, bool(self.spec.code_model))
+        self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
+        return model, loss_fn, optimizer
+
+    def _train_input(self, model: Any) -> tuple[Callable[[Any], Any], Any, Callable[[], None]]:
+        """The training input: a function of an input context making each worker's dataset,
+        or the whole input for the strategy to shard (a ``code.dataset`` called without a
+        context; None otherwise), and what to look at once the strategy made its input. A
+        resumed task's input skips the batches the restored steps consumed."""
+        if self.spec.code_dataset:
+            return self._user_input(model)
+        if self.spec.data.source in STREAMED_SOURCES:
+            return self._streamed_input(model), None, lambda: None
+        return self._array_input(), None, lambda: None
+
+    def _user_input(self, model: Any) -> tuple[Callable[[Any], Any], Any, Callable[[], None]]:
+        """``_train_input`` from the job's ``code.dataset``."""
+        from strata.worker.usercode import DatasetCall, load_callable, reads_whole
+        from strata.worker.usercode import user_dataset
+
+        tf, gb, skip = self.tf, self.gb, self.start_step
+        global_input = None  # the whole input, for the strategy to shard (``DatasetCall``)
+        after_input: Callable[[], None] = lambda: None  # noqa: E731 - looks at the input made
+        user_fn = load_callable(self.cfg, self.spec.code_dataset, "code.dataset")
+        what = self.spec.code_dataset
+        loss_kind = self.loss_kind()
+        how = DatasetCall.of(user_fn, what)
+        inputs = getattr(model, "inputs", None)
+        rank = len(inputs[0].shape) if inputs and len(inputs) == 1 else None
+
+        def dataset_fn(ctx: Any) -> Any:
+            rows = ctx.get_per_replica_batch_size(gb)
+            ds = user_dataset(tf, what, user_fn, ctx, "train", max_rows=rows,
+                              loss=loss_kind, how=how, global_batch=gb, model_rank=rank,
+                              batch=rows)
+            built.append(ds)  # looked at once the strategy made its input (below)
+            # the job runs training.steps steps, whatever its size
+            return ds.repeat().skip(skip) if skip else ds.repeat()
+        built: list[Any] = []
+        self._user_dataset = (user_fn, what, how)
+        if how.context and self.n_workers > 1:
+            def unsharded() -> None:
+                if built and reads_whole(tf, built[0]):
+                    self.notes.append(
+                        f"code.dataset {what} does not shard by input_context: every "
+                        "worker reads the whole training data, so the workers train on "
+                        "the same examples (shard by input_context.input_pipeline_id)")
+            after_input = unsharded
+        elif not how.context:
+            ds = user_dataset(tf, what, user_fn, None, "train", max_rows=gb,
+                              loss=loss_kind, how=how, global_batch=gb, model_rank=rank,
+                              batch=gb)
+            off = tf.data.experimental.AutoShardPolicy.OFF
+            if self.n_workers > 1 and \
+                    ds.options().experimental_distribute.auto_shard_policy == off:
+                self.notes.append(
+                    f"code.dataset {what} turns auto-sharding off: every worker reads the "
+                    "whole training data and the workers train on the same examples")
+            ds = ds.repeat()
+            global_input = ds.skip(skip) if skip else ds
+        return dataset_fn, global_input, after_input
+
+    def _streamed_input(self, model: Any) -> Callable[[Any], Any]:
+        """``_train_input``'s function for a streamed ``data.source``, each worker reading its
+        own shard of the stream."""
+        from strata.worker import data as wdata
+
+        tf, gb, seed, skip = self.tf, self.gb, self.seed, self.start_step
+        data_spec, loss = self.spec.data, self.loss_kind()
+        names = tuple(getattr(t, "name", "") for t in model.inputs)
+        dtypes = [str(t.dtype) for t in model.inputs]
+        out_shape = tuple(int(v) for v in model.outputs[0].shape[1:])
+
+        def prepare(x: Any, y: Any) -> Any:
+            if isinstance(x, dict):
+                x = {k: tf.cast(v, dtypes[0]) for k, v in x.items()}
+            else:
+                x = tf.cast(x, dtypes[0])
+            return x, wdata.tf_targets(y, loss, out_shape)
+
+        def dataset_fn(ctx: Any) -> Any:
+            wid = ctx.input_pipeline_id
+            ds = wdata.stream(data_spec, "train", shards=ctx.num_input_pipelines,
+                              index=wid, input_names=names).map(prepare)
+            ds = ds.shuffle(wdata.STREAM_SHUFFLE_EXAMPLES, seed=seed + wid).repeat() \
+                .batch(ctx.get_per_replica_batch_size(gb), drop_remainder=True)
+            return (ds.skip(skip) if skip else ds).prefetch(1)
+
+        def test_fn(ctx: Any, split: str) -> Any:
+            return wdata.stream(data_spec, "test", input_names=names).map(prepare) \
+                .batch(max(1, self.per_replica))
+        self._user_dataset = (test_fn, f"data.source {data_spec.source}", None)
+        return dataset_fn
+
+    def _array_input(self) -> Callable[[Any], Any]:
+        """``_train_input``'s function for a training set in memory, each worker its shard."""
+        from strata.worker import data as wdata
+
+        assert self.data is not None
+        gb, seed, skip = self.gb, self.seed, self.start_step
+        x_train, y_train = self.data.x_train, self.data.y_train
+
+        def dataset_fn(ctx: Any) -> Any:
+            wid, nw = ctx.input_pipeline_id, ctx.num_input_pipelines
+            x, y = wdata.shard(x_train, y_train, wid, nw)
+            return wdata.make_train_dataset(x, y, ctx.get_per_replica_batch_size(gb),
+                                            seed + wid, skip=skip)
+        return dataset_fn
+
+    def _step_fn(self, model: Any, optimizer: Any, loss_fn: Any) -> Callable[..., Any]:
+        """One replica's step: loss reduced over the global batch, sliced with
+        ``gradients.accumulate``."""
+        tf, gb = self.tf, self.gb
+
+        def reduce(per_example: Any) -> Any:
+            return tf.nn.compute_average_loss(per_example, global_batch_size=gb)
+        if self.spec.gradients.accumulate > 1:
+            return accumulating_step(tf, model, optimizer, loss_fn, self.mixed, reduce,
+                                     self.spec.gradients.accumulate)
+        return gradient_step(tf, model, optimizer, loss_fn, self.mixed, reduce)
 
     # -- checkpoints
 

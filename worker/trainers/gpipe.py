@@ -1,6 +1,10 @@
 """The driver of ``pipeline`` and ``hybrid`` jobs: GPipe model parallelism over TensorFlow's own
 distributed runtime, run by the job's chief task (the ``pipeline`` and ``hybrid`` strategies'
 runner for role ``chief``; ``PipelineDriver`` follows ``strata.worker.runner``'s skeleton).
+Its parts, next to it: ``gpipe_layout`` (the stage layout, checked), ``gpipe_stages`` (each
+stage's layers on its task), ``gpipe_step`` (the step's ``tf.function``), ``gpipe_schedule``
+(one replica's micro-batches, forward and backward), ``gpipe_exchange`` (the replicas'
+averaging). This docstring describes the whole design.
 
 Tasks and placement
 -------------------
@@ -118,239 +122,26 @@ kind ``oom``.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import threading
 import time
-from dataclasses import dataclass
 
 from typing import Any, Callable
 
 from strata.modelspec import ModelSpecError
-from strata.taskconfig import PipelineSection, StageAssignment, TaskConfig, TaskConfigError
-from strata.worker.cluster import cluster_from_tf_config, reachable
+from strata.taskconfig import TaskConfig, TaskConfigError
+from strata.worker.cluster import reachable
 from strata.worker.events import Events, format_mib, log
-from strata.worker.losses import eval_sums
 from strata.worker.exchange import wire_dtype
 from strata.worker.runner import TrainingRunner
+from strata.worker.trainers.gpipe_layout import Layout, parse_layout, read_cluster
+from strata.worker.trainers.gpipe_stages import (Stage, build_optimizers, build_stages,
+                                                 copy_replica_zero, layer_factories)
+from strata.worker.trainers.gpipe_step import GPipeStep, LossScale, make_eval_batch, \
+    make_train_step
 
 CONNECT_TIMEOUT_S = 120.0          # STRATA_PIPELINE_CONNECT_TIMEOUT_S overrides
-LOSS_SCALE_INITIAL = 2.0 ** 15     # float16: Keras LossScaleOptimizer's defaults
-LOSS_SCALE_GROWTH_STEPS = 2000
 HASH_CHUNK_ELEMS = 1 << 18         # weights are read for hashing 1 MiB at a time (chief memory)
-
-
-# --------------------------------------------------------------------------------------------
-# the layout (checked before TensorFlow is imported)
-
-
-@dataclass(frozen=True)
-class Layout:
-    stages: int
-    replicas: int
-    microbatches: int
-    microbatch: int
-    places: dict
-
-    def at(self, replica: int, stage: int) -> StageAssignment:
-        return self.places[(replica, stage)]
-
-
-def parse_layout(cfg: TaskConfig, layer_names: list[str],
-                 cut_points: tuple[int, ...] | None = None) -> Layout:
-    """The contract's pipeline section, checked against the spec and the model's layers (the
-    one check on this side: a layout that does not match the model would train the wrong
-    thing). Raises ``TaskConfigError``."""
-    spec = cfg.spec
-    p = cfg.section
-    if not isinstance(p, PipelineSection):
-        raise TaskConfigError("stage_layout", "the chief of a pipeline or hybrid job needs the pipeline "
-                                    "section (stages, replicas, microbatches, layout)")
-    for k in ("stages", "replicas", "microbatches", "microbatch"):
-        if getattr(p, k) < 1:
-            raise TaskConfigError(f"stage_layout.{k}", f"must be a positive integer, got {getattr(p, k)!r}")
-    S, R, M, m = p.stages, p.replicas, p.microbatches, p.microbatch
-    if spec.workers != R:
-        raise TaskConfigError("stage_layout.replicas", f"{R} replicas, the spec has {spec.workers} workers")
-    if spec.microbatches != M:
-        raise TaskConfigError("stage_layout.microbatches", f"{M} differs from the spec's {spec.microbatches}")
-    gb = spec.data.batch_size
-    if m * M * R != gb:
-        raise TaskConfigError("stage_layout.microbatch", f"{R} replicas x {M} micro-batches x {m} rows = "
-                                               f"{R * M * m}, not the global batch {gb}")
-    L = len(layer_names)
-    if S > L:
-        raise TaskConfigError("stage_layout.stages", f"{S} stages for a model of {L} layers")
-    if len(p.layout) != R * S:
-        raise TaskConfigError("stage_layout.layout", f"needs {R * S} entries ({R} replicas x {S} stages), "
-                                           f"got {len(p.layout)}")
-    places: dict = {}
-    tasks_seen: set = set()
-    for e in p.layout:
-        r, s = e.replica, e.stage
-        if not (0 <= r < R and 0 <= s < S):
-            raise TaskConfigError("stage_layout.layout", f"entry has replica {r!r} stage {s!r}; replicas run "
-                                               f"0..{R - 1}, stages 0..{S - 1}")
-        if (r, s) in places:
-            raise TaskConfigError("stage_layout.layout", f"replica {r} stage {s} appears twice")
-        task = e.task_name
-        if (r, s) == (0, 0) and task != "chief:0":
-            raise TaskConfigError("stage_layout.layout", f"replica 0 stage 0 must be the chief (chief:0), "
-                                               f"got {task!r}")
-        if (r, s) != (0, 0) and e.role != "worker":
-            raise TaskConfigError("stage_layout.layout", f"replica {r} stage {s} must be a worker task, "
-                                               f"got {task!r}")
-        if task in tasks_seen:
-            raise TaskConfigError("stage_layout.layout", f"task {task} holds two stages")
-        tasks_seen.add(task)
-        a, b = e.first_layer, e.last_layer
-        if not 0 <= a < b <= L:
-            raise TaskConfigError("stage_layout.layout", f"replica {r} stage {s}: layers [{a!r}, {b!r}) are "
-                                               f"not a non-empty range of 0..{L}")
-        if tuple(e.layers) != tuple(layer_names[a:b]):
-            raise TaskConfigError("stage_layout.layout", f"replica {r} stage {s}: layers {list(e.layers)} "
-                                               f"are not the model's layers {a}..{b - 1} "
-                                               f"{layer_names[a:b]}")
-        places[(r, s)] = e
-    for r in range(R):
-        if places[(r, 0)].first_layer != 0 or places[(r, S - 1)].last_layer != L:
-            raise TaskConfigError("stage_layout.layout", f"replica {r}'s stages must cover layers 0..{L - 1}")
-        for s in range(S):
-            here, base = places[(r, s)], places[(0, s)]
-            if (here.first_layer, here.last_layer) != (base.first_layer, base.last_layer):
-                raise TaskConfigError("stage_layout.layout", f"stage {s} has different layers on replica {r} "
-                                                   "and replica 0")
-            if s + 1 < S and here.last_layer != places[(r, s + 1)].first_layer:
-                raise TaskConfigError("stage_layout.layout", f"replica {r}: stage {s + 1} does not start "
-                                                   f"where stage {s} ends")
-            if s + 1 < S and cut_points is not None and here.last_layer not in cut_points:
-                raise TaskConfigError("stage_layout.layout", f"stage {s} ends after layer "
-                                      f"{layer_names[here.last_layer - 1]!r}, where more than "
-                                      "one tensor crosses (not a cut point of the model)")
-    return Layout(S, R, M, m, places)
-
-
-def read_cluster(layout: Layout) -> dict[str, list[str]]:
-    cluster, role, index = cluster_from_tf_config()
-    if (role, index) != ("chief", 0) or len(cluster.get("chief", [])) != 1:
-        raise TaskConfigError("TF_CONFIG", f"the pipeline driver must be the one chief task (chief:0), "
-                                     f"TF_CONFIG says {role}:{index}")
-    for pl in layout.places.values():
-        if pl.index >= len(cluster.get(pl.role, [])):
-            raise TaskConfigError("TF_CONFIG", f"stage task {pl.task_name} (replica {pl.replica} stage "
-                                         f"{pl.stage}) is not in the cluster")
-    return cluster
-
-
-# --------------------------------------------------------------------------------------------
-# layers
-
-
-def _layer_entries(model_spec: dict, mixed: str, names: list[str]) -> tuple[list, dict]:
-    """One zero-argument factory per layer, in the profile's order (``names``), and how each
-    layer is called (``strata.modelspec.layer_calls``: its inputs as ``TensorRef``)."""
-    import keras
-
-    from strata.modelspec import TensorRef, layer_calls, layer_entries
-    from strata.worker.models import POLICIES, _policy_json
-
-    policy = POLICIES[mixed]
-    if model_spec.get("builtin"):
-        b = model_spec["builtin"]
-        shape = [int(d) for d in b["input_shape"]]
-        out = []
-        if len(shape) > 1:
-            out.append(lambda: keras.layers.Flatten(name="flatten", dtype=policy))
-        for i, units in enumerate(b["hidden"]):
-            out.append(lambda i=i, u=int(units): keras.layers.Dense(
-                u, activation="relu", name=f"hidden_{i}", kernel_initializer="he_uniform",
-                dtype=policy))  # as worker.models builds the builtin MLP
-        out.append(lambda: keras.layers.Dense(int(b["classes"]), name="logits", dtype="float32"))
-        calls, prev = {}, "input"
-        for n in names:
-            calls[n] = ([TensorRef(prev)], {})
-            prev = n
-        return out, calls
-    field = "model.keras_file" if model_spec.get("keras_file") else "model.keras_json"
-    try:
-        entries = layer_entries(model_spec)
-        calls = layer_calls(model_spec)
-    except ModelSpecError as e:
-        raise TaskConfigError(e.field, e.message) from None
-    out = []
-    for i, name in enumerate(names):
-        d = json.loads(json.dumps(entries[name]))
-        if policy != "float32" and isinstance(d.get("config"), dict):
-            # the output layer keeps float32 so outputs and the loss stay float32
-            d["config"]["dtype"] = _policy_json("float32" if i == len(names) - 1 else policy)
-
-        def make(d=d):
-            try:
-                layer = keras.saving.deserialize_keras_object(d, safe_mode=True)
-            except Exception as e:  # Keras raises ValueError/TypeError for what it refuses
-                raise TaskConfigError(field, f"Keras cannot build layer "
-                                             f"{d.get('config', {}).get('name')!r}: "
-                                             f"{type(e).__name__}: {e}") from None
-            if not isinstance(layer, keras.layers.Layer):
-                raise TaskConfigError(field, f"{d.get('class_name')} is not a layer")
-            return layer
-        out.append(make)
-    return out, calls
-
-
-def call_layer(layer, call: tuple, env: dict, training: bool):
-    """Calls ``layer`` as the model's graph does, its input tensors taken from ``env`` (by
-    ``TensorRef``); stores its output(s) in ``env`` and returns the first."""
-    from strata.modelspec import TensorRef
-
-    def sub(v):
-        if isinstance(v, TensorRef):
-            return env[str(v)]
-        if isinstance(v, list):
-            return [sub(x) for x in v]
-        if isinstance(v, dict):
-            return {k: sub(x) for k, x in v.items()}
-        return v
-
-    args, kwargs = call
-    a = sub(args)
-    kw = {k: v for k, v in sub(kwargs).items() if k != "training"}
-    out = layer(*a, training=training, **kw)
-    if isinstance(out, (list, tuple)):
-        for i, t in enumerate(out):
-            env[layer.name if i == 0 else f"{layer.name}:{i}"] = t
-        return out[0]
-    env[layer.name] = out
-    return out
-
-
-class Stage:
-    """One stage task's share of one replica: its layers, variables and optimizer."""
-
-    def __init__(self, place: StageAssignment, device: str, layers: list, calls: list,
-                 input_ref: str):
-        self.place = place
-        self.device = device
-        self.layers = layers
-        self.calls = calls            # per layer: how the graph calls it (``call_layer``)
-        self.input_ref = input_ref    # the one tensor entering the stage
-
-        self.tvars = [v for l in layers for v in l.trainable_variables]
-        # per layer: its non-trainable variables (BN statistics, seed generator states)
-        self.nt = [list(l.non_trainable_variables) for l in layers]
-        # mixed precision: the variables Keras would cast to the layer's compute dtype on every
-        # call (as Layer.__call__'s AutocastScope does), with that dtype
-        self.casts = {}
-        for l in layers:
-            if l.autocast and l.compute_dtype != l.variable_dtype and "float" in l.compute_dtype:
-                for v in l.trainable_variables:
-                    if getattr(v, "_autocast", False) and _is_float(v):
-                        self.casts[id(v)] = l.compute_dtype
-        self.optimizer = None
-
-
-def _is_float(v) -> bool:
-    return "float" in str(v.dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -432,22 +223,41 @@ class PipelineDriver(TrainingRunner):
 
     def build(self) -> None:
         import keras
-        import numpy as np
 
         from strata.worker import models as wmodels
 
-        tf, spec, profile, layout, d = self.tf, self.spec, self.profile, self.layout, self.data
+        tf, spec, layout, d = self.tf, self.spec, self.layout, self.data
         assert d is not None
-        S, R, M, m = layout.stages, layout.replicas, layout.microbatches, layout.microbatch
-        mixed, recompute, seed, gb = self.mixed, spec.memory.recompute, self.seed, self.gb
-        wire = wire_dtype(tf, spec.gradients.compression)  # hybrid: the exchange's dtype
-        layer_names, dev_of, chief_dev = self.layer_names, self.dev_of, self.chief_dev
-        loss_name = spec.training.loss_used
-        n_train = d.n_train
+        keras.utils.set_random_seed(self.seed)
+        stages = self._build_stages()
+        from_logits = _from_logits(spec.model)
+        loss_fn = wmodels.build_loss(spec.training.loss_used, from_logits)
+        if spec.model.get("keras_file"):
+            self._load_uploaded_weights(stages)
+        copy_replica_zero(tf, stages)
+        build_optimizers(tf, stages,
+                         lambda: wmodels.build_optimizer(spec.training.optimizer_used, "none"))
+        self.training_text = _training_text(spec, stages[0][0].optimizer, from_logits)
 
-        # ---- layers, stage by stage (never the whole model in one place)
-        keras.utils.set_random_seed(seed)
-        factories, calls = _layer_entries(spec.model, mixed, layer_names)
+        loss_scale = LossScale(tf, self.chief_dev)
+        # a resumed driver's batches start where the restored step left them
+        self.batches = _batch_indices(d.n_train, self.gb, self.seed, skip=self.start_step)
+        self.loss_scale, self.good_steps = loss_scale.scale, loss_scale.good_steps
+        self.per_replica = layout.microbatch * layout.microbatches
+        self._log_stages(stages)
+        step = GPipeStep(tf, stages, layout.microbatches, self.per_replica, loss_fn,
+                         spec.memory.recompute,
+                         wire_dtype(tf, spec.gradients.compression),  # hybrid: the exchange's dtype
+                         self.chief_dev, loss_scale if self.mixed == "float16" else None)
+        self.stages = stages
+        self._train_step = make_train_step(tf, step)
+        self._eval_batch = make_eval_batch(tf, stages[0], loss_fn, d.classify)
+
+    def _build_stages(self) -> list[list[Stage]]:
+        """Every replica's stages, each stage's layers on its task (never the whole model in
+        one place)."""
+        spec, profile, layer_names = self.spec, self.profile, self.layer_names
+        factories, calls = layer_factories(spec.model, self.mixed, layer_names)
         inputs = profile.model_inputs
         if len(inputs) != 1:
             raise TaskConfigError("model", f"the model has {len(inputs)} inputs; pipeline and "
@@ -455,378 +265,33 @@ class PipelineDriver(TrainingRunner):
         if len(factories) != len(layer_names):
             raise TaskConfigError("model", f"the model has {len(factories)} layers, its profile "
                                      f"{len(layer_names)}")
-        stages: list[list[Stage]] = []
-        for r in range(R):
-            row = []
-            h = tf.zeros((1,) + tuple(profile.input_shape), tf.float32)
-            for s in range(S):
-                pl = layout.at(r, s)
-                dev = dev_of(pl)
-                in_ref = inputs[0].name if pl.first_layer == 0 else \
-                    layer_names[pl.first_layer - 1]
-                with tf.device(dev):
-                    layers = [factories[i]() for i in range(pl.first_layer, pl.last_layer)]
-                    for layer in layers:
-                        if getattr(layer, "activity_regularizer", None) is not None:
-                            # its loss would be made inside the stage and dropped: refused
-                            # rather than trained without it (weight regularizers are applied)
-                            raise TaskConfigError("model", f"layer {layer.name!r} has an "
-                                                           "activity_regularizer, which "
-                                                           f"{spec.strategy} stages do not "
-                                                           "apply; use multi_worker_mirrored "
-                                                           "or remove it")
-                    env = {in_ref: h}
-                    for layer, want in zip(layers, pl.layers):
-                        if layer.name != want:
-                            raise TaskConfigError("stage_layout.layout", f"layer {layer.name!r} is where the "
-                                                               f"layout has {want!r}")
-                        # builds it here: its variables live on dev
-                        h = call_layer(layer, calls[want], env, False)
-                row.append(Stage(pl, dev, layers, [calls[n] for n in pl.layers], in_ref))
-            stages.append(row)
-        from_logits = _from_logits(spec.model)
-        loss_fn = wmodels.build_loss(loss_name, from_logits)
+        return build_stages(self.tf, self.layout, factories, calls, inputs[0].name, layer_names,
+                            tuple(profile.input_shape), self.dev_of, spec.strategy)
 
-        if spec.model.get("keras_file"):
-            # the uploaded model's own weights, stage by stage, into replica 0 (copied below)
-            try:
-                wmodels.load_layer_weights([l for st in stages[0] for l in st.layers],
-                                           spec.model, self.cfg.agent.blob_dir)
-            except ModelSpecError as e:
-                raise TaskConfigError(e.field, e.message) from None
+    def _load_uploaded_weights(self, stages: list[list[Stage]]) -> None:
+        """The uploaded model's own weights, stage by stage, into replica 0 (copied to the
+        others by ``copy_replica_zero``)."""
+        from strata.worker import models as wmodels
 
-        # replicas start identical: replica 0's values everywhere (seed states stay their own)
-        for r in range(1, R):
-            for s in range(S):
-                src, dst = stages[0][s], stages[r][s]
-                pairs = list(zip(src.tvars, dst.tvars)) + [
-                    (a, b) for la, lb in zip(src.nt, dst.nt) for a, b in zip(la, lb) if _is_float(a)]
-                with tf.device(dst.device):
-                    for a, b in pairs:
-                        b.assign(a)
+        try:
+            wmodels.load_layer_weights([l for st in stages[0] for l in st.layers],
+                                       self.spec.model, self.cfg.agent.blob_dir)
+        except ModelSpecError as e:
+            raise TaskConfigError(e.field, e.message) from None
 
-        for row in stages:
-            for st in row:
-                with tf.device(st.device):
-                    st.optimizer = wmodels.build_optimizer(spec.training.optimizer_used, "none")
-                    st.optimizer.build(st.tvars)
-        given = spec.training
-        self.training_text = (
-            f"optimizer {wmodels.describe_optimizer(stages[0][0].optimizer)} (one per stage) "
-            f"from {'training.optimizer' if given.optimizer else 'the defaults'}; loss "
-            f"{loss_name} (from_logits={from_logits}) from "
-            f"{'training.loss' if given.loss else 'the defaults'}")
+    def _log_stages(self, stages: list[list[Stage]]) -> None:
+        import numpy as np
 
-        scaled = mixed == "float16"
-        with tf.device(chief_dev):
-            loss_scale = tf.Variable(LOSS_SCALE_INITIAL, dtype=tf.float32, trainable=False,
-                                     name="loss_scale")
-            good_steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="good_steps")
-        # a resumed driver's batches start where the restored step left them
-        batches = _batch_indices(n_train, gb, seed, skip=self.start_step)
-        self.loss_scale, self.good_steps = loss_scale, good_steps
-
-        per_replica = m * M
-        for s in range(S):
+        layout = self.layout
+        for s in range(layout.stages):
             pl = layout.at(0, s)
             n_params = sum(int(np.prod(v.shape)) for l in stages[0][s].layers for v in l.weights)
             log(f"stage {s}: layers {pl.first_layer}-{pl.last_layer - 1} ({pl.layers[0]} .. "
                 f"{pl.layers[-1]}), "
-                f"{n_params:,} params on {', '.join(stages[r][s].place.task_name for r in range(R))}"
+                f"{n_params:,} params on "
+                f"{', '.join(stages[r][s].place.task_name for r in range(layout.replicas))}"
                 f"; estimate {format_mib(pl.estimated_memory_bytes)}, budget "
                 f"{format_mib(pl.memory_budget_bytes)}")
-
-        def run_layers(st: Stage, h, nt_vals, casts: dict, training: bool):
-            """The stage's layers on ``h``. Layers with state run statelessly from ``nt_vals``
-            (one list per layer) and return their new state; the variables are not touched.
-            ``casts`` maps id(variable) to its 16-bit copy for this step (mixed precision)."""
-            new = []
-            env = {st.input_ref: h}
-            for layer, call, vars_, vals in zip(st.layers, st.calls, st.nt, nt_vals):
-                raw = [(v, casts[id(v)]) for v in layer.trainable_variables if id(v) in casts]
-                if vars_ or raw:
-                    scope = keras.StatelessScope(list(zip(vars_, vals)))
-                    # StatelessScope casts mapped values back to the variable's dtype; the 16-bit
-                    # copy goes in as it is (Keras' autocast then leaves it alone)
-                    for v, val in raw:
-                        scope.state_mapping[id(v)] = val
-                    with scope:
-                        h = call_layer(layer, call, env, training)
-                    new.append([scope.get_current_value(v) for v in vars_])
-                else:
-                    h = call_layer(layer, call, env, training)
-                    new.append([])
-            return h, new
-
-        def with_weight_regularizers(st: Stage, g: list) -> list:
-            """``g`` (the step's mean gradients of ``st.tvars``) plus the gradients of the
-            stage's weight regularizers (``kernel_regularizer`` and the like), once a step, as
-            Keras's fit adds them to the mean loss."""
-            regs = [(k, v) for k, v in enumerate(st.tvars)
-                    if getattr(v, "regularizer", None) is not None]
-            if not regs:
-                return g
-            with tf.GradientTape() as rt:
-                vals = [tf.convert_to_tensor(v.value) for _, v in regs]
-                rt.watch(vals)
-                terms = [v.regularizer(val) for (_, v), val in zip(regs, vals)]
-            out = list(g)
-            for (k, _), d in zip(regs, rt.gradient(terms, vals)):
-                if d is not None:
-                    out[k] = out[k] + tf.cast(d, out[k].dtype)
-            return out
-
-        def mb_loss(out, y):
-            per_example = loss_fn(y, tf.cast(out, tf.float32))
-            return tf.reduce_sum(per_example) / float(per_replica)
-
-        @tf.function
-        def train_step(x, y):
-            with tf.device(chief_dev):
-                xs = tf.split(x, R * M)
-                ys = tf.split(y, R * M)
-                scale = loss_scale.read_value() if scaled else None
-            losses = []
-            acc = [[None] * S for _ in range(R)]
-            nt_final = [[None] * S for _ in range(R)]
-            for r in range(R):
-                row = stages[r]
-                state, casts, sources = [], [], []
-                for st in row:
-                    with tf.device(st.device):
-                        state.append([[v.value for v in vs] for vs in st.nt])
-                        # one 16-bit copy of each weight per step, shared by the micro-batches
-                        # (Keras would cast on every call, and each micro-batch's tape would keep
-                        # its own copy until its backward pass)
-                        c = {id(v): tf.cast(v.value, st.casts[id(v)]) for v in st.tvars
-                             if id(v) in st.casts}
-                    casts.append(c)
-                    sources.append([c.get(id(v), v) for v in st.tvars])
-                saved = {}
-                prev = [None] * S
-                # forward: micro-batch i through every stage; in order within a stage
-                for i in range(M):
-                    h = xs[r * M + i]
-                    y_mb = ys[r * M + i]
-                    for s, st in enumerate(row):
-                        last = s == S - 1
-                        deps = [prev[s]] if prev[s] is not None else []
-                        with tf.device(st.device), tf.control_dependencies(deps):
-                            h_in = tf.identity(h)
-                            nt_in = state[s]
-                            loss = target = None
-                            if recompute:
-                                tape = None
-                                out, state[s] = run_layers(st, h_in, nt_in, casts[s], True)
-                                if last:
-                                    loss = mb_loss(out, y_mb)
-                            else:
-                                tape = tf.GradientTape()
-                                with tape:
-                                    tape.watch(list(casts[s].values()) + ([h_in] if s > 0 else []))
-                                    out, state[s] = run_layers(st, h_in, nt_in, casts[s], True)
-                                    if last:
-                                        loss = mb_loss(out, y_mb)
-                                        target = loss * scale if scaled else loss
-                        saved[(s, i)] = (h_in, nt_in, tape, out, loss, target)
-                        prev[s] = loss if last else out
-                        h = out
-                    losses.append(saved[(S - 1, i)][4])
-                # backward: reverse micro-batch order (GPipe); one micro-batch's grads at a time
-                done = {}  # (s, i): stage s has summed micro-batch i's gradients
-                sent_back = {}  # (s, i): the gradient of stage s's input for micro-batch i
-                for i in reversed(range(M)):
-                    dy = None
-                    y_mb = ys[r * M + i]
-                    for s in reversed(range(S)):
-                        st = row[s]
-                        last = s == S - 1
-                        h_in, nt_in, tape, out, loss, target = saved.pop((s, i))
-                        deps = list(acc[r][s]) if acc[r][s] is not None else []
-                        if (s, i + 1) in sent_back:
-                            # and for the gradient of its input that the previous micro-batch
-                            # sends back: the weights' gradients can be summed before it is
-                            # made, and this micro-batch's backward would run beside it.
-                            # Measured on conv-small's last stage (max pool, dense; hybrid
-                            # 2 x 2, batch 128): 60-81 MiB against a 65 MiB estimate and an
-                            # 82 MiB budget before, 51-57 after; pipeline throughput 0.90-1.03
-                            # of the unheld one on 2 cores
-                            deps.append(sent_back[(s, i + 1)])
-                        if recompute and not deps:
-                            # the first re-run waits for the stage's last forward: its input
-                            # is there from the start (the first stage's) or early, and run
-                            # beside the forwards its activations would sit on top of theirs.
-                            # It cannot finish before that anyway (its output gradient comes
-                            # after every forward), so this costs no time.
-                            deps = [prev[s]]
-                        if s > 0 and (s - 1, i + 2) in done:
-                            # the gradient this sends back waits until the stage below has
-                            # finished micro-batch i + 2. A stage receives its output's
-                            # gradients as soon as they are made (TF posts every Recv at the
-                            # start of the step), so without this a lagging stage collects
-                            # all M of them; with it, at most two (the one it is working on
-                            # and the next), which is what the stage estimate counts
-                            # (``strata.stagememory``). Before this and the re-run's wait
-                            # above, a recomputing first stage once peaked 6.5 MiB over its
-                            # estimate (three of its 1024 x 512 gradients' worth). In GPipe's
-                            # schedule the stage below finished i + 2 a slot before this
-                            # starts; measured on 2 cores, 0.93-1.0 of the throughput without
-                            # it (one small control message per micro-batch and stage).
-                            deps.append(done[(s - 1, i + 2)])
-                        with tf.device(st.device), tf.control_dependencies(deps):
-                            if recompute:
-                                # re-run this micro-batch's forward from its kept input and state
-                                tape = tf.GradientTape()
-                                with tape:
-                                    tape.watch(list(casts[s].values()) + ([h_in] if s > 0 else []))
-                                    out, _ = run_layers(st, h_in, nt_in, casts[s], True)
-                                    if last:
-                                        rl = mb_loss(out, y_mb)
-                                        target = rl * scale if scaled else rl
-                            if last:
-                                out_grad = None
-                            else:
-                                target, out_grad = out, dy
-                            grads = tape.gradient(target, ([h_in] if s > 0 else []) + sources[s],
-                                                  output_gradients=out_grad)
-                            if s > 0:
-                                dy, grads = grads[0], grads[1:]
-                                sent_back[(s, i)] = dy
-                            # float32 gradients (a 16-bit copy's gradient cast back, as the
-                            # gradient of Keras' own cast would be)
-                            grads = [tf.zeros_like(v) if g is None else
-                                     tf.cast(tf.convert_to_tensor(g), v.dtype)
-                                     for g, v in zip(grads, st.tvars)]
-                            acc[r][s] = grads if acc[r][s] is None else \
-                                [a + g for a, g in zip(acc[r][s], grads)]
-                            if s < S - 1:
-                                done[(s, i)] = tf.group(*acc[r][s])
-                for s in range(S):
-                    nt_final[r][s] = state[s]
-
-            # average over the replicas: every replica's task of a stage receives the others'
-            # accumulated gradients and sums all R in replica order (the same op on the same
-            # values: bit-identical means, and the same memory on every replica); unscale.
-            # gradients.compression: they travel as 16 bits, and each task sums the 16-bit
-            # values (its own too, rounded alike) cast back to float32
-            means = [[None] * S for _ in range(R)]
-            finite = []
-            for s in range(S):
-                sent = [acc[r][s] for r in range(R)]  # as they travel, on their own tasks
-                if wire is not None and R > 1:
-                    for r in range(R):
-                        with tf.device(stages[r][s].device):
-                            sent[r] = [tf.cast(t, wire) for t in acc[r][s]]
-                got = {}  # (q, r): replica r's accumulated gradients as received on q's task
-                # a replica's gradients go to q only once q has summed its own micro-batches:
-                # TF posts every Recv at the start of the step, so a gradient sent as soon as
-                # it is ready lands beside q's backward pass (its gradient, accumulator and
-                # their sum), one gradient size over the estimate. Measured on the first stage
-                # of 784-4096-32-4096-10, hybrid 2 x 2, three runs of four configurations: up to
-                # 1.23 x its estimate (81.0 of an 83 MiB budget) before, at most 0.94 after;
-                # throughput of a 2 x 2 hybrid of 1024-wide layers 0.98 of the ungated one
-                ready = []
-                for q in range(R):
-                    with tf.device(stages[q][s].device):
-                        ready.append(tf.group(*acc[q][s]))
-                for q in range(R):
-                    for r in range(R):
-                        if r == q:
-                            continue
-                        with tf.device(stages[r][s].device), \
-                                tf.control_dependencies([ready[q]]):
-                            out = [tf.identity(t) for t in sent[r]]
-                        with tf.device(stages[q][s].device):
-                            got[(q, r)] = [tf.identity(t) for t in out]
-                    if sent[q] is not acc[q][s]:
-                        with tf.device(stages[q][s].device):
-                            dtypes = [t.dtype for t in acc[q][s]]
-                            acc[q][s] = [tf.cast(t, d) for t, d in zip(sent[q], dtypes)]
-                            for r in range(R):
-                                if r != q:
-                                    got[(q, r)] = [tf.cast(t, d)
-                                                   for t, d in zip(got[(q, r)], dtypes)]
-                for q in range(R):
-                    st = stages[q][s]
-                    with tf.device(st.device):
-                        g = []
-                        for k in range(len(st.tvars)):
-                            if R == 1:
-                                g.append(acc[q][s][k])
-                                continue
-                            # sum into our own accumulator only once the others have it: then
-                            # nothing else holds it and the sum reuses its buffer (R gradient
-                            # buffers here at the peak, on every replica alike)
-                            sent = [got[(r, q)][k] for r in range(R) if r != q]
-                            with tf.control_dependencies(sent):
-                                terms = [acc[q][s][k] if r == q else got[(q, r)][k]
-                                         for r in range(R)]
-                                g.append(tf.add_n(terms) * (1.0 / R))
-                        if scaled:
-                            inv = 1.0 / scale
-                            g = [t * inv for t in g]
-                            finite.append(tf.reduce_all(
-                                [tf.reduce_all(tf.math.is_finite(t)) for t in g]))
-                        g = with_weight_regularizers(st, g)
-                    means[q][s] = g
-
-            if scaled:
-                with tf.device(chief_dev):
-                    ok = tf.reduce_all(tf.stack(finite))
-            for r in range(R):
-                for s in range(S):
-                    st = stages[r][s]
-                    with tf.device(st.device):
-                        if scaled:
-                            def apply(st=st, g=means[r][s]):
-                                st.optimizer.apply_gradients(zip(g, st.tvars))
-                                return tf.constant(True)
-                            tf.cond(ok, apply, lambda: tf.constant(False))
-                        else:
-                            st.optimizer.apply_gradients(zip(means[r][s], st.tvars))
-            # layer state: float state averaged over the replicas, seed states each their own
-            for s in range(S):
-                home = stages[0][s]
-                for li, vars_ in enumerate(home.nt):
-                    for k, v in enumerate(vars_):
-                        vals = [nt_final[r][s][li][k] for r in range(R)]
-                        if R > 1 and _is_float(v):
-                            with tf.device(home.device):
-                                mean = tf.add_n(vals) * (1.0 / R)
-                            vals = [mean] * R
-                        for r in range(R):
-                            with tf.device(stages[r][s].device):
-                                stages[r][s].nt[li][k].assign(vals[r])
-            with tf.device(chief_dev):
-                total = tf.add_n(losses) * (1.0 / R)
-                if scaled:
-                    grow = tf.logical_and(ok, good_steps + 1 >= LOSS_SCALE_GROWTH_STEPS)
-                    new_scale = tf.where(ok, tf.where(grow, loss_scale * 2.0, loss_scale),
-                                         tf.maximum(loss_scale * 0.5, 1.0))
-                    loss_scale.assign(new_scale)
-                    good_steps.assign(tf.where(ok, tf.where(grow, tf.constant(0, tf.int64),
-                                                            good_steps + 1),
-                                               tf.constant(0, tf.int64)))
-            return total
-
-        last_dev = stages[0][-1].device
-
-        @tf.function(reduce_retracing=True)
-        def eval_batch(x, y):
-            # through replica 0's pipeline, whole batches, no micro-batching
-            h = x
-            for st in stages[0]:
-                with tf.device(st.device):
-                    env = {st.input_ref: h}
-                    for layer, call in zip(st.layers, st.calls):
-                        h = call_layer(layer, call, env, False)
-            with tf.device(last_dev):
-                out = tf.cast(h, tf.float32)
-                return eval_sums(tf, loss_fn, y, out, d.classify)
-
-        self.stages, self.batches = stages, batches
-        self._train_step, self._eval_batch = train_step, eval_batch
-        self.per_replica = per_replica
 
     # -- checkpoints
 
@@ -945,6 +410,17 @@ def _batch_indices(n: int, batch: int, seed: int, skip: int = 0):
             pending = np.concatenate([pending, rng.permutation(n)])
         idx, pending = pending[:batch], pending[batch:]
         yield np.sort(idx)
+
+
+def _training_text(spec: Any, optimizer: Any, from_logits: bool) -> str:
+    """What trains the job, and where each part came from (the ``setup`` event)."""
+    from strata.worker import models as wmodels
+
+    given = spec.training
+    return (f"optimizer {wmodels.describe_optimizer(optimizer)} (one per stage) "
+            f"from {'training.optimizer' if given.optimizer else 'the defaults'}; loss "
+            f"{given.loss_used} (from_logits={from_logits}) from "
+            f"{'training.loss' if given.loss else 'the defaults'}")
 
 
 def _from_logits(model_spec: dict) -> bool:

@@ -60,7 +60,7 @@ import os
 import threading
 import time
 
-from typing import Any
+from typing import Any, Callable
 
 from strata.exitcodes import EXIT_KIND, TASK_EXIT_COLLECTIVE, TASK_EXIT_ERROR
 from strata.jobspec import JobSpec
@@ -362,62 +362,15 @@ class PsChiefRunner(TrainingRunner):
     def build(self) -> None:
         import keras
 
-        tf, strategy, d, gb, seed = self.tf, self.strategy, self.data, self.gb, self.seed
+        tf, strategy, d, seed = self.tf, self.strategy, self.data, self.seed
         assert d is not None and isinstance(self.cfg.section, ParameterServerSection)
-        budgets = self.cfg.section.ps_budgets_bytes
         keras.utils.set_random_seed(seed)
         model, optimizer, loss_fn, per_ps, self.training_text = _build_placed(
             tf, strategy, self.spec, self.mixed, self.placement, self.num_ps,
             self.cfg.agent.blob_dir, self._user_model_fn())
         self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
-        for k in range(self.num_ps):
-            names = sorted(n for n, p in self.placement.items() if p == k)
-            log(f"placement: ps:{k} holds {format_mib(per_ps[k])} of variables and slots "
-                f"({', '.join(names) or 'no layers'})"
-                + (f", budget {format_mib(int(budgets[k]))}" if k < len(budgets) else ""))
-        x_train, y_train = d.x_train, d.y_train
-        n_train = d.n_train if x_train is not None else 0
-
-        def dataset_fn() -> Any:
-            # Traced once on the chief, run on every worker. The shuffle seed comes from the
-            # worker's clock when its pipeline is created, so each worker (and a restarted one)
-            # draws its own order; a stateless shuffle because tf.data's shuffle takes no
-            # tensor seed. The training set is embedded in the function as constants.
-            xt, yt = tf.constant(x_train), tf.constant(y_train)
-            wseed = tf.math.floormod(tf.cast(tf.timestamp() * 1e6, tf.int64) + seed, 2 ** 31 - 1)
-            order = tf.data.Dataset.range(2 ** 62).map(
-                lambda epoch: tf.random.experimental.stateless_shuffle(
-                    tf.range(n_train, dtype=tf.int64), seed=tf.stack([wseed, epoch])))
-            ds = order.unbatch().batch(gb, drop_remainder=True)
-            ds = ds.map(lambda i: (tf.gather(xt, i), tf.gather(yt, i)))
-            return ds.prefetch(1)
-
-        if self.spec.code_dataset:
-            from strata.worker.usercode import DatasetCall, load_callable, user_dataset
-
-            user_fn = load_callable(self.cfg, self.spec.code_dataset, "code.dataset")
-            what = self.spec.code_dataset
-            how = DatasetCall.of(user_fn, what)
-            self._user_dataset = (user_fn, what, how)
-            inputs = getattr(self.model, "inputs", None)
-            rank = len(inputs[0].shape) if inputs and len(inputs) == 1 else None
-            # each worker reads its own input and a step is one global batch: whichever way the
-            # function is written, it gives one worker's whole batches here
-            take = dict(how=how, global_batch=gb, model_rank=rank, batch=gb)
-
-            # a step is one whole batch on one worker, so the context is one pipeline of one
-            # replica: get_per_replica_batch_size(gb) = gb
-            ctx = tf.distribute.InputContext(num_input_pipelines=1, input_pipeline_id=0,
-                                             num_replicas_in_sync=1)
-            # checked here first: inside dataset_fn, traced for the workers, TensorFlow would
-            # wrap the error in its own StagingError and the field would be lost
-            loss = self.loss_kind()
-            user_dataset(tf, what, user_fn, ctx, "train", max_rows=gb, loss=loss, **take)
-
-            def dataset_fn() -> Any:  # noqa: F811 - the job's own input pipeline instead
-                ds = user_dataset(tf, what, user_fn, ctx, "train", max_rows=gb, loss=loss,
-                                  **take)
-                return ds.repeat().prefetch(1)
+        self._log_placement(per_ps)
+        dataset_fn = self._user_dataset_fn() if self.spec.code_dataset else self._dataset_fn()
         self.per_worker_iter = iter(self.coordinator.create_per_worker_dataset(dataset_fn))
 
         # steps applied and the sum of their losses, kept on a PS task: a step returns nothing,
@@ -445,6 +398,67 @@ class PsChiefRunner(TrainingRunner):
             return eval_sums(tf, loss_fn, y, out, d.classify, w)
 
         self._train_step, self._eval_batch = train_step, eval_batch
+
+    def _log_placement(self, per_ps: list) -> None:
+        assert isinstance(self.cfg.section, ParameterServerSection)
+        budgets = self.cfg.section.ps_budgets_bytes
+        for k in range(self.num_ps):
+            names = sorted(n for n, p in self.placement.items() if p == k)
+            log(f"placement: ps:{k} holds {format_mib(per_ps[k])} of variables and slots "
+                f"({', '.join(names) or 'no layers'})"
+                + (f", budget {format_mib(int(budgets[k]))}" if k < len(budgets) else ""))
+
+    def _dataset_fn(self) -> Callable[[], Any]:
+        """Each worker's input pipeline over the training set in memory."""
+        tf, gb, seed = self.tf, self.gb, self.seed
+        assert self.data is not None
+        x_train, y_train = self.data.x_train, self.data.y_train
+        n_train = self.data.n_train if x_train is not None else 0
+
+        def dataset_fn() -> Any:
+            # Traced once on the chief, run on every worker. The shuffle seed comes from the
+            # worker's clock when its pipeline is created, so each worker (and a restarted one)
+            # draws its own order; a stateless shuffle because tf.data's shuffle takes no
+            # tensor seed. The training set is embedded in the function as constants.
+            xt, yt = tf.constant(x_train), tf.constant(y_train)
+            wseed = tf.math.floormod(tf.cast(tf.timestamp() * 1e6, tf.int64) + seed, 2 ** 31 - 1)
+            order = tf.data.Dataset.range(2 ** 62).map(
+                lambda epoch: tf.random.experimental.stateless_shuffle(
+                    tf.range(n_train, dtype=tf.int64), seed=tf.stack([wseed, epoch])))
+            ds = order.unbatch().batch(gb, drop_remainder=True)
+            ds = ds.map(lambda i: (tf.gather(xt, i), tf.gather(yt, i)))
+            return ds.prefetch(1)
+        return dataset_fn
+
+    def _user_dataset_fn(self) -> Callable[[], Any]:
+        """Each worker's input pipeline from the job's ``code.dataset`` (checked here once)."""
+        from strata.worker.usercode import DatasetCall, load_callable, user_dataset
+
+        tf, gb = self.tf, self.gb
+        user_fn = load_callable(self.cfg, self.spec.code_dataset, "code.dataset")
+        what = self.spec.code_dataset
+        how = DatasetCall.of(user_fn, what)
+        self._user_dataset = (user_fn, what, how)
+        inputs = getattr(self.model, "inputs", None)
+        rank = len(inputs[0].shape) if inputs and len(inputs) == 1 else None
+        # each worker reads its own input and a step is one global batch: whichever way the
+        # function is written, it gives one worker's whole batches here
+        take = dict(how=how, global_batch=gb, model_rank=rank, batch=gb)
+
+        # a step is one whole batch on one worker, so the context is one pipeline of one
+        # replica: get_per_replica_batch_size(gb) = gb
+        ctx = tf.distribute.InputContext(num_input_pipelines=1, input_pipeline_id=0,
+                                         num_replicas_in_sync=1)
+        # checked here first: inside dataset_fn, traced for the workers, TensorFlow would
+        # wrap the error in its own StagingError and the field would be lost
+        loss = self.loss_kind()
+        user_dataset(tf, what, user_fn, ctx, "train", max_rows=gb, loss=loss, **take)
+
+        def dataset_fn() -> Any:
+            ds = user_dataset(tf, what, user_fn, ctx, "train", max_rows=gb, loss=loss,
+                              **take)
+            return ds.repeat().prefetch(1)
+        return dataset_fn
 
     def _wait(self, rv: Any) -> None:
         tf, coordinator = self.tf, self.coordinator
