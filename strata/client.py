@@ -174,7 +174,8 @@ def local_spec(spec: SpecInput, overrides: list[str] | None = None) -> JobSpec:
     for path in files:
         if os.path.basename(path).startswith("strata-code-"):
             os.unlink(path)
-    return convert.spec_from_proto(msg)
+    # checked once already (``_spec_proto``); the message's round trip is exact
+    return convert.accepted_spec_from_proto(msg)
 
 
 class Client:

@@ -3,14 +3,17 @@ types and protobuf messages. Scheduler, store and planner never import ``*_pb2``
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+import functools
+from typing import Any, Callable, Iterator, Mapping
 
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
 from strata.protos import strata_pb2 as pb
 from strata.spec import parse_job_spec
-from strata.jobspec import JobSpec
+from strata.jobspec import (
+    DataSpec, GradientSpec, JobSpec, MemorySpec, OptimizerSpec, TrainingSpec,
+)
 from strata.errors import SpecError
 from strata.taskconfig import (
     TASK_CONFIG_VERSION, AgentSettings, ParameterServerSection, PipelineSection,
@@ -25,13 +28,296 @@ from strata.types import (
 
 
 # --- specs ------------------------------------------------------------------------------------
+#
+# Both directions go field by field between ``pb.JobSpec`` and ``JobSpec`` (and its sections):
+# ``spec_to_proto`` and ``accepted_spec_from_proto`` trust the spec (this side or the coordinator
+# made it); ``spec_from_proto`` checks what a client sent.
+
+def spec_to_proto(spec: JobSpec) -> pb.JobSpec:
+    """A parsed spec to its message, field by field: every field set (the normalized spec), so
+    that both ``*spec_from_proto`` give the same spec back."""
+    t, o = spec.training, spec.training.optimizer
+    return pb.JobSpec(
+        name=spec.name, strategy=spec.strategy, workers=spec.workers,
+        parameter_servers=spec.parameter_servers, stages=spec.stages,
+        microbatches=spec.microbatches, model=_model_to_proto(spec.model),
+        data=_data_to_proto(spec.data),
+        training=pb.TrainingSpec(
+            epochs=t.epochs, steps=t.steps, seed=t.seed, loss=t.loss,
+            # an optimizer not given stays out: the task then knows it was not
+            optimizer=pb.OptimizerSpec(name=o.name, learning_rate=o.learning_rate)
+            if o is not None else None),
+        memory=pb.MemorySpec(
+            per_task_budget=spec.memory.per_task_budget,
+            mixed_precision=spec.memory.mixed_precision, recompute=spec.memory.recompute,
+            profile=spec.memory.profile),
+        gradients=pb.GradientSpec(
+            accumulate=spec.gradients.accumulate, compression=spec.gradients.compression,
+            pack_size=spec.gradients.pack_size),
+        checkpoint=pb.CheckpointSpec(every_steps=spec.checkpoint_every_steps,
+                                     keep=spec.checkpoint_keep),
+        restart=pb.RestartSpec(max_restarts=spec.max_restarts,
+                               backoff_s=spec.restart_backoff_s,
+                               retry_user_errors=spec.retry_user_errors),
+        code=pb.CodeSpec(**spec.code) if spec.code else None)
+
+
+def _model_to_proto(model: Mapping[str, Any]) -> pb.ModelSpec:
+    """``JobSpec.model``: one of its three forms, or none (the job's code builds the model)."""
+    msg = pb.ModelSpec()
+    if "keras_json" in model:
+        msg.keras_json = model["keras_json"]
+    elif "keras_file" in model:
+        msg.keras_file.CopyFrom(pb.KerasFile(**model["keras_file"]))
+    elif "builtin" in model:
+        msg.builtin.CopyFrom(pb.BuiltinModel(**model["builtin"]))
+        _mark_empty_lists(model, msg)
+    return msg
+
+
+def _data_to_proto(d: DataSpec) -> pb.DataSpec:
+    return pb.DataSpec(
+        source=d.source, path=d.path, batch_size=d.batch_size, examples=d.examples,
+        test_path=d.test_path, label=d.label, image_size=d.image_size,
+        test_fraction=d.test_fraction,
+        features={name: pb.FeatureSpec(**f) for name, f in d.features.items()})
+
+
+def raw_spec_to_proto(raw: Mapping[str, Any]) -> pb.JobSpec:
+    """A spec mapping as a user wrote it, unvalidated (for tools and tests that must send what
+    a client would refuse); unknown fields raise ``json_format.ParseError``."""
+    msg = pb.JobSpec()
+    json_format.ParseDict(dict(raw), msg)
+    model = raw.get("model")
+    if isinstance(model, Mapping):
+        _mark_empty_lists(model, msg.model)
+    return msg
+
+
+def _mark_empty_lists(model: Mapping[str, Any], msg: pb.ModelSpec) -> None:
+    # an empty repeated field is indistinguishable from an unset one on the wire; the lists
+    # whose emptiness means something carry a presence flag (BuiltinModel.no_hidden), read
+    # back by ``_Given``
+    builtin = model.get("builtin")
+    if isinstance(builtin, Mapping) and builtin.get("hidden") == []:
+        msg.builtin.no_hidden = True
+
+
+#: the lists whose emptiness means something, by message: list field -> its presence flag
+_EMPTY_LIST_FLAGS = {pb.BuiltinModel.DESCRIPTOR.full_name: {"hidden": "no_hidden"}}
+
+
+def accepted_spec_from_proto(msg: pb.JobSpec) -> JobSpec:
+    """A spec the coordinator has accepted (in a ``Job``), field by field and not validated
+    again, so a rule added later, or a strategy this side does not know, never makes an
+    accepted job unreadable. A field the message lacks (a coordinator older than the field)
+    takes its section's default, as ``JobSpec.from_dict`` does for the store's copy."""
+    c, r, t = msg.checkpoint, msg.restart, msg.training
+    return JobSpec(
+        name=msg.name, strategy=msg.strategy, workers=msg.workers,
+        parameter_servers=msg.parameter_servers, stages=msg.stages,
+        microbatches=msg.microbatches, model=_model_from_proto(msg.model),
+        data=_data_from_proto(msg.data),
+        training=TrainingSpec(epochs=t.epochs, steps=t.steps, loss=t.loss, seed=t.seed,
+                              optimizer=_optimizer_from_proto(t.optimizer)),
+        memory=_memory_from_proto(msg.memory), gradients=_gradients_from_proto(msg.gradients),
+        checkpoint_every_steps=c.every_steps,
+        checkpoint_keep=c.keep if c.HasField("keep") else JobSpec.checkpoint_keep,
+        max_restarts=r.max_restarts,
+        restart_backoff_s=r.backoff_s if r.HasField("backoff_s") else JobSpec.restart_backoff_s,
+        retry_user_errors=r.retry_user_errors,
+        code=_code_from_proto(msg.code))
+
+
+def _model_from_proto(m: pb.ModelSpec) -> dict[str, Any]:
+    which = m.WhichOneof("source")
+    if which == "keras_json":
+        return {"keras_json": m.keras_json}
+    if which == "keras_file":
+        f = m.keras_file
+        return {"keras_file": {"name": f.name, "sha256": f.sha256, "size": f.size,
+                               "config": f.config}}
+    if which == "builtin":
+        b = m.builtin
+        return {"builtin": {"kind": b.kind, "input_shape": list(b.input_shape),
+                            "hidden": list(b.hidden), "classes": b.classes}}
+    return {}
+
+
+def _data_from_proto(d: pb.DataSpec) -> DataSpec:
+    return DataSpec(
+        source=d.source or DataSpec.source, path=d.path,
+        batch_size=d.batch_size if d.HasField("batch_size") else DataSpec.batch_size,
+        examples=d.examples, test_path=d.test_path, label=d.label,
+        features={name: {"shape": list(f.shape), "dtype": f.dtype}
+                  for name, f in d.features.items()},
+        image_size=tuple(d.image_size),
+        test_fraction=d.test_fraction if d.HasField("test_fraction") else DataSpec.test_fraction)
+
+
+def _optimizer_from_proto(o: pb.OptimizerSpec) -> OptimizerSpec | None:
+    if not o.ListFields():
+        return None  # not given: the model's own, else the default (``optimizer_used``)
+    return OptimizerSpec(
+        name=o.name or OptimizerSpec.name,
+        learning_rate=o.learning_rate if o.HasField("learning_rate")
+        else OptimizerSpec.learning_rate)
+
+
+def _memory_from_proto(m: pb.MemorySpec) -> MemorySpec:
+    return MemorySpec(per_task_budget=m.per_task_budget,
+                      mixed_precision=m.mixed_precision or MemorySpec.mixed_precision,
+                      recompute=m.recompute, profile=m.profile or MemorySpec.profile)
+
+
+def _gradients_from_proto(g: pb.GradientSpec) -> GradientSpec:
+    return GradientSpec(
+        accumulate=g.accumulate if g.HasField("accumulate") else GradientSpec.accumulate,
+        compression=g.compression or GradientSpec.compression, pack_size=g.pack_size)
+
+
+def _code_from_proto(c: pb.CodeSpec) -> dict[str, Any]:
+    if not c.ListFields():
+        return {}  # no code
+    return {"dir_name": c.dir_name, "sha256": c.sha256, "size": c.size, "model": c.model,
+            "dataset": c.dataset}
+
+
+def spec_from_proto(msg: pb.JobSpec) -> JobSpec:
+    """Checks a JobSpec message a client sent: the one validation path (``parse_job_spec``)
+    reads the fields that are set straight from the message (``_Given``). Raises ``SpecError``
+    naming the field.
+
+    Why not build a ``JobSpec`` from the message first and check that: the rules depend on
+    which fields were given, which a built spec no longer shows (``workers`` absent is 1,
+    ``workers: 0`` is refused; ``test_fraction`` absent is 0.2, 0 is refused; ``hidden``
+    absent is the default layers, empty is none), and on the order fields are read in (the
+    first bad one is named). Building first would need a second copy of every default and
+    of that order, one per kind of input; reading the message in place keeps one."""
+    return parse_job_spec(_Given(msg))
+
+
+class _Given(Mapping[str, Any]):
+    """A message's fields as a client gave them, read in place as the loose mapping
+    ``parse_job_spec`` takes: a field is there when it is set (by presence where it has
+    presence, else when not zero or empty); a submessage or a map's message reads the same
+    way; an empty list whose emptiness means something shows by its flag
+    (``_EMPTY_LIST_FLAGS``; the flag itself is no field)."""
+
+    __slots__ = ("_msg", "_readers")
+
+    def __init__(self, msg: Message) -> None:
+        self._msg = msg
+        self._readers = _readers(msg.DESCRIPTOR)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        value = self._readers.get(key, _no_field)(self._msg, key)
+        return default if value is _ABSENT else value
+
+    def __getitem__(self, key: str) -> Any:
+        value = self._readers.get(key, _no_field)(self._msg, key)
+        if value is _ABSENT:
+            raise KeyError(key)
+        return value
+
+    def __iter__(self) -> Iterator[str]:
+        return (name for name, read in self._readers.items()
+                if read(self._msg, name) is not _ABSENT)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+class _GivenMap(Mapping[str, Any]):
+    """A map of messages (``DataSpec.features``), each read as ``_Given``."""
+
+    __slots__ = ("_map",)
+
+    def __init__(self, m: Any) -> None:
+        self._map = m
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self._map:  # reading a missing key of a message map would add it
+            raise KeyError(key)
+        return _Given(self._map[key])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._map)
+
+    def __len__(self) -> int:
+        return len(self._map)
+
+
+# How ``_Given`` reads a field: each reader gives the value, or ``_ABSENT`` when it is not set.
+_ABSENT = object()
+_Reader = Callable[[Any, str], Any]
+
+
+def _no_field(msg: Any, key: str) -> Any:
+    return _ABSENT
+
+
+def _by_presence(msg: Any, key: str) -> Any:
+    return getattr(msg, key) if msg.HasField(key) else _ABSENT
+
+
+def _submessage(msg: Any, key: str) -> Any:
+    return _Given(getattr(msg, key)) if msg.HasField(key) else _ABSENT
+
+
+def _by_value(msg: Any, key: str) -> Any:  # a plain proto3 scalar: set when not zero
+    value = getattr(msg, key)
+    return value if value else _ABSENT
+
+
+def _list(msg: Any, key: str) -> Any:
+    value = getattr(msg, key)
+    return list(value) if value else _ABSENT
+
+
+def _message_map(msg: Any, key: str) -> Any:
+    value = getattr(msg, key)
+    return _GivenMap(value) if value else _ABSENT
+
+
+def _scalar_map(msg: Any, key: str) -> Any:
+    value = getattr(msg, key)
+    return dict(value) if value else _ABSENT
+
+
+def _flagged_list(flag: str) -> _Reader:
+    def read(msg: Any, key: str) -> Any:
+        value = getattr(msg, key)
+        return list(value) if value or getattr(msg, flag) else _ABSENT
+    return read
+
+
+@functools.lru_cache(maxsize=None)
+def _readers(desc: Any) -> dict[str, _Reader]:
+    """Each field of a message type -> its reader (worked out once per type)."""
+    flags = _EMPTY_LIST_FLAGS.get(desc.full_name, {})
+    out: dict[str, _Reader] = {}
+    for f in desc.fields:
+        if f.name in flags.values():
+            out[f.name] = _no_field  # a flag is read with its list
+        elif f.name in flags:
+            out[f.name] = _flagged_list(flags[f.name])
+        elif f.message_type is not None and f.message_type.GetOptions().map_entry:
+            valued = f.message_type.fields_by_name["value"].message_type is not None
+            out[f.name] = _message_map if valued else _scalar_map
+        elif _is_repeated(f):
+            out[f.name] = _list
+        elif f.message_type is not None:
+            out[f.name] = _submessage
+        else:
+            out[f.name] = _by_presence if f.has_presence else _by_value
+    return out
+
 
 def message_to_dict(msg: Message) -> dict[str, Any]:
-    """Only the fields that are set (optional scalars by presence), with native Python types.
-
-    Unlike json_format.MessageToDict this keeps int64 as int, so the one validation path
-    (``strata.spec.parse_job_spec``) sees the same types as from a YAML file.
-    """
+    """Only the fields that are set (optional scalars by presence), with native Python types:
+    a message as plain data, for tools. Unlike json_format.MessageToDict this keeps int64 as
+    int. (The spec conversions above read messages field by field, with no dict between.)"""
     out: dict[str, Any] = {}
     for field, value in msg.ListFields():
         if field.message_type is not None and field.message_type.GetOptions().map_entry:
@@ -51,51 +337,6 @@ def _is_repeated(field: Any) -> bool:
     # protobuf 5+: field.is_repeated; older: label == LABEL_REPEATED.
     rep = getattr(field, "is_repeated", None)
     return bool(rep) if rep is not None else field.label == field.LABEL_REPEATED
-
-
-def spec_to_proto(spec: JobSpec) -> pb.JobSpec:
-    """A parsed spec to its message (every field set: the normalized spec)."""
-    msg = pb.JobSpec()
-    json_format.ParseDict(spec.to_dict(), msg)
-    _mark_empty_lists(spec.to_dict(), msg)
-    return msg
-
-
-def raw_spec_to_proto(raw: Mapping[str, Any]) -> pb.JobSpec:
-    """A spec mapping as a user wrote it, unvalidated (for tools and tests that must send what
-    a client would refuse); unknown fields raise ``json_format.ParseError``."""
-    msg = pb.JobSpec()
-    json_format.ParseDict(dict(raw), msg)
-    _mark_empty_lists(raw, msg)
-    return msg
-
-
-def _mark_empty_lists(raw: Mapping[str, Any], msg: pb.JobSpec) -> None:
-    # an empty repeated field is indistinguishable from an unset one on the wire; the lists
-    # whose emptiness means something carry a presence flag (BuiltinModel.no_hidden)
-    model = raw.get("model")
-    builtin = model.get("builtin") if isinstance(model, Mapping) else None
-    if isinstance(builtin, Mapping) and builtin.get("hidden") == []:
-        msg.model.builtin.no_hidden = True
-
-
-def _spec_dict(msg: pb.JobSpec) -> dict[str, Any]:
-    d = message_to_dict(msg)
-    builtin = d.get("model", {}).get("builtin")
-    if isinstance(builtin, dict) and builtin.pop("no_hidden", False):
-        builtin.setdefault("hidden", [])
-    return d
-
-
-def accepted_spec_from_proto(msg: pb.JobSpec) -> JobSpec:
-    """A spec the coordinator has accepted (in a ``Job``): decoded, not validated again."""
-    return JobSpec.from_dict(_spec_dict(msg))
-
-
-def spec_from_proto(msg: pb.JobSpec) -> JobSpec:
-    """Parses a JobSpec message: the one validation path (``parse_job_spec``) over the fields
-    that are set. Raises ``SpecError`` naming the field."""
-    return parse_job_spec(_spec_dict(msg))
 
 
 # --- jobs -------------------------------------------------------------------------------------

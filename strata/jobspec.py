@@ -1,8 +1,9 @@
 """The job spec's types: ``JobSpec`` and its sections, frozen and fully defaulted, with the
 constants their fields are checked against. ``strata.spec.parse_job_spec`` makes one from what a
 user wrote (checking it against its strategy's rules); ``JobSpec.to_dict`` is the normalized
-mapping task processes receive and ``JobSpec.from_dict`` reads it back without checking again.
-Ground floor of the library: every layer above names these types."""
+mapping (what the store keeps, what the memory estimator reads) and ``JobSpec.from_dict`` reads
+it back without checking again. Ground floor of the library: every layer above names these
+types."""
 
 from __future__ import annotations
 
@@ -184,10 +185,11 @@ class JobSpec:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "JobSpec":
-        """An accepted spec from its normalized mapping (``to_dict``; the store's copy, or a
-        message from the coordinator, where protobuf leaves out fields at their zero value):
-        rebuilt without validating again, so a rule added later, or a strategy this side does
-        not know, never makes an accepted job unreadable. Missing fields take their zero value."""
+        """An accepted spec from its normalized mapping (``to_dict``: the store's copy, perhaps
+        written before a field existed): rebuilt without validating again, so a rule added
+        later, or a strategy this side does not know, never makes an accepted job unreadable.
+        A missing field takes its zero value, a missing field of a section the section's
+        default. A message converts field by field instead (``strata.convert``)."""
         def sub(name: str) -> Mapping[str, Any]:
             v = d.get(name)
             return v if isinstance(v, Mapping) else {}

@@ -1,8 +1,9 @@
 """The job spec: one validation path for YAML files, JSON, ``--set`` overrides and gRPC requests.
 
-``parse_job_spec`` takes the plain mapping a user wrote (or that a ``JobSpec`` message converts to)
-and returns a frozen, fully defaulted ``strata.jobspec.JobSpec``, or raises :class:`SpecError`
-naming the dotted field to fix. Above the strategies: each checks its own fields.
+``parse_job_spec`` takes the fields as given: the mapping a user wrote, or a ``JobSpec`` message's
+set fields (read in place by ``strata.convert.spec_from_proto``); it returns a frozen, fully
+defaulted ``strata.jobspec.JobSpec``, or raises :class:`SpecError` naming the dotted field to fix.
+Above the strategies: each checks its own fields.
 """
 
 from __future__ import annotations
@@ -346,14 +347,14 @@ def _check_code(spec: JobSpec, strategy: strategies.Strategy) -> None:
 def _features(raw: Any) -> dict[str, Any]:
     if raw in (None, {}):
         return {}
-    if not isinstance(raw, dict):
+    if not isinstance(raw, Mapping):
         raise SpecError("data.features", "must map feature names to {shape, dtype}")
     out: dict[str, Any] = {}
     for name, f in raw.items():
         field = f"data.features.{name}"
         if not isinstance(name, str) or not re.match(r"^[A-Za-z_][A-Za-z0-9_./-]{0,127}$", name):
             raise SpecError("data.features", f"bad feature name {str(name)[:60]!r}")
-        if not isinstance(f, dict) or set(f) - {"shape", "dtype"}:
+        if not isinstance(f, Mapping) or set(f) - {"shape", "dtype"}:
             raise SpecError(field, "must be {shape: [...], dtype: float32 | int64 | string}")
         shape = _int_list(f, "shape", f"{field}.shape", [], allow_empty=True)
         out[name] = {"shape": shape,
@@ -408,7 +409,7 @@ def _code(raw: Any) -> dict[str, Any]:
     packs ``code.dir``, ``strata.uploads``) and the functions to call in it."""
     if raw in (None, {}):
         return {}
-    if not isinstance(raw, dict):
+    if not isinstance(raw, Mapping):
         raise SpecError("code", "must be a mapping with dir, model and/or dataset")
     unknown = sorted(set(raw) - {"dir", "dir_name", "sha256", "size", "model", "dataset"})
     if unknown:
@@ -504,7 +505,7 @@ def _keras_file(kf: Any) -> dict[str, Any]:
         raise SpecError(f, f"{kf[:200]!r} is a path on the submitting machine; submit through "
                            "the strata client (strata submit, strata plan, strata.client), which "
                            "uploads the file")
-    if not isinstance(kf, dict):
+    if not isinstance(kf, Mapping):
         raise SpecError(f, "must be the path of a .keras file")
     unknown = sorted(set(kf) - {"name", "sha256", "size", "config"})
     if unknown:
