@@ -296,7 +296,7 @@ class CallWait:
     """How long a new call waits at this coordinator before it is answered: what a heartbeat
     on a stream being opened again, a unary heartbeat or a registration meets, which
     ``HeartbeatDelay`` cannot see (it learns only from heartbeats that were handled). A probe
-    (``service.CallProbe``, a thread) calls the coordinator's own server, one call at a time,
+    (``callprobe.CallProbe``, a thread) calls the coordinator's own server, one call at a time,
     and marks each try ``sent`` and an answer ``answered`` on its monotonic clock; a call
     refused is tried again, and its wait counts from the first try. The estimate is the
     longest wait answered in the last ``window_s``, or the age of the call still out if that

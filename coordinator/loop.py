@@ -93,7 +93,7 @@ class ControlLoop(JobLifecycle):
         #: how long heartbeats wait before they are handled: added to the timeout (``tick``)
         self.heartbeat_delay = HeartbeatDelay()
         #: how long a new call waits before it is answered, when a probe measures it
-        #: (``service.CallProbe``): added to the timeout too (``tick``)
+        #: (``callprobe.CallProbe``): added to the timeout too (``tick``)
         self.call_wait = CallWait()
         self._delay_noted = False
         self._disk_full_said = 0.0

@@ -30,7 +30,7 @@ from strata.coordinator.gcpolicy import GcPolicy
 from strata.coordinator.jobapi import JobServicer
 from strata.coordinator.logs import DEFAULT_MAX_JOB_LOG_BYTES
 from strata.coordinator.opencalls import OpenCalls, Revocations
-from strata.coordinator.probe import CallProbe
+from strata.coordinator.callprobe import CallProbe
 from strata.coordinator.store import SqliteStore
 from strata.coordinator.web import LOOP_LATE_SECONDS
 from strata.limits import (
@@ -81,7 +81,7 @@ def server_options() -> list[tuple[str, int]]:
         # gRPC refuses new calls at random (CANCELLED, at once) once more than 1,000 wait to
         # be matched with a handler: a cluster's agents registering at once (a restart) then
         # had their heartbeat streams refused too, for longer than the timeout. They queue
-        # now, and the probe counts refusals beyond these limits as waiting (``probe.CallProbe``).
+        # now, and the probe counts refusals beyond these limits as waiting (``callprobe.CallProbe``).
         ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
         ("grpc.server.max_pending_requests_hard_limit", 2 * MAX_PENDING_CALLS),
     ]

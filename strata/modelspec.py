@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from strata import layers as _rules
-from strata.layers import _pos, _prod, activation_name
+from strata.layerbase import LayerRuleError, _pos, _prod, activation_name
 
 __all__ = [
     "ModelSpecError",
@@ -533,6 +533,9 @@ def _dims(shape: Any) -> tuple[int, ...] | None:
 
 
 def _profile_graph(obj: dict) -> ModelProfile:
+    """The profile of a Sequential or Functional model's graph: checked (one output, unique
+    names, known inputs, no cycle, every layer leading to the output), then each layer's
+    rule applied in a topological order, the output layer last."""
     inputs, nodes, outputs = _graph(obj)
     if not inputs:
         raise ModelSpecError(_KJ, "the model has no input layer")
@@ -547,17 +550,31 @@ def _profile_graph(obj: dict) -> ModelProfile:
         dims = _check_shape(shape)
         shapes[name] = [dims]
         model_inputs.append(ModelInput(name, dims, dtype))
+    order = _ordered(nodes, set(shapes))
+    out_name = outputs[0][0]
+    _check_all_lead_to(out_name, order, model_inputs)
+    order.sort(key=lambda n: n.name == out_name)  # stable: the output layer last
+    layers = [_layer_profile(n, shapes) for n in order]
+    if outputs[0][1] != 0:
+        raise ModelSpecError(_KJ, f"the model's output is output {outputs[0][1]} of layer "
+                                  f"{out_name!r}; use a model whose output is a layer's first "
+                                  "output")
+    return ModelProfile(model_inputs[0].shape, tuple(layers), tuple(model_inputs))
+
+
+def _ordered(nodes: list[_Node], inputs: set[str]) -> list[_Node]:
+    """The layer calls in a topological order, keeping the file's order among ready layers;
+    refuses shared names, unknown inputs and cycles."""
     by_name = {n.name: n for n in nodes}
-    if len(by_name) != len(nodes) or set(by_name) & set(shapes):
+    if len(by_name) != len(nodes) or set(by_name) & inputs:
         raise ModelSpecError(_KJ, "two layers share a name")
     for n in nodes:
         for d in n.deps:
-            if d not in by_name and d not in shapes:
+            if d not in by_name and d not in inputs:
                 raise ModelSpecError(_KJ, f"layer {n.name!r} takes its input from unknown layer "
                                           f"{d!r}")
-    # topological order, keeping the file's order among ready layers
     order: list[_Node] = []
-    done = set(shapes)
+    done = set(inputs)
     pending = list(nodes)
     while pending:
         ready = [n for n in pending if all(d in done for d in n.deps)]
@@ -567,9 +584,13 @@ def _profile_graph(obj: dict) -> ModelProfile:
             order.append(n)
             done.add(n.name)
         pending = [n for n in pending if n.name not in done]
-    # every layer must lead to the output (nothing computed for nothing)
-    out_name = outputs[0][0]
-    if out_name not in by_name:
+    return order
+
+
+def _check_all_lead_to(out_name: str, order: list[_Node], model_inputs: list[ModelInput]
+                       ) -> None:
+    """Every layer and input must lead to the output (nothing computed for nothing)."""
+    if out_name not in {n.name for n in order}:
         raise ModelSpecError(_KJ, f"the model's output {out_name!r} is not one of its layers")
     needed = {out_name}
     for n in reversed(order):
@@ -581,52 +602,51 @@ def _profile_graph(obj: dict) -> ModelProfile:
     unused_inputs = [i.name for i in model_inputs if i.name not in needed]
     if unused_inputs:
         raise ModelSpecError(_KJ, f"inputs {unused_inputs} do not lead to the model's output")
-    order.sort(key=lambda n: n.name == out_name)  # stable: the output layer last
 
-    def shape_of(ref: tuple[str, int, Any], user: str) -> tuple[int, ...]:
-        producer, idx, recorded = ref
-        outs = shapes[producer]
-        if idx >= len(outs):
-            dims = _dims(recorded)
-            if dims is None:
-                raise ModelSpecError(_KJ, f"layer {user!r} takes output {idx} of {producer!r}, "
-                                          "which has no such output")
-            return dims
+
+def _shape_of(shapes: dict[str, list[tuple[int, ...]]], ref: tuple[str, int, Any], user: str
+              ) -> tuple[int, ...]:
+    """The per-example shape of the tensor ``ref`` that layer ``user`` takes: as recorded in
+    the file when it is fully known, else as its producer's rule made it."""
+    producer, idx, recorded = ref
+    outs = shapes[producer]
+    if idx >= len(outs):
         dims = _dims(recorded)
-        return dims if dims is not None else outs[idx]
+        if dims is None:
+            raise ModelSpecError(_KJ, f"layer {user!r} takes output {idx} of {producer!r}, "
+                                      "which has no such output")
+        return dims
+    dims = _dims(recorded)
+    return dims if dims is not None else outs[idx]
 
-    layers: list[LayerProfile] = []
-    for n in order:
-        rule = _rules.RULES.get(n.kind)
-        if rule is None:
-            why = _rules.REFUSED.get(n.kind)
-            if n.kind == "Lambda":
-                raise ModelSpecError(_KJ, f"layer {n.name!r} is a Lambda layer; Lambda and custom "
-                                          f"code are refused (safe mode)")
-            raise ModelSpecError(_KJ, f"layer {n.name!r} has unsupported class {n.kind!r}"
-                                      + (f": {why}" if why else "")
-                                      + f"; supported layers: {', '.join(SUPPORTED_LAYERS)}")
-        ins = [shape_of(r, n.name) for r in n.args]
-        kw = {k: shape_of(r, n.name) for k, r in n.kwargs.items()}
-        try:
-            o = rule(n.name, n.cfg, ins, kw)
-        except _rules.LayerRuleError as e:
-            raise ModelSpecError(_KJ, str(e)) from None
-        shapes[n.name] = [tuple(int(d) for d in s) for s in o.outputs]
-        refs = tuple(p if i == 0 else f"{p}:{i}" for p, i, _ in n.args) + tuple(
-            p if i == 0 else f"{p}:{i}" for p, i, _ in n.kwargs.values())
-        out0 = shapes[n.name][0]
-        layers.append(LayerProfile(
-            n.name, n.kind, o.params, sum(_prod(s) for s in shapes[n.name]), o.flops,
-            o.non_trainable, out0, refs, o.internal_elems, int(o.extra.get("kernel", 0)),
-            activation_name(n.cfg) if "activation" in n.cfg else (
-                "softmax" if n.kind == "Softmax" else "linear"),
-            int(o.extra.get("workspace", 0))))
-    if outputs[0][1] != 0:
-        raise ModelSpecError(_KJ, f"the model's output is output {outputs[0][1]} of layer "
-                                  f"{out_name!r}; use a model whose output is a layer's first "
-                                  "output")
-    return ModelProfile(model_inputs[0].shape, tuple(layers), tuple(model_inputs))
+
+def _layer_profile(n: _Node, shapes: dict[str, list[tuple[int, ...]]]) -> LayerProfile:
+    """Layer call ``n`` through its class's rule; its output shapes join ``shapes``."""
+    rule = _rules.RULES.get(n.kind)
+    if rule is None:
+        why = _rules.REFUSED.get(n.kind)
+        if n.kind == "Lambda":
+            raise ModelSpecError(_KJ, f"layer {n.name!r} is a Lambda layer; Lambda and custom "
+                                      f"code are refused (safe mode)")
+        raise ModelSpecError(_KJ, f"layer {n.name!r} has unsupported class {n.kind!r}"
+                                  + (f": {why}" if why else "")
+                                  + f"; supported layers: {', '.join(SUPPORTED_LAYERS)}")
+    ins = [_shape_of(shapes, r, n.name) for r in n.args]
+    kw = {k: _shape_of(shapes, r, n.name) for k, r in n.kwargs.items()}
+    try:
+        o = rule(n.name, n.cfg, ins, kw)
+    except LayerRuleError as e:
+        raise ModelSpecError(_KJ, str(e)) from None
+    shapes[n.name] = [tuple(int(d) for d in s) for s in o.outputs]
+    refs = tuple(p if i == 0 else f"{p}:{i}" for p, i, _ in n.args) + tuple(
+        p if i == 0 else f"{p}:{i}" for p, i, _ in n.kwargs.values())
+    out0 = shapes[n.name][0]
+    return LayerProfile(
+        n.name, n.kind, o.params, sum(_prod(s) for s in shapes[n.name]), o.flops,
+        o.non_trainable, out0, refs, o.internal_elems, int(o.extra.get("kernel", 0)),
+        activation_name(n.cfg) if "activation" in n.cfg else (
+            "softmax" if n.kind == "Softmax" else "linear"),
+        int(o.extra.get("workspace", 0)))
 
 
 def _check_shape(batch_shape: Any) -> tuple[int, ...]:

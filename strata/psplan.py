@@ -178,6 +178,23 @@ def plan_parameter_servers(profile: ModelProfile, *, num_ps: int, workers: int, 
     shares = {l.name: layer_share_bytes(l, workers=workers, optimizer=optimizer,
                                         batch=max(1, int(batch_size)))
               for l in profile.layers if l.params > 0}
+    placement, loads, members = _place(shares, num_ps)
+    ps_bytes = [_ps_total(l) for l in loads]
+    mixed = str(mixed_precision or "none") != "none"
+    b = max(1, int(batch_size))
+    worker_bytes = _worker_bytes(profile, b, mixed, data_bytes, kernels)
+    chief_bytes = _chief_bytes(profile, b, mixed)
+    reason = "" if ps_budget_bytes is None else _over_budget(
+        profile, shares, ps_bytes, members, int(ps_budget_bytes), workers=workers,
+        optimizer=optimizer)
+    return PsPlan(not reason, reason, placement, ps_bytes, int(worker_bytes), int(chief_bytes),
+                  shares)
+
+
+def _place(shares: dict[str, int], num_ps: int
+           ) -> tuple[dict[str, int], list[int], list[list[str]]]:
+    """LPT: the layers largest first, each onto the PS task with the smallest load so far
+    (ties to the lower index). Returns the placement, each task's load and its layers."""
     loads = [0] * num_ps
     members: list[list[str]] = [[] for _ in range(num_ps)]
     placement: dict[str, int] = {}
@@ -186,19 +203,26 @@ def plan_parameter_servers(profile: ModelProfile, *, num_ps: int, workers: int, 
         placement[name] = k
         loads[k] += shares[name]
         members[k].append(name)
-    ps_bytes = [_ps_total(l) for l in loads]
+    return placement, loads, members
 
-    mixed = str(mixed_precision or "none") != "none"
+
+def _worker_bytes(profile: ModelProfile, b: int, mixed: bool, data_bytes: int,
+                  kernels: str) -> int:
+    """A worker task's estimate with batches of ``b`` examples (the module docstring)."""
     params = profile.total_params
-    b = max(1, int(batch_size))
     act = WORKER_MIXED_ACTIVATION_BYTES if mixed else WORKER_ACTIVATION_BYTES
     label_bytes = 8  # int64 class ids (one-hot labels are wider; small next to the features)
     worker = (4 * params + (2 * params if mixed else 0) + 4 * profile.trainable_params
               + act * b * profile.activation_elems + max(0, int(data_bytes))
               + WORKER_INPUT_BATCHES * b * (4 * profile.input_elems + label_bytes))
     worker += largest_workspace(profile, kernels)
-    worker_bytes = WORKER_FIXED + int(math.ceil(worker * (1 + FRAGMENTATION)))
+    return WORKER_FIXED + int(math.ceil(worker * (1 + FRAGMENTATION)))
 
+
+def _chief_bytes(profile: ModelProfile, b: int, mixed: bool) -> int:
+    """The chief's estimate, evaluating in batches of at most ``b`` examples (the module
+    docstring)."""
+    params = profile.total_params
     eb = min(b, EVAL_BATCH_MAX)
     cact = CHIEF_MIXED_ACTIVATION_BYTES if mixed else CHIEF_ACTIVATION_BYTES
     # evaluation runs forward only: what is alive is a layer's input and output, not every
@@ -216,36 +240,35 @@ def plan_parameter_servers(profile: ModelProfile, *, num_ps: int, workers: int, 
     # the way to a power of two each (the 9 x 1536 MLP's chief, nine 9 MiB kernels, peaked
     # 18 MiB above the plain sum; the digits MLP's 2 MiB kernel costs nothing more)
     chief += sum(_half_rounding(largest_variable_bytes(l)) for l in profile.layers)
-    chief_bytes = CHIEF_FIXED + int(math.ceil(chief * (1 + FRAGMENTATION)))
+    return CHIEF_FIXED + int(math.ceil(chief * (1 + FRAGMENTATION)))
 
-    feasible, reason = True, ""
-    if ps_budget_bytes is not None:
-        budget = int(ps_budget_bytes)
-        too_big = [n for n in sorted(shares, key=lambda n: -shares[n])
-                   if _ps_total(shares[n]) > budget]
-        if too_big:
-            name = too_big[0]
-            layer = next(l for l in profile.layers if l.name == name)
-            stored = _stored_bytes(layer, _slots(optimizer))
-            feasible = False
-            reason = (f"layer {name!r} ({layer.params:,} parameters) needs "
-                      f"{format_size(_ps_total(shares[name]))} on one parameter server "
-                      f"({format_size(stored)} of variables and {_slots(optimizer)} optimizer "
-                      f"slot(s) per parameter, {format_size(shares[name] - stored)} for the "
-                      f"updates of {workers} worker(s)), more than a PS task's budget of "
-                      f"{format_size(budget)}; a layer's variables cannot be split across PS "
-                      "tasks: raise memory.per_task_budget, use fewer workers or an optimizer "
-                      "with fewer slots"
-                      + (f" ({len(too_big) - 1} more layer(s) are too large too)"
-                         if len(too_big) > 1 else ""))
-        else:
-            over = [k for k in range(num_ps) if ps_bytes[k] > budget]
-            if over:
-                k = max(over, key=lambda i: ps_bytes[i])
-                feasible = False
-                reason = (f"the layers do not fit on {num_ps} parameter server(s) of "
-                          f"{format_size(budget)}: ps:{k} would need "
-                          f"{format_size(ps_bytes[k])} for {', '.join(members[k])}; add "
-                          "parameter servers or raise memory.per_task_budget")
-    return PsPlan(feasible, reason, placement, ps_bytes, int(worker_bytes), int(chief_bytes),
-                  shares)
+
+def _over_budget(profile: ModelProfile, shares: dict[str, int], ps_bytes: list[int],
+                 members: list[list[str]], budget: int, *, workers: int, optimizer: str
+                 ) -> str:
+    """Why the plan does not fit PS tasks of ``budget`` bytes: a layer too large for any of
+    them, else the task that needs the most; "" when it fits."""
+    too_big = [n for n in sorted(shares, key=lambda n: -shares[n])
+               if _ps_total(shares[n]) > budget]
+    if too_big:
+        name = too_big[0]
+        layer = next(l for l in profile.layers if l.name == name)
+        stored = _stored_bytes(layer, _slots(optimizer))
+        return (f"layer {name!r} ({layer.params:,} parameters) needs "
+                f"{format_size(_ps_total(shares[name]))} on one parameter server "
+                f"({format_size(stored)} of variables and {_slots(optimizer)} optimizer "
+                f"slot(s) per parameter, {format_size(shares[name] - stored)} for the "
+                f"updates of {workers} worker(s)), more than a PS task's budget of "
+                f"{format_size(budget)}; a layer's variables cannot be split across PS "
+                "tasks: raise memory.per_task_budget, use fewer workers or an optimizer "
+                "with fewer slots"
+                + (f" ({len(too_big) - 1} more layer(s) are too large too)"
+                   if len(too_big) > 1 else ""))
+    over = [k for k in range(len(ps_bytes)) if ps_bytes[k] > budget]
+    if not over:
+        return ""
+    k = max(over, key=lambda i: ps_bytes[i])
+    return (f"the layers do not fit on {len(ps_bytes)} parameter server(s) of "
+            f"{format_size(budget)}: ps:{k} would need "
+            f"{format_size(ps_bytes[k])} for {', '.join(members[k])}; add "
+            "parameter servers or raise memory.per_task_budget")

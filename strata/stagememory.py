@@ -30,7 +30,7 @@ micro-batches, ``R`` the replicas and the stage's layers [first, last):
   tasks of a 2 x 2 hybrid job at 1.1-1.25 x that estimate and one ran out of memory, so the
   buffers do coexist.) They coexist with the task's accumulator and the sum, not with its
   backward pass: the runner sends a replica's gradients only once the receiving task has
-  summed its own micro-batches (``worker.trainers.gpipe``, the averaging); before it did, they
+  summed its own micro-batches (``worker.trainers.gpipe_exchange``); before it did, they
   arrived as soon as they were made and a task held one more gradient at 1.06-1.23 x its
   estimate. With ``gradients.compression`` (hybrid) the accumulated gradients
   travel as 16 bits: the task's own 16-bit copy and the ``R - 1`` it receives, 2 bytes each,
@@ -56,7 +56,7 @@ micro-batches, ``R`` the replicas and the stage's layers [first, last):
   gradients of its output received from the next stage (not on the last stage, which starts
   from the loss), TWO micro-batches' when M > 1: the one being back-propagated and the next,
   which TF receives as soon as the next stage makes it. The runner holds the next stage back
-  so that no more arrive early (``worker.trainers.gpipe``, the backward loop); before it did, a
+  so that no more arrive early (``worker.trainers.gpipe_schedule``); before it did, a
   lagging recomputing first stage was measured holding all M (6.5 MiB, 1.22 x its estimate).
   4 x elements x m each;
 - input data (first stage): ``PIPELINE_INPUT_BATCHES`` GLOBAL batches (R x m x M examples: the
@@ -140,6 +140,23 @@ def _check_optimizer(optimizer: str) -> str:
     return name
 
 
+def _check_settings(profile: ModelProfile, microbatch: int, microbatches: int, replicas: int,
+                    mixed_precision: str) -> None:
+    """``StageCostModel``'s settings checked, each error naming its spec field."""
+    if not profile.layers:
+        raise SpecError("model", "has no layers to split into stages")
+    if not isinstance(microbatch, int) or microbatch < 1:
+        raise SpecError("microbatches", f"the micro-batch size must be a positive integer, "
+                         f"got {microbatch!r}")
+    if not isinstance(microbatches, int) or microbatches < 1:
+        raise SpecError("microbatches", f"must be a positive integer, got {microbatches!r}")
+    if not isinstance(replicas, int) or replicas < 1:
+        raise SpecError("replicas", f"must be a positive integer, got {replicas!r}")
+    if mixed_precision not in MIXED_PRECISION_MODES:
+        raise SpecError("memory.mixed_precision", f"unknown mode {mixed_precision!r} "
+                         f"(known: {', '.join(MIXED_PRECISION_MODES)})")
+
+
 class StageCostModel:
     """Memory and cost of any contiguous stage in O(1), after an O(L) prefix-sum pass.
 
@@ -153,33 +170,32 @@ class StageCostModel:
                  recompute: bool = False, replicas: int = 1,
                  layer_costs: Sequence[float] | None = None, label_bytes: int = 8,
                  data_bytes: int = 0, compressed: bool = False, kernels: str = ANY):
-        layers = profile.layers
-        if not layers:
-            raise SpecError("model", "has no layers to split into stages")
-        if not isinstance(microbatch, int) or microbatch < 1:
-            raise SpecError("microbatches", f"the micro-batch size must be a positive integer, "
-                             f"got {microbatch!r}")
-        if not isinstance(microbatches, int) or microbatches < 1:
-            raise SpecError("microbatches", f"must be a positive integer, got {microbatches!r}")
-        if not isinstance(replicas, int) or replicas < 1:
-            raise SpecError("replicas", f"must be a positive integer, got {replicas!r}")
-        if mixed_precision not in MIXED_PRECISION_MODES:
-            raise SpecError("memory.mixed_precision", f"unknown mode {mixed_precision!r} "
-                             f"(known: {', '.join(MIXED_PRECISION_MODES)})")
+        _check_settings(profile, microbatch, microbatches, replicas, mixed_precision)
         self.profile = profile
-        self.layers = layers
-        self.L = L = len(layers)
-        self.microbatch = m = microbatch
-        self.microbatches = M = microbatches
+        self.layers = profile.layers
+        self.L = len(self.layers)
+        self.microbatch = microbatch
+        self.microbatches = microbatches
         self.optimizer = _check_optimizer(optimizer)
-        self.mixed = mixed = mixed_precision != "none"
+        self.mixed = mixed_precision != "none"
         self.recompute = bool(recompute)
         self.replicas = replicas
         self.label_bytes = int(label_bytes)
         self.data_bytes = int(data_bytes)
+        self._coefficients(compressed, kernels)
+        self._prefix_sums(kernels)
+        x, y = self._ends()
+        # ``estimate`` takes the exact transients: these, before they are folded in
+        self._x0, self._y0 = list(x), list(y)
+        self._fold_transients(x, y, kernels)
+        self._x, self._y = x, y
+        self._f = self._cost_prefix(layer_costs)
 
-        # per-unit coefficients (bytes)
-        self.c_weight = 4 + (2 if mixed else 0)
+    def _coefficients(self, compressed: bool, kernels: str) -> None:
+        """The per-unit coefficients (bytes per parameter, per trainable parameter and per
+        kept output element) and the examples whose inputs and labels are in flight."""
+        m, M, replicas = self.microbatch, self.microbatches, self.replicas
+        self.c_weight = 4 + (2 if self.mixed else 0)
         slots = optimizer_buffers(self.optimizer)
         self.accumulates = M > 1 or replicas > 1
         # 16-bit copies of the exchanged gradients (``gradients.compression``, replicas only)
@@ -187,22 +203,29 @@ class StageCostModel:
         self.acc_share = rates_of(kernels).accumulator if self.accumulates else 0.0
         self.c_train = 4 * (1 + self.acc_share + slots + max(0, replicas - 1)) \
             + self.c_wire
-        per_elem = rates_of(kernels).pipeline[1 if mixed else 0]
+        per_elem = rates_of(kernels).pipeline[1 if self.mixed else 0]
         self.c_act = per_elem * m * (1 if self.recompute else M)
         self.in_flight_examples = PIPELINE_INPUT_BATCHES * m * M * replicas  # global batches
         self.label_examples = PIPELINE_INPUT_BATCHES * m * M  # one replica's batches
 
+    def _prefix_sums(self, kernels: str) -> None:
+        """Prefix sums over the layers of parameters, trainable parameters and kept output
+        elements (weighted by kind)."""
+        L = self.L
         pp = [0] * (L + 1)
         pt = [0] * (L + 1)
         pa: list[float] = [0.0] * (L + 1)  # kept output elements, weighted by kind
-        for i, layer in enumerate(layers):
+        for i, layer in enumerate(self.layers):
             pp[i + 1] = pp[i] + layer.params
             pt[i + 1] = pt[i] + layer.trainable_params
             pa[i + 1] = pa[i] + kept_share(layer.kind, kernels) * layer.output_elems \
                 + layer.internal_elems
         self._pp, self._pt, self._pa = pp, pt, pa
 
-        # X[b]: terms that grow with the end b; Y[a]: with the start a (subtracted)
+    def _ends(self) -> tuple[list[float], list[float]]:
+        """X[b]: the terms that grow with the end b; Y[a]: with the start a (subtracted);
+        the transients not yet in."""
+        L, pp, pt, pa = self.L, self._pp, self._pt, self._pa
         cw, ct, ca = self.c_weight, self.c_train, self.c_act
         x = [0.0] * (L + 1)
         y = [0.0] * (L + 1)
@@ -211,22 +234,25 @@ class StageCostModel:
             x[i] = base + (self._grad_out(i) if i < L else self._labels())
             y[i] = base - self._boundary_in(i) - self._grad_in(i) - (self._input_data() if i == 0
                                                                       else 0)
-        # Transients: a convolution's workspace (backward pass, on top of the activations) or
-        # the optimizer update's temporaries (after it, activations freed), each the largest
-        # over the stage's layers. A max over the range is not a prefix-sum difference, so the
-        # planner's search (``memory``) bounds it from one end: "the largest of the layers from
-        # a on" and "of the layers before b" both bound it and each depends on one end only;
-        # the one that overstates less on this model is folded into Y (or X). ``estimate``, the
-        # figure budgets come from, takes the exact range maximum and the larger of the two
-        # phases, and is never above ``memory``.
-        self._x0, self._y0 = list(x), list(y)
+        return x, y
+
+    def _fold_transients(self, x: list[float], y: list[float], kernels: str) -> None:
+        """Transients: a convolution's workspace (backward pass, on top of the activations) or
+        the optimizer update's temporaries (after it, activations freed), each the largest
+        over the stage's layers. A max over the range is not a prefix-sum difference, so the
+        planner's search (``memory``) bounds it from one end: "the largest of the layers from
+        a on" and "of the layers before b" both bound it and each depends on one end only;
+        the one that overstates less on this model is folded into Y (or X), in place.
+        ``estimate``, the figure budgets come from, takes the exact range maximum and the
+        larger of the two phases, and is never above ``memory``."""
+        L, layers, m = self.L, self.layers, self.microbatch
         # a layer that shrinks its input (pooling) makes, in its backward pass, a gradient of
         # its input's size per micro-batch besides the boundary terms: measured, a 2 x 2 max
         # pool of a 24x24x64 map failed allocating that gradient ([64, 24, 24, 64],
         # MaxPoolGrad) 14 MiB above its stage's estimate
         self._ws = [w + (4 * self._in_elems(i) * m if self._in_elems(i) >= 2 * layer.output_elems
                          else 0)
-                    for i, (w, layer) in enumerate(zip(layer_workspaces(profile, kernels),
+                    for i, (w, layer) in enumerate(zip(layer_workspaces(self.profile, kernels),
                                                        layers))]
         self._upd = [update_transient_bytes(layer, self.optimizer) for layer in layers]
         # per layer: what the stage's peak can exceed the backward-pass terms by when the
@@ -237,28 +263,30 @@ class StageCostModel:
              for w, u, layer in zip(self._ws, self._upd, layers)]
         self.transient_from = [0] * (L + 1)   # per start a: the transient memory() counts
         self.transient_to = [0] * (L + 1)     # per end b
-        if any(t):
-            suf = [0] * (L + 1)
-            for i in range(L - 1, -1, -1):
-                suf[i] = max(suf[i + 1], t[i])
-            pre = [0] * (L + 1)
+        if not any(t):
+            return
+        suf = [0] * (L + 1)
+        for i in range(L - 1, -1, -1):
+            suf[i] = max(suf[i + 1], t[i])
+        pre = [0] * (L + 1)
+        for i in range(L):
+            pre[i + 1] = max(pre[i], t[i])
+        over_suf = sum(suf[i] - t[i] for i in range(L))
+        over_pre = sum(pre[i + 1] - t[i] for i in range(L))
+        if over_suf <= over_pre:
+            self.transient_from = suf
             for i in range(L):
-                pre[i + 1] = max(pre[i], t[i])
-            over_suf = sum(suf[i] - t[i] for i in range(L))
-            over_pre = sum(pre[i + 1] - t[i] for i in range(L))
-            if over_suf <= over_pre:
-                self.transient_from = suf
-                for i in range(L):
-                    y[i] -= suf[i]
-            else:
-                self.transient_to = pre
-                for i in range(1, L + 1):
-                    x[i] += pre[i]
-        self._x, self._y = x, y
+                y[i] -= suf[i]
+        else:
+            self.transient_to = pre
+            for i in range(1, L + 1):
+                x[i] += pre[i]
 
-        # costs
+    def _cost_prefix(self, layer_costs: Sequence[float] | None) -> list[float]:
+        """Sets the cost factor and unit; returns the prefix sums of the per-layer costs."""
+        L = self.L
         if layer_costs is None:
-            per_layer: list[float] = [l.flops for l in layers]
+            per_layer: list[float] = [l.flops for l in self.layers]
             self.cost_factor: float = 4 if self.recompute else 3
             self.cost_unit = "FLOPs"
         else:
@@ -275,7 +303,7 @@ class StageCostModel:
         f: list[float] = [0.0] * (L + 1)
         for i, c in enumerate(per_layer):
             f[i + 1] = f[i] + c
-        self._f = f
+        return f
 
     # -- boundary terms (functions of one end only)
 

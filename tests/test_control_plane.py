@@ -511,7 +511,7 @@ def _cluster_server(tmp_path, options=()):
     from strata.coordinator.core import Coordinator
     from strata.coordinator.clusterapi import ClusterServicer
     from strata.coordinator.jobapi import JobServicer
-    from strata.coordinator.probe import CallProbe
+    from strata.coordinator.callprobe import CallProbe
     from strata.coordinator.service import add_service
     from strata.coordinator.store import SqliteStore
 
@@ -665,7 +665,7 @@ def test_without_a_writable_temp_dir_the_coordinator_serves_unprobed(monkeypatch
     import tempfile
 
     from strata.coordinator.agents import CallWait
-    from strata.coordinator.probe import CallProbe
+    from strata.coordinator.callprobe import CallProbe
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "missing"))
     probe = CallProbe(None, CallWait())  # type: ignore[arg-type]  (never reached)

@@ -25,8 +25,8 @@ FLOORS: list[tuple[str, set[str]]] = [
     ("ground: types, errors, units, the task contract, model descriptions", {
         "strata", "strata.errors", "strata.units", "strata.jobspec", "strata.exitcodes",
         "strata.limits",
-        "strata.cpukernels", "strata.types", "strata.taskconfig", "strata.layers",
-        "strata.modelspec", "strata.safeyaml", "strata.uploads", "strata.dataroots",
+        "strata.cpukernels", "strata.types", "strata.taskconfig", "strata.layerbase",
+        "strata.layers", "strata.modelspec", "strata.safeyaml", "strata.uploads", "strata.dataroots",
         "strata.tfconfig", "strata.auth", "strata.tls"}),
     ("estimators and planner", {
         "strata.memory", "strata.oom", "strata.measured", "strata.stagememory", "strata.psplan",
@@ -37,9 +37,11 @@ FLOORS: list[tuple[str, set[str]]] = [
         "strata.strategies.parameter_server"}),
     ("the job spec's parse, checked against the strategies' rules", {"strata.spec"}),
     ("the service edge: protobuf conversion, the client", {"strata.convert", "strata.client"}),
-    ("launchers", {"strata.local", "strata.cli"}),
+    ("launchers", {"strata.local", "strata.cli", "strata.clicommon", "strata.clijobs",
+                   "strata.clicluster", "strata.clioffline", "strata.cliparser"}),
 ]
-LAUNCHERS = {"strata.local", "strata.cli"}
+LAUNCHERS = {"strata.local", "strata.cli", "strata.clicommon", "strata.clijobs",
+             "strata.clicluster", "strata.clioffline", "strata.cliparser"}
 
 
 def _modules() -> dict[str, str]:

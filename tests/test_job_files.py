@@ -322,7 +322,7 @@ def test_set_through_a_value_that_is_not_a_mapping_names_the_path():
 # --- the CLI's time bound --------------------------------------------------------------------
 
 def test_the_cli_refuses_a_parse_that_runs_past_its_limit(tmp_path, monkeypatch, capsys):
-    from strata import cli, spec
+    from strata import cli, clicommon, spec
 
     path = job_file(tmp_path, GOOD)
 
@@ -330,7 +330,7 @@ def test_the_cli_refuses_a_parse_that_runs_past_its_limit(tmp_path, monkeypatch,
         time.sleep(60)  # the timer's signal ends it
 
     monkeypatch.setattr(spec, "load_spec_file", slow)
-    monkeypatch.setattr(cli, "PARSE_LIMIT_S", 0.2)
+    monkeypatch.setattr(clicommon, "PARSE_LIMIT_S", 0.2)
     handler = signal.getsignal(signal.SIGALRM)
     timer = signal.getitimer(signal.ITIMER_REAL)  # pytest-timeout's, if it runs on signals
     t = time.monotonic()
@@ -343,13 +343,14 @@ def test_the_cli_refuses_a_parse_that_runs_past_its_limit(tmp_path, monkeypatch,
 
 
 def test_the_cli_time_bound_lets_a_good_file_through(tmp_path):
-    from strata import cli
+    from strata.clicluster import DEMO_SPEC
+    from strata.clicommon import _check_job
 
     handler = signal.getsignal(signal.SIGALRM)
-    cli._check_job(job_file(tmp_path, GOOD), ["training.epochs=2"])
+    _check_job(job_file(tmp_path, GOOD), ["training.epochs=2"])
     assert signal.getsignal(signal.SIGALRM) is handler
     with pytest.raises(SpecError) as e:
-        cli._check_job(cli.DEMO_SPEC, ["..workers=1"])
+        _check_job(DEMO_SPEC, ["..workers=1"])
     assert e.value.field == "--set"
 
 

@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from strata.cli import EXAMPLES, EXIT_TIMEOUT, build_parser
+from strata.clicommon import EXIT_TIMEOUT
+from strata.cliparser import EXAMPLES, build_parser
 from strata.types import JobState
 
 JOB = {"name": "op", "workers": 1,

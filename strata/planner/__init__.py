@@ -308,15 +308,11 @@ def _budget_list(workers: list[WorkerSlot]) -> str:
     return text + (", ..." if len(workers) > 8 else "")
 
 
-def _explain(model: StageCostModel, workers: list[WorkerSlot], slots: list[int],
-             stages: int) -> str:
-    L, R = model.L, model.replicas
+def _unplaceable_layer(model: StageCostModel, v1: int, largest: str) -> str | None:
+    """The explanation when some layer fits in no stage of at most ``v1`` bytes (``largest``
+    says what ``v1`` is), naming the layer that needs the most; None when every layer fits."""
+    L = model.L
     X, Y = model._x, model._y
-    v1 = slots[0]
-    n_big = sum(1 for w in workers if w.free_bytes >= v1)
-    largest = (f"the largest free worker budget is {format_size(v1)}" if R == 1 else
-               f"the largest budget {R} free workers share (one per replica) is "
-               f"{format_size(v1)}")
     # a layer that fits in no stage at all: min over a <= i < b of total(X[b] - Y[a])
     pre_y = []
     best = -math.inf
@@ -336,18 +332,34 @@ def _explain(model: StageCostModel, workers: list[WorkerSlot], slots: list[int],
             bad += 1
             if need > worst_need:
                 worst, worst_need = i, need
-    if worst >= 0:
-        layer = model.layers[worst]
-        terms = model.breakdown(worst, worst + 1)
-        if terms["total"] == worst_need:
-            what = f"layer {layer.name!r} alone needs {format_size(worst_need)}"
-        else:
-            what = (f"every stage holding layer {layer.name!r} needs at least "
-                    f"{format_size(worst_need)} (alone: {format_size(terms['total'])})")
-        more = f" ({bad - 1} more layer{'s' if bad > 2 else ''} fit nowhere either)" \
-            if bad > 1 else ""
-        return (f"{what} ({_describe_terms(model, terms)}) but {largest}{more}"
-                f"{_advice(model, terms)}")
+    if worst < 0:
+        return None
+    layer = model.layers[worst]
+    terms = model.breakdown(worst, worst + 1)
+    if terms["total"] == worst_need:
+        what = f"layer {layer.name!r} alone needs {format_size(worst_need)}"
+    else:
+        what = (f"every stage holding layer {layer.name!r} needs at least "
+                f"{format_size(worst_need)} (alone: {format_size(terms['total'])})")
+    more = f" ({bad - 1} more layer{'s' if bad > 2 else ''} fit nowhere either)" \
+        if bad > 1 else ""
+    return (f"{what} ({_describe_terms(model, terms)}) but {largest}{more}"
+            f"{_advice(model, terms)}")
+
+
+def _explain(model: StageCostModel, workers: list[WorkerSlot], slots: list[int],
+             stages: int) -> str:
+    """Why no placeable split exists and what to change, the first cause found: a layer that
+    fits no stage, too few workers or stages, too little memory in all, the budgets' mix."""
+    L, R = model.L, model.replicas
+    v1 = slots[0]
+    n_big = sum(1 for w in workers if w.free_bytes >= v1)
+    largest = (f"the largest free worker budget is {format_size(v1)}" if R == 1 else
+               f"the largest budget {R} free workers share (one per replica) is "
+               f"{format_size(v1)}")
+    unplaceable = _unplaceable_layer(model, v1, largest)
+    if unplaceable:
+        return unplaceable
     # fewest stages if every stage had the largest budget (cost ignored)
     search = Search(model)
     relaxed = search.probe(math.inf, [v1] * L, 0)

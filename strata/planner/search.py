@@ -80,6 +80,76 @@ def _rounded(slots_desc: list[int], cuts: list[int], up: bool) -> list[int]:
     return out
 
 
+class _Keys:
+    """The states of ``Search.dp``'s keyed programme. A key is the set of slot ranks its
+    stages took (a bit per rank); per key: a sliding-window-maximum deque of the boundaries
+    it reaches, its packed prefix counts and rank sum (for dominance, ``_pareto``), and per
+    state (boundary, key) the state it came from; for the beam, the keys alive per stage
+    count."""
+
+    def __init__(self, S: int, homogeneous: bool):
+        self.homogeneous = homogeneous
+        self.queues: dict[int, deque[int]] = {0: deque([0])}
+        self.packing = _Packing(1 if homogeneous else S)  # homogeneous keys are never compared
+        self.ones = self.packing.ones if not homogeneous else [0] * (S + 2)
+        self.packs: dict[int, int] = {0: 0}
+        self.sums: dict[int, int] = {0: 0}
+        self.parent: dict[tuple[int, int], tuple[int, int]] = {}
+        self.alive: dict[int, set[int]] = {0: {0}}
+
+    def admit(self, nk: int) -> None:
+        """The beam: a new key joins those of its stage count; past ``BEAM_ALIVE`` of them,
+        the key that took the largest slots is evicted."""
+        group = self.alive.setdefault(nk.bit_count(), set())
+        group.add(nk)
+        if len(group) > BEAM_ALIVE:
+            sums = self.sums
+            worst = min(group, key=lambda k: (sums[k], k))
+            group.discard(worst)
+            del self.queues[worst]
+
+    def drop(self, dead: list[int], beam: bool) -> None:
+        """Forgets keys whose boundaries all left the window."""
+        for key in dead:
+            del self.queues[key]
+            if beam:
+                self.alive[key.bit_count()].discard(key)
+
+    def split(self, final: dict[int, tuple[int, int]], L: int) -> list[tuple[int, int]]:
+        """The split of the final key with the fewest stages (then the smallest), traced
+        back through the parents."""
+        key = min(final, key=lambda k: (k.bit_count(), k))
+        a, prev = final[key]
+        split = [(a, L)]
+        while a > 0:
+            a2, prev2 = self.parent[(a, prev)]
+            split.append((a2, a))
+            a, prev = a2, prev2
+        split.reverse()
+        return split
+
+
+def _beam_keys(cand: dict[int, tuple[int, int]], kfix: int, homogeneous: bool,
+               sums: dict[int, int]) -> tuple[dict[int, tuple[int, int]], int]:
+    """The keys ``dp``'s beam keeps at a boundary, and the work that took. Homogeneous keys
+    are {S-k+1..S}: at a fixed depth none dominates another, at a free one the fewest stages
+    dominate. Otherwise (the heuristic), per stage count the key that took the smallest
+    slots."""
+    if homogeneous:
+        if not kfix:
+            nk = min(cand, key=int.bit_count)
+            return {nk: cand[nk]}, 0
+        return cand, 0
+    best: dict[int, int] = {}
+    for nk in cand:
+        n = nk.bit_count()
+        o = best.get(n)
+        if o is None or (sums[nk], nk) > (sums[o], o):
+            best[n] = nk
+    kept = {nk: cand[nk] for nk in best.values()}
+    return kept, len(kept)
+
+
 class Undecided(Exception):
     """A probe ran out of its work allowance before it could decide."""
 
@@ -168,38 +238,40 @@ class Search:
         that keeps one key per boundary and stage count (the one that took the smallest slots):
         a split it finds is placeable, None proves nothing."""
         L = self.L
-        X, Y = self.m._x, self.m._y
-        lo_, g = win
+        g = win[1]
         S = len(slots_desc)
         if S == 0 or (kfix and (kfix > S or kfix > L)):
             return None
-        kcap = kfix or S
-        if g[0] > kcap:
+        if g[0] > (kfix or S):
             return None
         homogeneous = slots_desc[0] == slots_desc[-1]
         if homogeneous and not beam:
             if kfix:
                 return self.ordered_dp(win, slots_desc, charge=False)
             return self._fewest(win, slots_desc[0], S)
+        keys = _Keys(S, homogeneous)
+        final = self._keyed(win, slots_desc, kfix, keys, limited or not homogeneous, beam)
+        if not final:
+            return None
+        return keys.split(final, L)
+
+    def _keyed(self, win: tuple[list[int], list[int]], slots_desc: Sequence[int], kfix: int,
+               keys: _Keys, limited: bool, beam: bool) -> dict[int, tuple[int, int]]:
+        """``dp``'s keyed programme, boundary by boundary: the keys reaching the last one, each
+        with its last stage's start and previous key (``keys.parent``: the rest), or none."""
+        L, S = self.L, len(slots_desc)
+        X, Y = self.m._x, self.m._y
+        lo_, g = win
+        kcap = kfix or S
         asc = sorted(slots_desc)
         fixed, frag, ceil = FIXED_OVERHEAD, FRAGMENTATION, math.ceil
+        queues, packs, sums, ones = keys.queues, keys.packs, keys.sums, keys.ones
+        parent, packing, homogeneous = keys.parent, keys.packing, keys.homogeneous
         work = 0
-        limited = limited or not homogeneous
         allowance = self.work_left if limited else -1
-
-        # states: (boundary b, key); one sliding-window-maximum deque of boundaries per key
-        queues: dict[int, deque[int]] = {0: deque([0])}
-        packing = _Packing(1 if homogeneous else S)  # homogeneous keys are never compared
-        ones = packing.ones if not homogeneous else [0] * (S + 2)
-        packs: dict[int, int] = {0: 0}
-        sums: dict[int, int] = {0: 0}
-        parent: dict[tuple[int, int], tuple[int, int]] = {}
         final: dict[int, tuple[int, int]] = {}
-        alive: dict[int, set[int]] = {0: {0}}
         for b in range(1, L + 1):
-            lb = lo_[b]
-            xb = X[b]
-            last = b == L
+            lb, xb, last = lo_[b], X[b], b == L
             cand: dict[int, tuple[int, int]] = {}
             dead = []
             work += 3 * len(queues)  # about a microsecond per unit
@@ -236,27 +308,12 @@ class Search:
                     if nk not in packs:
                         packs[nk] = packs[key] + ones[rank]
                         sums[nk] = sums[key] + rank
-            for key in dead:
-                del queues[key]
-                if beam:
-                    alive[key.bit_count()].discard(key)
+            if dead:
+                keys.drop(dead, beam)
             if len(cand) > 1:
-                if homogeneous:
-                    # keys are {S-k+1..S}: at a fixed depth none dominates another, at a free
-                    # one the fewest stages dominate
-                    if not kfix:
-                        nk = min(cand, key=int.bit_count)
-                        cand = {nk: cand[nk]}
-                elif beam:
-                    # heuristic: per stage count, the key that took the smallest slots
-                    best: dict[int, int] = {}
-                    for nk in cand:
-                        n = nk.bit_count()
-                        o = best.get(n)
-                        if o is None or (sums[nk], nk) > (sums[o], o):
-                            best[n] = nk
-                    cand = {nk: cand[nk] for nk in best.values()}
-                    work += len(cand)
+                if beam:  # the only way homogeneous keys come here
+                    cand, extra = _beam_keys(cand, kfix, homogeneous, sums)
+                    work += extra
                 else:
                     cand, compared = _pareto(cand, kfix, packs, sums, packing)
                     work += compared // 3
@@ -270,29 +327,14 @@ class Search:
                 if dq is None:
                     queues[nk] = deque([b])
                     if beam:
-                        group = alive.setdefault(nk.bit_count(), set())
-                        group.add(nk)
-                        if len(group) > BEAM_ALIVE:  # evict the key that took the largest slots
-                            worst = min(group, key=lambda k: (sums[k], k))
-                            group.discard(worst)
-                            del queues[worst]
+                        keys.admit(nk)
                 else:
                     while dq and Y[dq[-1]] <= yb:
                         dq.pop()
                     dq.append(b)
         if limited:
             self.work_left -= work
-        if not final:
-            return None
-        key = min(final, key=lambda k: (k.bit_count(), k))
-        a, prev = final[key]
-        split = [(a, L)]
-        while a > 0:
-            a2, prev2 = parent[(a, prev)]
-            split.append((a2, a))
-            a, prev = a2, prev2
-        split.reverse()
-        return split
+        return final
 
     def _fewest(self, win: tuple[list[int], list[int]], budget: int, S: int
                 ) -> list[tuple[int, int]] | None:
