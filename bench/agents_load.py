@@ -5,49 +5,16 @@
                                           [--registering 200] [--scrape-every 15]
                                           [--status-page] [--echo] [--keep]
 
-A real `strata coordinator` process (plain text, loopback, heartbeat timeout 10 s) and
-`--agents` simulated agents on grpc.aio, split over `--procs` generator processes: each
-registers, opens its command stream and heartbeats on the Heartbeats stream as `strata
-worker` does (`--unary`: one Heartbeat call each), waiting the interval (1 s) times
-1 ± 0.1 after each answer, as the agent does (`--grid`: instead on a fixed 1 s grid from its
-registration, catching up at once when late: a fixed 1 Hz whatever the latency). The
-measure starts 3 s after the last agent registered (`register_s`: from the first agent's
-start; at most `--registering` in flight, each tried again after a jittered backoff as the
-agent does: 4,000 is a storm) and counts the heartbeats sent within it. Agents are separate
-hosts, each with its
-own connection; here `--agents-per-channel` (50) share one, and one process's event loop
-drives thousands: with all 5,000 in one process (`--procs 1`) the latency measured was
-that process's own (p50 ~0.4 s with both processes under 0.65 of a core and the machine
-40 % idle; two processes: p50 3-13 ms, docs/benchmarks-log.md). Before the agents come,
-`--finished` jobs are submitted and cancelled, and `--pending` jobs of 1.5 GiB wait: one
-agent of 2 GiB registers first and holds one such job, so they are admissible but find no
-room on the 1 GiB agents. While the agents heartbeat, one client submits a job every 200 ms
-and cancels it. Heartbeats, submits and the observer's round trips (below) count when they
-started within the window; the window opens with a scrape of the coordinator's `/metrics`,
-and another comes every `--scrape-every` seconds (15) within it, as Prometheus's would.
-`--status-page`: a status page is open too, reading `/api/state` every 2 s.
+Starts a real `strata coordinator` process and `--agents` simulated agents on grpc.aio in
+`--procs` generator processes (`--echo`: against `bench/echo_coordinator.py` instead), fills
+it with `--finished` and `--pending` jobs, submits and cancels a job every 200 ms while the
+agents heartbeat, and prints JSON: heartbeat and submit latencies, agents LOST at the end
+(must be 0), the coordinator's CPU and event-loop lateness, and the views without the
+generators' own pauses (`handled_after_ms_*`, `observer_ms_*`). `--keep` keeps the
+coordinator's state directory and log.
 
-Prints JSON: heartbeat latency p50/p99/max (ms) over every generator's heartbeats, those
-sent per second and failed, the scrapes in the window, submit latency p50/p99 (ms), the
-agents the coordinator counts LOST at the end (must be 0), and the coordinator's CPU over
-the measured window: seconds per wall second and microseconds per heartbeat (everything it
-did in the window, divided by the heartbeats); the generators' own CPU, summed; how many
-agents registered, how long that took and how often a registration was tried again; how
-many times the coordinator's event loop ran its 50 ms timer in the window and how many ran
-over 50, 100, 250 and 500 ms late (`strata_event_loop_late_seconds`, scraped from its
-`/metrics`); the longest any generator's own event loop was late
-(`generator_late_s_max`); the status page's reads (`--status-page`) and the longest; and
-the agents that failed, by error. Every process shares
-this machine's cores: the generators' own cost and pauses are in the latencies they measure.
-Two views without them: the coordinator's own, how long the window's heartbeats waited from
-sent to handled (`handled_after_ms_p50`/`_p99`, from `strata_heartbeat_delay_seconds`,
-interpolated within its buckets as Prometheus does); and an observer, one more agent
-(registered draining: nothing is placed on it) on a channel of its own in the mostly idle
-parent process, heartbeating ten times a second (`observer_ms_*`: its round trips).
-`--keep` keeps the coordinator's state directory and log. `--echo` runs the same load
-against `bench/echo_coordinator.py`, a grpc.aio server that only answers: what gRPC and
-Python cost on this machine with no coordinator behind them (it judges no agent, so
-`lost_at_end` is 0 there by construction).
+The load and every printed figure, in detail: docs/benchmarks-log.md, "`bench/agents_load.py`:
+the load, and what it prints".
 """
 
 from __future__ import annotations
@@ -439,7 +406,8 @@ async def measure(args: argparse.Namespace, d: str, procs: int, jobs, stop: asyn
 
 
 def summarize(args: argparse.Namespace, procs: int, w: Window, sub_lat: list[float]) -> dict:
-    """The figures printed (the module's docstring says what each is)."""
+    """The figures printed (docs/benchmarks-log.md, "`bench/agents_load.py`: the load, and what
+    it prints", says what each is)."""
     regs, results, late, window_s = w.regs, w.results, w.late, w.window_s
     lat = [x for r in results for x in r["lat"]]
     errors: dict[str, int] = {}

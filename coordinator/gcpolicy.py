@@ -1,34 +1,15 @@
 """Keeps CPython's cycle collector from stalling the coordinator's event loop.
 
-A collection walks every tracked object of the generations it collects, with the loop
-stopped. In the coordinator the old generation holds the imported modules (about 35,000
-objects, ~25 ms to walk on these machines: grpc and protobuf types are slow to traverse),
-the jobs and agents, and, at any moment, what each heartbeat stream holds between two
-heartbeats: a pending read, its future and callbacks, gRPC's operation objects. At 5,000
-agents that is tens of thousands of objects that live about a second, long enough to be
-old, and die by reference counting. A full collection walked them all: 40-95 ms, set off
-by whatever allocated in a burst (a `/metrics` scrape, a tick after a submit), several
-times a minute (docs/benchmarks-log.md, "Full collections, and what set them off").
+``GcPolicy`` runs on the loop (``run``): ``start`` collects once and freezes what is loaded;
+every ``YOUNG_INTERVAL_S`` (50 ms) ``collect_young`` collects generations 0 and 1 and freezes
+what survived (``gc.freeze()`` only moves lists), so the old generation stays empty and no full
+collection, automatic or not, walks more than what became old since the last freeze; every
+``REFREEZE_S`` (10 min) ``step`` unfreezes, collects everything once (the cyclic garbage that
+was frozen alive waits for this), freezes again and logs how much it reclaimed. ``close``
+unfreezes, for a process that outlives the coordinator. The automatic collector stays on.
 
-The cure is ``gc.freeze()``: frozen objects are never walked again, and it costs nothing (it
-moves the generations' lists whole). So the policy collects the young generations on a clock
-and freezes whatever survived at once:
-
-- every ``YOUNG_INTERVAL_S``, generations 0 and 1 are collected, then everything left is
-  frozen. The old generation stays empty, so a full collection, automatic or not, walks
-  only what became old since the last freeze: well under a millisecond.
-- The young collections run on the clock, not only when CPython's allocation count says
-  so. That count is allocations minus deallocations, and an object that outlived a young
-  collection and dies old counts against new ones: the young list grew to tens of
-  thousands of objects while the count stayed under its threshold, and one automatic
-  young collection every ~1.4 s walked it all, 40-70 ms ("The heartbeat tail, lump by
-  lump"). Every 50 ms the same work comes in slices of 1-3 ms.
-- Every ``REFREEZE_S`` everything, frozen objects included, is collected once, then frozen
-  again. Reference counting frees frozen objects as usual; only cyclic garbage that was
-  frozen alive (a cycle that lived more than ``YOUNG_INTERVAL_S``) waits for this. At 5,000
-  heartbeating agents that was about 50 objects a second, a few MB in ``REFREEZE_S``; each
-  refreeze logs how many it reclaimed. Its pause is one unfrozen full collection of the whole
-  process, once in ``REFREEZE_S``.
+Why, and what it was measured to cost and save: docs/benchmarks-log.md, "The collector
+policy, as it stands".
 """
 
 from __future__ import annotations
@@ -50,8 +31,8 @@ YOUNG_INTERVAL_S = 0.05
 
 
 class GcPolicy:
-    """Collects the young generations on a clock and freezes what survives (module
-    docstring)."""
+    """Collects the young generations on a clock and freezes what survives (the module
+    docstring; why: docs/benchmarks-log.md, "The collector policy, as it stands")."""
 
     def __init__(self, *, refreeze_s: float = REFREEZE_S,
                  young_interval_s: float = YOUNG_INTERVAL_S,
@@ -90,7 +71,7 @@ class GcPolicy:
                  1e3 * (time.perf_counter() - start), self.reclaimed)
 
     def collect_young(self) -> None:
-        """One collection of generations 0 and 1, and what survived it frozen (module
+        """One collection of generations 0 and 1, and what survived it frozen (the module
         docstring)."""
         gc.collect(1)
         gc.freeze()

@@ -1,75 +1,15 @@
 """Memory sizes and the per-task memory estimate of a training task.
 
 Pure Python (no TensorFlow, Keras or NumPy): the coordinator plans with it.
+``estimate_task_memory`` predicts the PEAK bytes a data-parallel task's allocator holds (what
+``get_memory_info(...)["peak"]`` reports, and what the BFC limit is checked against) as a
+``MemoryEstimate`` whose terms add up to ``total``; ``default_budget`` turns an estimate into the
+budget a task gets (estimate + headroom, whole MiB). The sizes the other estimators share live
+here too: optimizer slots, per-kernel-family activation rates (``KernelRates``, ``RATES``),
+convolution workspaces, update temporaries, gradient and dataset bytes. Its coefficients are
+constants calibrated against measured allocator peaks; it never measures anything itself.
 
-``estimate_task_memory`` predicts the PEAK bytes that a task process's allocator holds (what
-``tf.config.experimental.get_memory_info(...)["peak"]`` reports in the task, and what the
-BFC allocator's limit, ``TF_CPU_BFC_MEM_LIMIT_IN_MB`` or the GPU ``memory_limit``, is checked
-against). The model is built from what the task really allocates (worker/task.py) and its
-coefficients were calibrated on this code base with TF 2.21 / Keras 3.15 on CPU with the BFC
-allocator, two MultiWorkerMirroredStrategy workers, Adam, the seed MLP (64-1024-512-256-10
-on digits and 784-1024-512-256-10 on synthetic data) at per-replica batches 64-2048. Measured
-peaks (MiB, the larger of the two workers; the estimate in brackets):
-
-    digits  global 256:  16.7-17.5  [17.5]      digits  global 2048: 28.6-28.9  [30.3]
-    784-in  global 256:  39.0-41.1  [42.3]      784-in  global 2048: 63.5-68.5  [67.5]
-    bfloat16, the same four:  20.1 [20.6]  41.3 [44.3]  43.0 [46.8]  80.2 [83.0]
-
-The two workers of one job differ by up to ~20% (the BFC allocator's chunk rounding depends
-on the order in which concurrent threads allocate; worker 0 is usually the higher one), and
-the same task varies by a few percent from run to run.
-
-Terms (bytes, per task):
-
-- ``weights``: every parameter as float32. With mixed precision the variables stay float32
-  and each step casts them to 16-bit compute copies: +2 bytes per parameter.
-- ``gradients``: one float32 gradient per trainable parameter; with ``gradients.accumulate``
-  two more: the float32 sum of the slices' gradients and the next sum, alive together while a
-  slice's gradients are added.
-- ``optimizer_slots``: Keras 3 slot variables per trainable parameter (checked by counting
-  ``optimizer.variables`` after ``build``): adam and adamw 2 (m, v), rmsprop 1 (velocity,
-  momentum=0 and centered=False by default), adagrad 1 (accumulator), sgd 0 (momentum=0).
-  float16 adds a LossScaleOptimizer (two scalars: nothing). RMSprop's step holds one more
-  gradient-sized buffer (``OPTIMIZER_STEP_BUFFERS``), counted here.
-- ``collective``: what the step holds after its backward pass beyond what the backward pass
-  held (0 when that is the larger): the all-reduce packs all gradients into one buffer (one
-  more gradient-sized buffer, measured also with a single MWMS worker; with
-  ``gradients.compression`` the 16-bit copies and their 16-bit sum on top, 2 + 2 bytes per
-  parameter), then the optimizer update's temporaries (``UPDATE_TEMPORARIES`` x the largest
-  variable), when the activations and the workspace are gone.
-- ``activations``: for Dense layers (and kinds without a rate of their own) 1.8 x the output
-  elements per example x the per-replica batch (one slice of it with ``gradients.accumulate``)
-  x 4 bytes; other kinds at their own rates (``KernelRates``, per family of CPU kernels:
-  ``strata.cpukernels``). 1.8 is the measured slope of the peak against the batch size after
-  taking out the input batches (Eigen): forward outputs kept for the backward pass plus the
-  backward pass's gradient buffers. Mixed precision does NOT save activation memory on Eigen's
-  kernels: they keep float32 and 16-bit copies (casts) alive (digits global 2048 peaks at
-  41 MiB in bfloat16, 29 MiB in float32; fitted 10.8 bytes per Dense output); oneDNN's run
-  16 bits natively. On a GPU the CPU figures are conservative.
-- ``data``: the task's shard of the training set, held once as tensors (one shard of
-  ``ceil(n_train / workers)`` rows; for digits 1,437 train rows of 64 float32 features, for
-  synthetic ``examples`` or 4,096 rows of the model's input shape; labels int64 for sparse
-  crossentropy, else float32 one-hot), rounded up to a power of two when over 1 MiB (the BFC
-  allocator hands one large tensor a fresh region of a power-of-two size and does not split
-  it when the rest is under half: a 6.1 MiB shard measures 8 MiB), plus 4.8 input batches in
-  flight (tf.data prefetch, the distributed iterator's buffer, the batch in the step: the
-  measured slope). For ``npz`` the coordinator cannot see the file, so the shard counts as 0
-  unless the caller passes ``train_examples``; give large npz jobs an explicit
-  ``memory.per_task_budget``. The start-up moment when the input pipeline is created holds
-  the shard twice (weights are the only other thing allocated then); when that is larger
-  than the training peak the difference is added to ``data``.
-- ``workspace``: the im2col buffer of a Conv2D layer's Eigen CPU kernels during the backward
-  pass (``conv_workspace_bytes``; up to about 30 MiB whatever the batch; none on oneDNN's).
-  The pack is a single chunk the budget leaves room for (``default_budget``). Not a term,
-  but added by ``default_budget``: one more of the largest activation tensor (a
-  layer's float32 output over the per-replica batch), also the task's largest single
-  allocation when the batch is large (``largest_alloc``). Measured: the digits MLP at 4,096
-  examples per replica peaked at 63-74 MiB alone, but at up to 89 MiB with three such jobs
-  sharing 2 cores (the ops interleave differently); at its former budget of 93 MiB 3 of 9
-  jobs ran out of memory, at 111 MiB none did.
-- ``overhead``: 1 MiB fixed (tf.data and collective runtime buffers, the first-step tracing
-  temporaries) plus 5% of everything else for BFC chunk rounding (allocation sizes are
-  rounded up to bins and big tensors can get whole regions).
+Terms, calibration and measured peaks: docs/memory.md, "Data-parallel tasks".
 """
 
 from __future__ import annotations
@@ -128,7 +68,7 @@ LARGEST_ALLOC_ROOM = 1.25       # room for the largest single allocation (``defa
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Peak allocator bytes of one task, by cause (see the module docstring)."""
+    """Peak allocator bytes of one task, by cause (docs/memory.md, "Data-parallel tasks")."""
 
     weights: int
     gradients: int
@@ -278,18 +218,18 @@ class KernelRates:
     accumulator: float = 1.0
 
 
-#: Eigen (``eigen``): Dense in float32 at its calibration (the module docstring), the rest
-#: fitted on the memory zoo rerun with ``TF_ENABLE_ONEDNN_OPTS=0`` (``bench/memory_zoo.py
-#: --configs pair``, the data-parallel and pipeline jobs of 19 models: MLPs, convolution
-#: stacks, an LSTM, a transformer block, four keras.applications; ``docs/benchmarks.md``) and
-#: its check run, with every task's peak under 90% of its budget (one run's peaks of the same
-#: task differ by up to 45% on these kernels, whose 30 MiB convolution buffer may or may not
-#: meet the other transients): a Conv2D output is held with its gradient buffers;
-#: normalisation, activation, dropout and pooling outputs are mostly computed in place or freed
-#: as the backward pass reaches them. ReLU is an activation and DepthwiseConv2D a convolution;
-#: Add, Concatenate, padding, rescaling, Flatten and Reshape need nothing of their output for
-#: the backward pass (their gradients pass through). Mixed precision keeps float32 and 16-bit
-#: copies on these kernels (10.8 bytes per Dense output against 7.2 in float32).
+#: Eigen (``eigen``): Dense in float32 at its calibration (docs/memory.md, "Data-parallel
+#: tasks"), the rest fitted on the memory zoo rerun with ``TF_ENABLE_ONEDNN_OPTS=0``
+#: (``bench/memory_zoo.py --configs pair``, the data-parallel and pipeline jobs of 19 models:
+#: MLPs, convolution stacks, an LSTM, a transformer block, four keras.applications;
+#: ``docs/benchmarks.md``) and its check run, with every task's peak under 90% of its budget (one
+#: run's peaks of the same task differ by up to 45% on these kernels, whose 30 MiB convolution
+#: buffer may or may not meet the other transients): a Conv2D output is held with its gradient
+#: buffers; normalisation, activation, dropout and pooling outputs are mostly computed in place
+#: or freed as the backward pass reaches them. ReLU is an activation and DepthwiseConv2D a
+#: convolution; Add, Concatenate, padding, rescaling, Flatten and Reshape need nothing of their
+#: output for the backward pass (their gradients pass through). Mixed precision keeps float32 and
+#: 16-bit copies on these kernels (10.8 bytes per Dense output against 7.2 in float32).
 _ACT = (0.65, 1.4)
 _CONV = (12.1, 2.5)
 _PASS = (0.0, 0.0)

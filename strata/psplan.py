@@ -1,68 +1,15 @@
 """Layer placement and memory estimates for ``parameter_server`` jobs.
 
 Pure Python (standard library and ``strata.modelspec`` / ``strata.memory`` only): the
-coordinator plans with it.
+coordinator plans with it. ``plan_parameter_servers`` places whole layers (each layer's
+variables and optimizer slots on one PS task, largest layer first onto the least loaded task:
+LPT, ties to the lower index) and returns a ``PsPlan``: the placement, each PS task's estimate
+and the worker's and chief's, all PEAK allocator bytes (what the BFC limit is checked against).
+Given a PS task's budget, the plan is infeasible when a layer (never split) or a task's load
+exceeds it, with a ``reason`` that names the layer or task and the sizes. The estimates aim at
+the larger of the measured peaks. ``layer_share_bytes``: one layer's share of its PS task.
 
-Placement. TensorFlow's ``variable_partitioner`` does not reach Keras 3 variables (each Keras
-variable wraps one whole ``tf.Variable``, placed round-robin), so Strata places whole layers:
-all of a layer's variables and their optimizer slots live on one PS task (``worker.trainers.ps_chief`` builds
-the model so and checks it). ``plan_parameter_servers`` gives each layer with parameters a
-share (below) and places the layers largest first, each onto the PS task with the smallest
-load so far (LPT; ties to the lower index). A layer larger than a PS task's budget cannot be
-placed at all: the plan is infeasible and ``reason`` names the layer and the sizes.
-
-Estimates: the PEAK bytes of each task's allocator (``get_memory_info(...)["peak"]``, what the
-BFC limit is checked against), calibrated with TF 2.21 / Keras 3.15 on CPU with the BFC
-allocator on the MLPs 64-1024-512-256-10 (digits, 725,258 parameters) and
-784-1024-512-256-10 (synthetic, 4,096 rows, 1,462,538 parameters), asynchronous training
-with 1-4 workers, one intra-op thread per task. Measured peaks in MiB [estimate]:
-
-    PS task, Adam:   digits 1 worker 19.0 [20.8]; 2 workers 24.4-28.0 [28.1] (9 runs);
-                     4 workers 34.3 [42.6] (on 2 cores, where 4 workers' updates overlap
-                     less than they would on more); 2 PS tasks: 18.0 [20.5] and 7.1 [8.1];
-                     784-in 2 workers 42.0-55.9 [59.1] (batch 256 or 2048, any mixed
-                     precision); 3 workers 69.1 [73.8]
-    PS task, other:  digits SGD 1 worker 8.8 [9.2], 2 workers 9.0 [10.1];
-                     RMSprop 2 workers 22.3 [25.2]
-    worker task:     digits b256 8.2-9.2 [10.8]; 784-in b256 32.1 [32.8];
-                     784-in b2048 81.1-83.1 [83.2]; bfloat16/float16: digits b256 14.1-14.6
-                     [14.5], 784-in b2048 90.2-99.1 [103.8]
-    chief:           digits 4.2-4.7, 2 of 12 runs 6.2 [5.3]; 784-in 8.5 (3 runs) [9.0];
-                     bfloat16/float16: digits 6.5-6.8 [8.2], 784-in b2048 13.2 [13.3]
-
-A PS task's peak varies ~±15% between identical runs (how the workers' updates overlap);
-the estimates aim at the larger figures. The chief's rare +2 MiB (the size of the digits
-MLP's largest kernel) is left to the budget's headroom (``strata.memory.default_budget``
-adds at least 16 MiB).
-
-Terms (bytes):
-
-- A layer's share of its PS task: its variables as float32 (mixed precision keeps float32
-  variables) times ``1 + slots`` (``OPTIMIZER_SLOTS``: adam/adamw 2, rmsprop/adagrad 1, sgd 0),
-  where a tensor of 1 MiB or more counts half the way to the next power of two (the BFC
-  allocator may give a big tensor a power-of-two chunk and not split it; a layer's biggest
-  tensor is its kernel: its parameters minus the bias, ``output_shape[-1]``, for Dense and
-  Conv2D; counting the whole way overstated the 9 x 1536 MLP's PS task 1.8 times), plus
-  its updates in flight: ``a + b x workers`` gradient-sized buffers (the gradients that have
-  arrived, the optimizer's temporaries, copies made when an update meets a worker's read);
-  with slots a = 1.5, b = 2.5; SGD a = 1.7, b = 0.3. Non-trainable variables (BatchNorm
-  statistics) count once. A PS task's estimate: 0.5 MiB + 1.05 x the sum of its shares.
-- A worker task: a copy of every weight (+2 bytes per parameter with mixed precision: the
-  16-bit casts), one gradient per trainable parameter, activations (7.2 bytes per layer
-  output element and example in float32, 12 with bfloat16/float16 on CPU), ``data_bytes``
-  (the training set: every worker holds all of it, embedded in its input pipeline) and 4.8
-  input batches in flight, the largest convolution workspace
-  (``strata.memory.conv_workspace_bytes``); then 1 MiB + 5%. The slopes match strata.memory's
-  data-parallel estimate; the same code runs the step.
-- The chief: it only evaluates (the test split in batches of at most 256 rows, reading the
-  variables from the PS tasks), hashes and saves the weights: a copy of the weights (with
-  mixed precision + 6 bytes per parameter of the largest layer: the 16-bit casts are made
-  layer by layer), each large kernel's half-way rounding, one evaluation batch's input and,
-  forward only, the largest input-plus-output of one layer (4.2 bytes per element in
-  float32, a Conv2D output counting 1.6 times: its pre-activation copy; 2.5 bytes with mixed
-  precision); then 0.5 MiB + 5%. Fitted to the memory zoo's 48 parameter-server chiefs, whose
-  peaks were 0.03-1.14 of an estimate that counted every layer's output and a convolution
-  workspace (``docs/benchmarks-log.md`` has the rerun).
+Placement, terms, calibration and measured peaks: docs/memory.md, "Parameter-server tasks".
 """
 
 from __future__ import annotations
@@ -208,7 +155,8 @@ def _place(shares: dict[str, int], num_ps: int
 
 def _worker_bytes(profile: ModelProfile, b: int, mixed: bool, data_bytes: int,
                   kernels: str) -> int:
-    """A worker task's estimate with batches of ``b`` examples (the module docstring)."""
+    """A worker task's estimate with batches of ``b`` examples (docs/memory.md,
+    "Parameter-server tasks")."""
     params = profile.total_params
     act = WORKER_MIXED_ACTIVATION_BYTES if mixed else WORKER_ACTIVATION_BYTES
     label_bytes = 8  # int64 class ids (one-hot labels are wider; small next to the features)
@@ -220,8 +168,8 @@ def _worker_bytes(profile: ModelProfile, b: int, mixed: bool, data_bytes: int,
 
 
 def _chief_bytes(profile: ModelProfile, b: int, mixed: bool) -> int:
-    """The chief's estimate, evaluating in batches of at most ``b`` examples (the module
-    docstring)."""
+    """The chief's estimate, evaluating in batches of at most ``b`` examples (docs/memory.md,
+    "Parameter-server tasks")."""
     params = profile.total_params
     eb = min(b, EVAL_BATCH_MAX)
     cact = CHIEF_MIXED_ACTIVATION_BYTES if mixed else CHIEF_ACTIVATION_BYTES

@@ -2,97 +2,15 @@
 
 Pure Python (standard library and ``strata.memory`` / ``strata.modelspec`` only): the
 coordinator plans with it, from the model's ``ModelProfile`` alone. It models the GPipe runner
-``worker/trainers/gpipe.py`` (all forwards, then all backwards), as ``strata.memory`` models a
-data-parallel task and ``strata.psplan`` a parameter-server one. ``strata.planner``
-searches the splits with it (``docs/planner.md``).
+``worker/trainers/gpipe.py`` (all forwards, then all backwards). ``StageCostModel`` answers for
+any contiguous layer range ``[first, last)`` in O(1) after an O(L) pass: ``estimate`` (the
+task's PEAK allocator bytes, what its budget comes from), ``memory`` (the planner's demand:
+separable as ``total(X[last] - Y[first])`` with ``total`` non-decreasing, and never below
+``estimate``), ``breakdown`` (the terms, adding up to ``memory``) and ``cost`` (per example).
+``strata.planner`` searches the splits with it (``docs/planner.md``); ``stage_memory`` is the
+one-off form.
 
-Memory of one stage task (``StageCostModel.memory``; bytes)
------------------------------------------------------------
-The PEAK of the task's allocator while ``worker.trainers.gpipe`` runs the stage (what
-``get_memory_info`` reports in the task, and what its BFC limit is checked against). With ``m``
-the micro-batch size (global batch / replicas / microbatches), ``M`` the number of
-micro-batches, ``R`` the replicas and the stage's layers [first, last):
-
-- weights: 4 bytes per parameter, +2 with mixed precision (16-bit compute copies: the runner
-  casts once per step, not once per micro-batch);
-- gradients: 4 bytes per trainable parameter;
-- accumulator: wherever the step sums gradients (the M micro-batches' gradients, M > 1; with
-  M = 1 the one gradient is used as it is; or, with replicas, a gradient received from
-  another replica), the kernel family's ``KernelRates.accumulator`` more gradient sizes (1 on
-  Eigen, 0.75 on oneDNN: the step's graph adds each layer's gradient into the sum as the
-  backward pass makes it, so a whole set never lives beside it);
-- optimizer slots: ``strata.memory.optimizer_buffers(optimizer)`` x 4 bytes per trainable
-  parameter (the slots, and for RMSprop one more buffer its step holds);
-- collective (R > 1): every replica's task of a stage receives the other ``R - 1`` replicas'
-  accumulated gradients and sums them into its own accumulator: ``R - 1`` more gradient
-  sizes. (Earlier calibrations counted ``R - 2``, taking the first received gradient to reuse
-  the micro-batches' place; the memory zoo (``bench/memory_zoo.py``) measured replica 1's
-  tasks of a 2 x 2 hybrid job at 1.1-1.25 x that estimate and one ran out of memory, so the
-  buffers do coexist.) They coexist with the task's accumulator and the sum, not with its
-  backward pass: the runner sends a replica's gradients only once the receiving task has
-  summed its own micro-batches (``worker.trainers.gpipe_exchange``); before it did, they
-  arrived as soon as they were made and a task held one more gradient at 1.06-1.23 x its
-  estimate. With ``gradients.compression`` (hybrid) the accumulated gradients
-  travel as 16 bits: the task's own 16-bit copy and the ``R - 1`` it receives, 2 bytes each,
-  on top (their float32 casts take the received buffers' place): ``2 R`` more bytes.
-- transient: the largest convolution workspace of the stage's layers
-  (``strata.memory.conv_workspace_bytes``) or optimizer-update temporaries
-  (``strata.memory.update_transient_bytes``), bounded from one end for the planner's search
-  (``memory``); ``estimate`` takes the exact maximum, and the larger of the backward pass and
-  the optimizer step (when the activations are gone), for the budgets;
-- activations: the kernel family's pipeline rate (``strata.memory.KernelRates.pipeline``;
-  ``PIPELINE_ACTIVATION_BYTES`` and ``PIPELINE_MIXED_ACTIVATION_BYTES`` are Eigen's) per output
-  element of the stage's layers per example, each kind at its kept share (``kept_share``),
-  x m x M: GPipe keeps every
-  micro-batch's activations until its backward pass. With ``recompute`` only ONE micro-batch's
-  (the one being recomputed and back-propagated), x m;
-- boundary input: the stage's input (the previous stage's output, or the model input for the
-  first stage), float32, kept for all M micro-batches (it feeds the first layer's backward,
-  and with recompute it is the checkpoint the forward is re-run from): 4 x elements x m x M;
-- boundary gradients: the gradient of the stage's input sent back (not on the first stage),
-  one micro-batch at a time (the runner starts a micro-batch's backward pass once the previous
-  one's is made: before, a stage that summed its weights' gradients early ran the next
-  backward beside it, and a max-pooling last stage peaked 1.24 x its estimate), and the
-  gradients of its output received from the next stage (not on the last stage, which starts
-  from the loss), TWO micro-batches' when M > 1: the one being back-propagated and the next,
-  which TF receives as soon as the next stage makes it. The runner holds the next stage back
-  so that no more arrive early (``worker.trainers.gpipe_schedule``); before it did, a
-  lagging recomputing first stage was measured holding all M (6.5 MiB, 1.22 x its estimate).
-  4 x elements x m each;
-- input data (first stage): ``PIPELINE_INPUT_BATCHES`` GLOBAL batches (R x m x M examples: the
-  chief draws the whole global batch and splits it) of float32 model inputs, plus
-  ``data_bytes`` (0 for ``worker.trainers.gpipe``, which keeps the training set in host memory
-  outside the allocator; for a runner that holds it as tensors); labels (last stage):
-  ``PIPELINE_INPUT_BATCHES`` per-replica batches (m x M) of ``label_bytes`` per example (8:
-  sparse int64 labels; pass 4 x classes for one-hot);
-- overhead: ``FIXED_OVERHEAD`` + ``FRAGMENTATION`` of all the rest (BFC chunk rounding).
-
-``StageCostModel.breakdown`` returns these terms one by one.
-
-Calibration (TF 2.21 CPU, BFC allocator, Adam, ``worker.trainers.gpipe``): 4-stage runs of deep
-uniform MLPs 64-[1024]x13-10 and 64-[512]x13-10 at global batches 512-4096, M = 1, 4, 16, with
-and without recompute, float32 and bfloat16, and hybrid 2 x 2 and 2 x 4. The peak comes at the
-start of the backward pass (weights, slots, the first micro-batch's gradients, every kept
-activation) or, when activations are small, in the optimizer step (weights, slots, the
-gradient and the optimizer's temporaries, about one more gradient size): the sum of the terms
-above with 3.2 bytes per kept output element covers both. Measured / estimate over the
-configurations of ``bench/pipeline_throughput.py --calibrate`` (2026-12-04): 0.82-0.91 for the
-pipelines, 0.73-0.76 for hybrid 2 x 2 (the collective term above now overstates by about one
-gradient; kept until more hybrid shapes are measured), and 0.80-0.95 over its throughput runs
-(``docs/benchmarks.md``, "Pipeline throughput and stage memory"). The
-data-parallel ``strata.memory`` constants (1.8 x 4 and 14 bytes per element) overestimate a
-pipeline stage by up to 45%: there the whole batch's backward temporaries are alive at once,
-here one micro-batch's. With mixed precision the kept activations are 16-bit but the CPU
-kernels add float32 temporaries: measured about as much per element as float32, so the same
-3.2.
-
-Costs (``StageCostModel.cost``)
--------------------------------
-``3 x`` the stage's forward FLOPs per example (forward + backward = 2 x forward), ``4 x`` with
-recompute (one more forward). A measured per-layer cost list (seconds or any unit; a training
-step's forward + backward) replaces the FLOPs; with recompute it is scaled by 4/3 (the extra
-forward at the same 1:2 forward:backward ratio). Costs are per example: the micro-batch size
-scales every stage alike and does not change the split.
+Terms, calibration and costs: docs/memory.md, "Pipeline stages".
 """
 
 from __future__ import annotations
@@ -117,7 +35,7 @@ __all__ = [
 
 MIXED_PRECISION_MODES = ("none", "bfloat16", "float16")
 
-# Calibrated against worker/trainers/gpipe.py (module docstring, "Calibration").
+# Calibrated against worker/trainers/gpipe.py (docs/memory.md, "Pipeline stages", Calibration).
 # per kept layer output element per example, float32 and with bfloat16/float16 compute, on
 # Eigen's kernels (``strata.memory.KernelRates.pipeline``: each family's own)
 PIPELINE_ACTIVATION_BYTES, PIPELINE_MIXED_ACTIVATION_BYTES = RATES[EIGEN].pipeline
@@ -161,7 +79,8 @@ class StageCostModel:
     """Memory and cost of any contiguous stage in O(1), after an O(L) prefix-sum pass.
 
     ``memory(first, last)`` and ``cost(first, last)`` take half-open layer ranges. The memory
-    terms are listed in the module docstring; ``breakdown`` returns them one by one. Internally
+    terms are listed in docs/memory.md, "Pipeline stages"; ``breakdown`` returns them one by
+    one. Internally
     ``memory(a, b) = total(X[b] - Y[a])`` with ``total`` non-decreasing: the planner relies on
     that separable form (``docs/planner.md``, point 3)."""
 
@@ -317,7 +236,7 @@ class StageCostModel:
         return 4 * self._in_elems(a) * self.microbatch if 0 < a < self.L else 0
 
     def _grad_out(self, b: int) -> float:
-        held = min(self.microbatches, 2)  # received early: see the module docstring
+        held = min(self.microbatches, 2)  # received early: docs/memory.md, "Pipeline stages"
         return 4 * self.layers[b - 1].output_elems * self.microbatch * held if 0 < b < self.L \
             else 0
 
@@ -363,7 +282,8 @@ class StageCostModel:
         return c + FIXED_OVERHEAD + math.ceil(FRAGMENTATION * c)
 
     def cost(self, first: int, last: int) -> float:
-        """Per-example training cost of layers ``[first, last)`` (see the module docstring)."""
+        """Per-example training cost of layers ``[first, last)`` (docs/memory.md, "Pipeline
+        stages", Costs)."""
         self._check(first, last)
         return (self._f[last] - self._f[first]) * self.cost_factor
 
@@ -409,10 +329,10 @@ def stage_memory(profile: ModelProfile, first: int, last: int, *, microbatch: in
                  recompute: bool = False, stage_index: int | None = None,
                  num_stages: int | None = None, replicas: int = 1, label_bytes: int = 8,
                  data_bytes: int = 0) -> int:
-    """Bytes of a GPipe stage task holding ``profile.layers[first:last]`` (terms: module
-    docstring). Whether it is the first or last stage follows from the range (first == 0, last
-    == number of layers); ``stage_index`` and ``num_stages``, when given, are checked against
-    it. For many queries build a ``StageCostModel`` once."""
+    """Bytes of a GPipe stage task holding ``profile.layers[first:last]`` (terms: docs/memory.md,
+    "Pipeline stages"). Whether it is the first or last stage follows from the range (first ==
+    0, last == number of layers); ``stage_index`` and ``num_stages``, when given, are checked
+    against it. For many queries build a ``StageCostModel`` once."""
     model = StageCostModel(profile, microbatch=microbatch, microbatches=microbatches,
                            optimizer=optimizer, mixed_precision=mixed_precision,
                            recompute=recompute, replicas=replicas, label_bytes=label_bytes,

@@ -1,6 +1,7 @@
 """strata.psplan: layer placement on parameter servers (LPT), feasibility against a per-task
 budget, and the memory estimates' shape (monotone in what they depend on, calibrated against
-the peaks measured with worker/trainers/ps_chief.py; see strata/psplan.py's docstring)."""
+the peaks measured with worker/trainers/ps_chief.py; see docs/memory.md, "Parameter-server
+tasks")."""
 
 from __future__ import annotations
 
@@ -201,8 +202,9 @@ def test_non_trainable_variables_count_once():
     assert share == 4 * 128 * 3 + 4 * 128 + int(4 * 128 * (1.5 + 2.5 * 2))
 
 
-# measured peaks (MiB) with worker/trainers/ps_chief.py on 2 CPU cores, BFC allocator (strata/psplan.py's
-# docstring): (model input, workers, num_ps, optimizer, batch, mixed, role, index, peaks)
+# measured peaks (MiB) with worker/trainers/ps_chief.py on 2 CPU cores, BFC allocator
+# (docs/memory.md, "Parameter-server tasks"): (model input, workers, num_ps, optimizer, batch,
+# mixed, role, index, peaks)
 MEASURED = [
     (64, 1, 1, "adam", 256, "none", "ps", 0, [19.0]),
     (64, 2, 1, "adam", 256, "none", "ps", 0,

@@ -1,59 +1,16 @@
 """Checkpoints and resume for every training task process (``strata.worker.runner``'s hooks).
 
-Layout on the shared storage (``TaskConfig.checkpoint_root`` = ``SHARED/jobs/JOB/checkpoints``)::
+``Checkpointer`` (one per task) saves what the strategy's runner names
+(``TrainingRunner.checkpoint_objects``) with a ``step`` counter and a ``meta`` note of the
+writer's layout, every ``checkpoint.every_steps`` steps, under ``TaskConfig.checkpoint_root``,
+and restores the newest checkpoint before training. Invariants: a task of generation N
+(``TaskConfig.restart``) writes only into ``gen-N`` and resumes only from generations K < N,
+never its own or a later one's; a checkpoint counts only when TensorFlow's state file lists it
+and its index file exists; once ``gen-N`` holds its first checkpoint, its writer deletes every
+older generation. Events: ``checkpoint`` (only from the task that wrote into ``gen-N`` itself)
+after a save, ``resumed`` after a restore.
 
-    gen-0/checkpoint              TensorFlow's state file (the kept checkpoints, newest last)
-    gen-0/ckpt-3.index, ckpt-3.data-00000-of-0000N
-    gen-0/ckpt-6.index, ...       ``CheckpointManager(max_to_keep=checkpoint.keep)``
-    gen-1/...                     the generation started by the job's first restart
-
-A task of generation N (``TaskConfig.restart``) writes only into ``gen-N``; the file name
-carries the step (``save(checkpoint_number=step)``). It resumes from the newest checkpoint
-(highest step) of the generations BEFORE its own, and never reads ``gen-K`` with K >= N:
-``gen-N`` is what its own generation is writing, and a later generation's directory belongs to
-a job that has moved on without this task (a stale task on a partitioned host must neither
-resume from its successors nor write where they read). Only checkpoints that TensorFlow's state
-file lists and whose index file exists count. After generation N has written its first
-checkpoint, its writer deletes every ``gen-K`` with K < N, so ``keep`` bounds what is kept.
-
-What each strategy saves (``TrainingRunner.checkpoint_objects``), with a step counter
-(``step``) and a JSON description of the writer (``meta``: workers, replicas, stage split):
-
-- ``multi_worker_mirrored``: the model and its optimizer. TensorFlow requires every worker to
-  take part in a save of a multi-worker strategy's variables; all call ``save`` at the same
-  step, worker 0 into ``gen-N``, each other worker into a directory of its own
-  (``gen-N/tmp-worker-I``) that it deletes straight afterwards. Before building, the workers
-  agree on what to resume from: worker 0's choice goes to every worker in one all-reduce, so
-  they all restore the same checkpoint even when the shared directory changes under them.
-- ``parameter_server``: the chief saves the model and optimizer (its ``tf.train.Checkpoint``
-  reads the variables on the PS tasks; each PS task writes its own shard to the shared
-  storage) and the ``applied`` and ``loss_sum`` counters. It stops scheduling at a checkpoint
-  step and joins the coordinator before saving, so the saved state holds exactly the steps
-  counted (the pipeline of queued steps drains once every ``every_steps``).
-- ``pipeline`` / ``hybrid``: the driver saves every replica's layers (by layer name) and every
-  stage's optimizer, and the float16 loss scale; the variables live on the stage tasks, which
-  write their own shards. Resumed with the same stage split and replica count, everything is
-  restored exactly. With another replica count, replica 0's layers and optimizers are restored
-  into every replica. With another stage split (a job re-planned on other workers), the layers'
-  weights are restored by name and the optimizers start afresh (their state is per stage).
-
-Data position. A task resuming at step S trains steps S+1 .. total and ends at exactly the
-planned step count; progress events carry the true step numbers. The in-memory sources'
-order is a deterministic function of ``training.seed`` and the worker count, so the input
-skips S batches cheaply: ``make_train_dataset`` skips S batches of row indices before the
-gather, the pipeline driver fast-forwards ``_batch_indices`` by S. Resumed with the same
-worker count, a run is the same as one never interrupted (the same weights, bit for bit).
-Streamed sources and ``code.dataset`` pipelines skip S batches too, which costs reading them.
-A ``multi_worker_mirrored`` job re-planned on another worker count resumes at step S with the
-new sharding (each worker skips S batches of its new shard: not the same examples an
-uninterrupted run would have seen next). A ``parameter_server`` job's order is random per
-worker by design (asynchronous training, each worker's pipeline seeded from its clock), so it
-resumes at the step count with a fresh order (a ``code.dataset`` pipeline starts again from its
-beginning on every worker: which worker ran which step is not recorded).
-
-Events: ``checkpoint`` (step, seconds, path) after every save, from the task that wrote into
-the real directory only; ``resumed`` (step, path, generation) after a restore, before
-training. Each is logged.
+Layout, what each strategy saves, the data position on resume: docs/checkpoints.md.
 """
 
 from __future__ import annotations
@@ -128,7 +85,7 @@ def find_latest(root: str, before_generation: int) -> Found | None:
     best: Found | None = None
     for k, d in generation_dirs(root):
         if k >= before_generation:
-            continue  # its own or a later generation: never trusted (see the module doc)
+            continue  # its own or a later generation: never trusted (docs/checkpoints.md)
         for step, path in complete_checkpoints(d):
             if best is None or (step, k) > (best.step, best.generation):
                 best = Found(k, step, path)

@@ -1,122 +1,18 @@
 """The driver of ``pipeline`` and ``hybrid`` jobs: GPipe model parallelism over TensorFlow's own
-distributed runtime, run by the job's chief task (the ``pipeline`` and ``hybrid`` strategies'
-runner for role ``chief``; ``PipelineDriver`` follows ``strata.worker.runner``'s skeleton).
-Its parts, next to it: ``gpipe_layout`` (the stage layout, checked), ``gpipe_stages`` (each
-stage's layers on its task), ``gpipe_step`` (the step's ``tf.function``), ``gpipe_schedule``
-(one replica's micro-batches, forward and backward), ``gpipe_exchange`` (the replicas'
-averaging). This docstring describes the whole design.
+distributed runtime, run by the job's chief task (``PipelineDriver``, the strategies' runner for
+role ``chief``, on ``strata.worker.runner``'s skeleton). Its parts, next to it: ``gpipe_layout``
+(the stage layout, checked), ``gpipe_stages`` (each stage's layers on its task), ``gpipe_step``
+(the step's ``tf.function``), ``gpipe_schedule`` (one replica's micro-batches),
+``gpipe_exchange`` (the replicas' averaging).
 
-Tasks and placement
--------------------
-A job of ``S`` stages and ``R`` replicas (``pipeline``: R = 1) has ``R x S`` stage tasks. The
-task config's ``stage_layout`` says which task holds replica r's stage s and its layers
-``[first_layer, last_layer)`` (indices into ``strata.modelspec.profile_model``'s layers, as
-``strata.planner`` split them). Replica 0's stage 0 is this process, the chief
-(``/job:chief/replica:0/task:0``); every other stage is a ``worker:K`` task running
-``worker.server`` (a plain ``tf.distribute.Server``). The chief connects to the cluster with
-``tf.config.experimental_connect_to_cluster(..., job_name="chief")`` and then drives
-everything: it never builds the whole model. Each stage's Keras layers are deserialized one by
-one (the builtin MLP's layers, or the layer configs of a Sequential or linear Functional
-``keras_json`` model) and created AND called under ``tf.device(<the stage's task>)``, so their
-variables, their Keras optimizer (one per stage and replica, its slots next to the variables),
-the forward and backward ops and the gradient accumulators all live on that task. What crosses
-the wire is only: the input micro-batches (chief -> each replica's first stage; for replica 0
-that is local), the labels (chief -> last stages), the activations at stage boundaries
-(forward) and their gradients (backward), a few scalars (losses, the float16 finiteness
-flags), and, with R > 1, each stage's accumulated gradient once per step from every replica's
-task to the other replicas' tasks of that stage. The chief reads only its own allocator for
-the ``memory`` it reports; each server reports its own (``worker.server``).
+Contract: the chief holds replica 0's stage 0 and never builds the whole model; each stage's
+variables, optimizer and ops live on its own task, and only micro-batches, labels, boundary
+activations and their gradients, scalars and (R > 1) stage gradients cross the wire. A step is
+GPipe (all forwards, then all backwards) over the global batch's ``R x M`` micro-batches, and
+leaves bit-identical weights on every replica. Config problems raise ``TaskConfigError``; an
+out-of-memory op on any stage reaches the chief as ``ResourceExhaustedError`` (kind ``oom``).
 
-The training step (one ``tf.function``, GPipe)
-----------------------------------------------
-The chief draws the global batch (the training set stays a NumPy array in the chief's host
-memory; each step's rows become one tensor there) and splits it into ``R x M`` micro-batches
-of ``m`` rows; replica r takes micro-batches ``r*M .. r*M+M-1``. Every micro-batch goes
-forward through the stages; the last stage computes the loss ``sum(per-example loss) /
-(m * M)`` (the replica's mean loss); then the backward passes run in REVERSE micro-batch
-order (GPipe: all forwards, then all backwards) and each stage sums its micro-batches'
-parameter gradients into one accumulator, so the result is the gradient of the replica's mean
-loss over its m x M rows. The optimizer step follows on every stage at once.
-Control dependencies fix the order WITHIN a stage task (forward of micro-batch i after i-1;
-backward of i after the accumulation of i+1, so one micro-batch's gradients are alive at a
-time); nothing orders different tasks, so TensorFlow's executor runs stage s on micro-batch i
-while stage s+1 works on i-1: the pipeline overlap comes from the dataflow graph itself.
-``bench/pipeline_throughput.py`` measures it (and the bubble).
-
-Hybrid (R > 1): the replicas start identical (replica 0's initial values are copied to the
-others, seed-generator states excepted) and stay identical. The gradients are averaged per
-stage ON THE STAGE'S OWN TASKS: every replica's task of stage s receives the other replicas'
-accumulated gradients of that stage and computes ``add_n(all R, in replica order) / R`` (the
-mean of the replicas' mean losses: the gradient of the mean loss over the global batch); the
-same op on the same bits gives the same mean everywhere, and each replica's own optimizer
-(identical state) applies it. Each task sums into its own accumulator only after the others
-have received it, so every replica holds the same buffers (R gradient sizes at the peak; no
-task is a hot spot; R - 1 transfers in and out per task: for R = 2 as cheap as a reduce and
-broadcast through one task, and symmetric in memory, which keeps the planner's one estimate
-per stage right for every replica). Non-trainable float state (BatchNormalization moving
-statistics) is averaged on replica 0's task and assigned everywhere at the end of the step;
-each replica's dropout seed state stays its own. Every step therefore leaves bit-identical
-weights on all replicas; the ``result`` event carries one digest per replica
-(``replica_weights_sha256``) so anyone can check.
-
-Layer state: every layer with non-trainable variables (BatchNormalization statistics, a
-Dropout seed) runs in a ``keras.StatelessScope`` with its state threaded from micro-batch to
-micro-batch and written back once at the end of the step. This keeps recomputation exact
-(below) and the replicas' averaging simple.
-
-Activation recomputation (``memory.recompute``)
-----------------------------------------------
-Without it, each stage's forward for each micro-batch is recorded on a ``tf.GradientTape``
-whose saved activations stay alive until that micro-batch's backward (all M micro-batches at
-the peak, as GPipe). With it, the forward runs without a tape (its intermediate activations
-are freed at once) and each stage keeps only its input per micro-batch; the backward re-runs
-that micro-batch's forward under a tape from the kept input and the kept layer state, then
-back-propagates: one micro-batch's activations at a time, for one more forward pass.
-``tf.recompute_grad`` was tried first: it runs with Keras 3 layers on remote devices, but it
-re-runs Dropout with the seed generator advanced (the recomputed mask differs from the one the
-forward used, so the gradient is wrong) and would update BatchNormalization statistics twice;
-the explicit form above replays the same state, so it is exact.
-
-Mixed precision (``memory.mixed_precision``)
--------------------------------------------
-Layers get the Keras ``mixed_bfloat16`` / ``mixed_float16`` policy as in ``worker.models``
-(variables float32, compute 16-bit; the model's last layer float32 so logits and the loss
-are float32), so boundary activations and their gradients cross the wire in 16 bits. Keras
-casts a layer's weights to 16 bits on every call, and each micro-batch's tape would keep its
-own copy until its backward pass (measured: 2 bytes per parameter per micro-batch); the step
-instead casts each weight once and feeds that copy to every micro-batch (through the stateless
-scope), differentiates with respect to it and casts the gradient back to float32, which is
-exactly what the gradient of Keras' own cast does.
-float16 needs loss scaling, and the scale must be ONE for the whole pipeline (a stage cannot
-unscale by a factor another stage did not use), so instead of a ``LossScaleOptimizer`` per
-stage the driver keeps one dynamic scale (a variable on the chief, Keras' defaults: 2**15,
-halved on overflow, doubled after 2,000 finite steps): the last stage scales the loss, each
-stage unscales its averaged gradient, and the step is applied on every stage only when all
-gradients of all stages are finite.
-
-Checkpoints
------------
-With ``checkpoint.every_steps`` (``strata.worker.checkpoints``) the driver saves every
-replica's layers (by replica and layer name), every stage's optimizer and the float16 loss
-scale at each multiple of ``every_steps``; the variables stay where they live and each stage
-task writes its own shard to the shared storage (nothing is gathered on the chief). A resumed
-driver fast-forwards ``_batch_indices`` by the restored step (the batches are a function of
-``training.seed``), so a run resumed on the same layout ends bit-identical to an uninterrupted
-one. On another replica count replica 0's layers and optimizers are restored into every
-replica; on another stage split only the layers' weights are restored (by name) and the
-optimizers start afresh.
-
-Events and result
------------------
-As every training runner: ``started`` (cluster connected), ``first_step``, ``progress`` (the global
-mean loss, examples/s, this chief's allocator memory), ``result`` (test accuracy and loss over
-the full test split, evaluated through replica 0's pipeline; ``weights_sha256`` over replica
-0's weights in layer order as float32 bytes, like ``strata.worker.trainers.data_parallel``; ``replica_weights_sha256``;
-``model_path``: the whole model as one ``.keras`` file, assembled by the chief from replica
-0's stages, each variable read a slice at a time (``worker.models.write_keras_file``: no task
-ever holds the whole model, nor a whole remote kernel), then ``exit_task(0)``. Config problems raise ``TaskConfigError``; an out-of-memory op on any stage
-reaches the chief as ``ResourceExhaustedError`` (checked), which ``strata.worker.task`` reports as
-kind ``oom``.
+Design (the step, hybrid averaging, recomputation, mixed precision, events): docs/pipeline.md.
 """
 
 from __future__ import annotations
