@@ -81,7 +81,17 @@ class PurgeJobCommand:
     job_id: str
 
 
-AgentCommand = StartTaskCommand | StopTaskCommand | PurgeJobCommand
+@dataclasses.dataclass
+class NoticeCommand:
+    """A notice for the job's tasks on the agent: save a checkpoint once step ``step`` is done,
+    then stop (``strata drain --deadline``)."""
+
+    job_id: str
+    step: int
+    attempt: int = 0  # only this attempt; 0: whichever runs
+
+
+AgentCommand = StartTaskCommand | StopTaskCommand | PurgeJobCommand | NoticeCommand
 
 
 # --- live agents -----------------------------------------------------------------------------

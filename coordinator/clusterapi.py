@@ -136,7 +136,7 @@ class ClusterServicer(pb_grpc.ClusterServiceServicer):
     async def DrainAgent(self, request: pb.DrainAgentRequest,
                          context: Any) -> pb.DrainAgentResponse:
         self.coord.agents.check_session(request.name, request.session)
-        self.coord.drain(request.name)
+        self.coord.drain(request.name, request.deadline_s)
         return pb.DrainAgentResponse(tasks=self.coord.tasks_on(request.name))
 
     @rpc

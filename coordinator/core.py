@@ -47,7 +47,7 @@ from strata.errors import (
 )
 from strata.dataroots import outside_message, under_roots
 from strata.limits import (
-    DEFAULT_MAX_PENDING_PER_USER, DEFAULT_MAX_TASKS_PER_JOB, DEFAULT_RETENTION_S,
+    MAX_NOTICE_S, DEFAULT_MAX_PENDING_PER_USER, DEFAULT_MAX_TASKS_PER_JOB, DEFAULT_RETENTION_S,
 )
 from strata.measured import measured_kinds, task_kind
 from strata.units import format_size
@@ -525,11 +525,15 @@ class Coordinator(ControlLoop):
         return sum(1 for j in self.state.live.values() for t in j.tasks
                    if t.worker == name and not t.state.final)
 
-    def drain(self, name: str) -> WorkerInfo:
+    def drain(self, name: str, deadline_s: float = 0.0) -> WorkerInfo:
         """``strata drain``: no new placements on the worker; every running job with a task
-        there restarts elsewhere from its latest checkpoint (not counted against
-        ``restart.max_restarts``: nothing failed). The worker stays DRAINING until it
-        registers again without asking to drain."""
+        there restarts elsewhere (not counted against ``restart.max_restarts``: nothing
+        failed): from its latest checkpoint, or with ``deadline_s`` (a notice: the worker
+        leaves within it) from one its tasks save on notice (``_notice``). The worker stays
+        DRAINING until it registers again without asking to drain."""
+        if not 0.0 <= deadline_s <= MAX_NOTICE_S:  # (NaN too)
+            raise SpecError("deadline_s", f"a notice's deadline is 0 (none) to "
+                                          f"{MAX_NOTICE_S:g} s, not {deadline_s}")
         live = self.agents.get(name)
         if live is None:
             raise NotFoundError("worker", name)
@@ -540,7 +544,10 @@ class Coordinator(ControlLoop):
         for job in list(self.state.live.values()):
             if job.state in (JobState.SCHEDULED, JobState.RUNNING) and any(
                     t.worker == name and not t.state.final for t in job.tasks):
-                self._restart(job, f"worker {name} is draining", failure=False)
+                if deadline_s > 0:
+                    self._notice(job, name, deadline_s)
+                else:
+                    self._restart(job, f"worker {name} is draining", failure=False)
         self.wake()
         return self.list_workers([name])[0]
 
@@ -607,6 +614,8 @@ class Coordinator(ControlLoop):
             self.store.put_job(job)
         for kind, message in fx.events:
             self._event(job, kind, message)
+        if fx.job and job.recovery.notice_step and decisions.notice_saved(job):
+            self._notice_saved(job)  # before the task's stop on notice is taken
         self.series.record(job, task, self.clock())
         if fx.move is not None:
             self._move_task(job, task, r, fx)

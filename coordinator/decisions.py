@@ -7,6 +7,7 @@ in ``tests/test_decisions.py``, without a running coordinator.
 ``on_task_change``: what a task's new state means for its job.
 ``on_failure``: what a task's failure does to its job (with ``may_retry_memory``).
 ``restart``: a restart's record; ``stopping``: how a job's remaining tasks stop.
+``notice``: where a job saves on a notice that its worker leaves (``notice_saved``: it did).
 ``on_tick``: what a pass of the control loop does with a live job.
 ``lost_with``: the tasks an agent's loss fails.
 """
@@ -218,6 +219,10 @@ def on_task_change(job: Job, task: Task, strategy: Strategy) -> JobStep:
     (``Strategy.on_failure``, ``decide_on_end``: pure functions of the job and task)."""
     if job.state.final or job.state == JobState.RESTARTING:
         return JobStep(WAKE if task.state.final else NOTHING)
+    if task.state == TaskState.CANCELLED and job.recovery.notice_step:
+        # stopped on a notice after its save: the job restarts once the save is reported,
+        # or at the notice's deadline (``Coordinator._notices_due``)
+        return JobStep(NOTHING)
     if task.state == TaskState.CANCELLED and job.state in (JobState.SCHEDULED, JobState.RUNNING):
         # stopped although its job runs (its agent shut down): the job lost a task
         decision = strategy.on_failure(job, dataclasses.replace(task,
@@ -305,7 +310,8 @@ def restart(job: Job, cause: str, now: float, *, failure: bool,
               "requested_workers": rec.requested_workers or job.spec.workers,
               "restart_at": now + job.spec.restart_backoff_s,
               "step_at_failure": max(rec.step_at_failure, job.metrics.step),
-              "last_cause": cause, "replanned": False}
+              "last_cause": cause, "replanned": False, "notice_step": 0,
+              "notice_deadline": 0.0}
     left = (f"{failures} of {job.spec.max_restarts}" if failure
             else "not counted against restart.max_restarts")
     resumes = (f"the checkpoint at step {job.checkpoint_step}" if job.checkpoint_step
@@ -315,6 +321,51 @@ def restart(job: Job, cause: str, now: float, *, failure: bool,
         message=f"restart {restarts} ({left}) in {job.spec.restart_backoff_s:g} s: {cause}",
         event=f"restart {restarts}: {cause}; resumes from {resumes}",
         oom_budget=None if oom is None else (oom.role, oom.index, oom.memory_budget_bytes))
+
+
+# --- a notice --------------------------------------------------------------------------------
+
+#: how long a notice takes to reach a job's tasks, in seconds: the lead's step is up to a report
+#: interval (1 s) old, and the command goes through the agent to the task. The step they are
+#: asked to save at is this far ahead of the last reported one, at the job's rate.
+NOTICE_LEAD_S = 2.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class NoticePlan:
+    """What a notice does to a running job: its tasks save at ``step`` and stop, and the job
+    restarts from that checkpoint; or, with ``step`` 0, it restarts now for ``reason`` (from its
+    last periodic checkpoint)."""
+
+    step: int
+    reason: str = ""
+
+
+def notice(job: Job, deadline_s: float, steps_per_s: float, *, storage: bool) -> NoticePlan:
+    """Where ``job``, running at ``steps_per_s`` (0: not known yet), saves on a notice that its
+    worker leaves in ``deadline_s``: the step its lead last reported plus what it trains in
+    ``NOTICE_LEAD_S`` and one more, so that every task is told before it gets there. The save
+    must be reached within half the deadline (the other half is the save's and the stop's);
+    else, with no checkpoints (``checkpoint.every_steps`` and every task's agent's shared
+    directory, ``storage``), or with no step yet, the job restarts at once."""
+    assert job.spec is not None
+    if not (job.spec.checkpoint_every_steps and storage):
+        return NoticePlan(0, "it takes no checkpoints (checkpoint.every_steps and a shared "
+                             "directory on every worker)")
+    now_step = job.metrics.step
+    if not now_step or steps_per_s <= 0:
+        return NoticePlan(0, "it has not reported a step yet")
+    step = now_step + int(steps_per_s * NOTICE_LEAD_S) + 1
+    if (step - now_step) / steps_per_s > deadline_s / 2:
+        return NoticePlan(0, f"the deadline of {deadline_s:g} s leaves no time to reach a "
+                             f"step all its tasks can save at (step {step})")
+    return NoticePlan(step)
+
+
+def notice_saved(job: Job) -> bool:
+    """Whether ``job``'s notice checkpoint has been reported: it restarts from it now."""
+    step = job.recovery.notice_step
+    return bool(step) and job.checkpoint_step >= step and job.state in _RESUMABLE
 
 
 # --- a job's stop -------------------------------------------------------------------------------

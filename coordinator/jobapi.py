@@ -89,7 +89,7 @@ class JobServicer(pb_grpc.JobServiceServicer):
 
     @rpc
     async def DrainWorker(self, request: pb.DrainWorkerRequest, context: Any) -> pb.Worker:
-        return convert.worker_to_proto(self.coord.drain(request.name))
+        return convert.worker_to_proto(self.coord.drain(request.name, request.deadline_s))
 
     @rpc
     async def Revoke(self, request: pb.RevokeRequest, context: Any) -> pb.RevokeResponse:

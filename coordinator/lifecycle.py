@@ -19,7 +19,7 @@ from typing import Callable
 from strata import strategies
 from strata.coordinator import decisions
 from strata.coordinator.admission import PROBE_GROWTH, prepare, probe_plan, probe_spec, tasks_of
-from strata.coordinator.agents import NO_NEEDS, Needs, StopTaskCommand
+from strata.coordinator.agents import NO_NEEDS, Needs, NoticeCommand, StopTaskCommand
 from strata.coordinator.blobs import BlobStore
 from strata.coordinator.confine import job_blobs
 from strata.coordinator.state import ClusterState
@@ -58,6 +58,10 @@ class JobLifecycle:
         #: and the indexes derived from them (``coordinator.state``)
         self.state = state
         self.jobs = self.state.jobs
+        #: jobs with a notice in flight (``recovery.notice_step``), whose deadline the tick
+        #: watches (``_notices_due``); rebuilt from the store's live jobs
+        self._notices: set[str] = {j.id for j in self.state.live.values()
+                                   if j.recovery.notice_step}
         self.agents = self.state.agents
         self.workers = self.agents.workers
         self._signals: dict[str, asyncio.Event] = {}
@@ -241,6 +245,51 @@ class JobLifecycle:
     def _agent_lost(self, name: str) -> bool | None:
         w = self.agents.get(name)
         return None if w is None else w.lost
+
+    def _notice(self, job: Job, worker: str, deadline_s: float) -> None:
+        """A notice that ``worker`` leaves within ``deadline_s``: ``job``'s tasks save a
+        checkpoint after a step they all reach in time (``decisions.notice``) and stop, and the
+        job restarts from it (``_notice_saved``), or at the deadline from its last periodic
+        one (``_notices_due``); with no step to save at, it restarts at once."""
+        assert job.spec is not None
+        if job.recovery.notice_step:
+            return  # one in flight: its step and deadline stand
+        workers = [self.workers.get(t.worker) for t in job.tasks if t.worker]
+        storage = all(w is not None and w.record.shared_dir for w in workers)
+        rate = job.metrics.examples_per_sec / max(1, job.spec.data.batch_size)
+        plan = decisions.notice(job, deadline_s, rate, storage=storage)
+        if not plan.step:
+            self._restart(job, f"worker {worker} leaves within {deadline_s:g} s and no "
+                               f"checkpoint is saved on notice: {plan.reason}", failure=False)
+            return
+        job.recovery.notice_step = plan.step
+        job.recovery.notice_deadline = self.clock() + deadline_s
+        self.store.put_job(job)
+        self._notices.add(job.id)
+        self._event(job, "notice", f"worker {worker} leaves within {deadline_s:g} s: every "
+                                   f"task saves a checkpoint after step {plan.step} and stops; "
+                                   "the job resumes from it")
+        for name in dict.fromkeys(t.worker for t in job.tasks if t.worker and not t.state.final):
+            self.agents.send(name, NoticeCommand(job_id=job.id, step=plan.step))
+
+    def _notice_saved(self, job: Job) -> None:
+        """The lead reported the checkpoint its notice asked for: the job restarts from it."""
+        self._notices.discard(job.id)
+        self._restart(job, f"its checkpoint at step {job.checkpoint_step} was saved on notice",
+                      failure=False)
+
+    def _notices_due(self, now: float) -> None:
+        """Notices whose deadline passed before their checkpoint was reported: the job
+        restarts from its last periodic checkpoint, and says so."""
+        for job_id in list(self._notices):
+            job = self.jobs.get(job_id)
+            if job is None or not job.recovery.notice_step \
+                    or job.state not in (JobState.SCHEDULED, JobState.RUNNING):
+                self._notices.discard(job_id)
+            elif now >= job.recovery.notice_deadline:
+                self._notices.discard(job_id)
+                self._restart(job, f"its notice's deadline passed before the checkpoint at "
+                                   f"step {job.recovery.notice_step} was saved", failure=False)
 
     def _device_bytes(self, worker: str) -> int:
         """The whole budget of agent ``worker`` (0: not known)."""

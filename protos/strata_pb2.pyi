@@ -494,10 +494,12 @@ class SubmitJobRequest(_message.Message):
     def __init__(self, spec: _Optional[_Union[JobSpec, _Mapping]] = ..., request_id: _Optional[str] = ..., queue_for_capacity_s: _Optional[float] = ...) -> None: ...
 
 class DrainWorkerRequest(_message.Message):
-    __slots__ = ("name",)
+    __slots__ = ("name", "deadline_s")
     NAME_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
     name: str
-    def __init__(self, name: _Optional[str] = ...) -> None: ...
+    deadline_s: float
+    def __init__(self, name: _Optional[str] = ..., deadline_s: _Optional[float] = ...) -> None: ...
 
 class GetJobRequest(_message.Message):
     __slots__ = ("id",)
@@ -931,15 +933,27 @@ class PurgeJob(_message.Message):
     job_id: str
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
+class Notice(_message.Message):
+    __slots__ = ("job_id", "step", "attempt")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    step: int
+    attempt: int
+    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., attempt: _Optional[int] = ...) -> None: ...
+
 class AgentCommand(_message.Message):
-    __slots__ = ("start", "stop", "purge")
+    __slots__ = ("start", "stop", "purge", "notice")
     START_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     PURGE_FIELD_NUMBER: _ClassVar[int]
+    NOTICE_FIELD_NUMBER: _ClassVar[int]
     start: StartTask
     stop: StopTask
     purge: PurgeJob
-    def __init__(self, start: _Optional[_Union[StartTask, _Mapping]] = ..., stop: _Optional[_Union[StopTask, _Mapping]] = ..., purge: _Optional[_Union[PurgeJob, _Mapping]] = ...) -> None: ...
+    notice: Notice
+    def __init__(self, start: _Optional[_Union[StartTask, _Mapping]] = ..., stop: _Optional[_Union[StopTask, _Mapping]] = ..., purge: _Optional[_Union[PurgeJob, _Mapping]] = ..., notice: _Optional[_Union[Notice, _Mapping]] = ...) -> None: ...
 
 class ConnectRequest(_message.Message):
     __slots__ = ("name", "session")
@@ -1020,12 +1034,14 @@ class UploadOutputResponse(_message.Message):
     def __init__(self, size: _Optional[int] = ...) -> None: ...
 
 class DrainAgentRequest(_message.Message):
-    __slots__ = ("name", "session")
+    __slots__ = ("name", "session", "deadline_s")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
     name: str
     session: str
-    def __init__(self, name: _Optional[str] = ..., session: _Optional[str] = ...) -> None: ...
+    deadline_s: float
+    def __init__(self, name: _Optional[str] = ..., session: _Optional[str] = ..., deadline_s: _Optional[float] = ...) -> None: ...
 
 class DrainAgentResponse(_message.Message):
     __slots__ = ("tasks",)

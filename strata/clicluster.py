@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from strata import cpukernels
+from strata.limits import MAX_NOTICE_S
 from strata.clicommon import (
     EXIT_FAILED, EXIT_OK, EXIT_UNAVAILABLE, UsageError, _address, _check_job, _client,
     _client_tls, _duration, _fmt_bytes, _print_json, _size, _table, _token,
@@ -98,6 +99,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
         raise UsageError("--threads must be >= 0")
     if not 0 <= args.warm_pool <= 16:
         raise UsageError(f"--warm-pool {args.warm_pool}: 0 to 16")
+    notice_s = _duration("--notice", args.notice)
+    if not 5 <= notice_s <= MAX_NOTICE_S:
+        raise UsageError(f"--notice {args.notice}: 5s to {MAX_NOTICE_S:g}s")
     try:
         kernels = cpukernels.parse(args.cpu_kernels)
     except ValueError as e:
@@ -129,7 +133,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
                             tls=_client_tls(args), token=_token(args),
                             shared_dir=os.path.abspath(args.shared_dir) if args.shared_dir
                             else "", data_roots=tuple(roots), warm_pool=args.warm_pool,
-                            cpu_kernels=kernels))
+                            cpu_kernels=kernels, notice_s=notice_s))
 
 
 def cmd_certs(args: argparse.Namespace) -> int:
@@ -311,8 +315,11 @@ def _fmt_disk(d) -> str:
 
 
 def cmd_drain(args: argparse.Namespace) -> int:
+    deadline = _duration("--deadline", args.deadline) if args.deadline else 0.0
+    if args.deadline and not 1 <= deadline <= MAX_NOTICE_S:
+        raise UsageError(f"--deadline {args.deadline}: 1s to {MAX_NOTICE_S:g}s")
     with _client(args) as c:
-        w = c.drain(args.worker)
+        w = c.drain(args.worker, deadline)
     moving = len(w.tasks)
     print(f"{w.name}: {w.state.value}" + (f"; {moving} task(s) moving elsewhere" if moving
                                           else ""))

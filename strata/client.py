@@ -239,10 +239,11 @@ class Client:
                 time.sleep(backoff * random.uniform(0.5, 1.5))
                 backoff = min(2 * backoff, 5.0)
 
-    def drain(self, worker: str) -> WorkerInfo:
-        """No new tasks on ``worker``; its jobs restart elsewhere from their checkpoints."""
-        return convert.worker_from_proto(
-            self._call("DrainWorker", pb.DrainWorkerRequest(name=worker)))
+    def drain(self, worker: str, deadline_s: float = 0.0) -> WorkerInfo:
+        """No new tasks on ``worker``; its jobs restart elsewhere from their checkpoints. With
+        ``deadline_s`` (a notice: the worker leaves within it) they first save one on notice."""
+        return convert.worker_from_proto(self._call(
+            "DrainWorker", pb.DrainWorkerRequest(name=worker, deadline_s=deadline_s)))
 
     def plan(self, spec: SpecInput, overrides: list[str] | None = None) -> Plan:
         msg, files = _spec_proto(spec, overrides)

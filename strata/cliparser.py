@@ -35,7 +35,7 @@ EXAMPLES = {
     "jobs": "strata jobs --state RUNNING --state PENDING",
     "status": "strata status job-1a2b3c4d --json",
     "wait": "strata wait job-1a2b3c4d --timeout 600 && echo trained",
-    "drain": "strata drain host1-gpu0",
+    "drain": "strata drain host1-gpu0 --deadline 30s",
     "cancel": "strata cancel job-1a2b3c4d",
     "delete": "strata delete job-1a2b3c4d",
     "logs": "strata logs job-1a2b3c4d --task worker:1 --tail 50 --follow",
@@ -214,6 +214,10 @@ def _cluster_commands(cmds: _Commands) -> None:
     sp.add_argument("--warm-pool", type=int, default=1, metavar="N",
                     help="task processes kept ready with TensorFlow imported, so a task starts "
                          "without paying the import (each idles at about 300 MiB of RAM)")
+    sp.add_argument("--notice", default="60s", metavar="DURATION",
+                    help="how long this machine stays after SIGTERM (a spot reclaim's notice, a "
+                         "pod's grace period, Slurm's --signal lead): its jobs save a checkpoint "
+                         "within 80%% of it and move elsewhere (default 60s)")
     sp.add_argument("--cpu-kernels", default="auto", metavar="auto|onednn|eigen",
                     help="the CPU kernels this host's TensorFlow runs, which the memory "
                          "estimates depend on (default auto: TensorFlow's own rule, from "
@@ -278,6 +282,10 @@ def _job_commands(cmds: _Commands) -> None:
     sp = cmds.add("drain", cmd_drain, "stop placing tasks on a worker and move its jobs elsewhere "
                                  "(they resume from their checkpoints)")
     sp.add_argument("worker", metavar="WORKER", help="the worker's name (strata workers)")
+    sp.add_argument("--deadline", default="", metavar="DURATION",
+                    help="a notice: the worker leaves within DURATION (30s, 2m), so each of its "
+                         "jobs first saves a checkpoint at a step all its tasks reach in time and "
+                         "resumes from it (default: none, they resume from their last checkpoint)")
     sp = cmds.add("cancel", cmd_cancel, "cancel a job")
     sp.add_argument("job_id", metavar="JOB_ID", help="the job")
     sp = cmds.add("delete", cmd_delete, "delete a finished job: its records, events, logs and "

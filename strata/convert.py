@@ -581,8 +581,11 @@ def task_config_from_proto(m: pb.TaskConfig) -> TaskConfig:
 # --- agent commands ---------------------------------------------------------------------------
 
 def command_to_proto(cmd: Any) -> pb.AgentCommand:
-    """A coordinator command (``StartTaskCommand``, ``StopTaskCommand`` or
-    ``PurgeJobCommand``) to its message."""
+    """A coordinator command (``StartTaskCommand``, ``StopTaskCommand``, ``PurgeJobCommand``
+    or ``NoticeCommand``) to its message."""
+    if hasattr(cmd, "step"):
+        return pb.AgentCommand(notice=pb.Notice(job_id=cmd.job_id, step=cmd.step,
+                                                attempt=cmd.attempt))
     if not hasattr(cmd, "reason") and not hasattr(cmd, "config"):
         return pb.AgentCommand(purge=pb.PurgeJob(job_id=cmd.job_id))
     config = getattr(cmd, "config", None)

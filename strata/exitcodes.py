@@ -22,7 +22,10 @@ exit; the exit status is the authoritative signal when the event pipe is lost):
   was aborted (a peer died or was stopped): the task is a casualty of another's failure, and
   a restart of the job resumes it.
 
-75 to 78 come from the BSD ``sysexits.h`` range (EX_TEMPFAIL, EX_PROTOCOL) so they do not
+- ``TASK_EXIT_NOTICE`` (79): the task saved a checkpoint on a notice (its worker leaves) and
+  stopped, as asked: not a failure; the job restarts from that checkpoint.
+
+75 to 79 come from the BSD ``sysexits.h`` range (EX_TEMPFAIL, EX_PROTOCOL) so they do not
 collide with Python's own 1/2 or with 128+N signal deaths.
 """
 
@@ -32,6 +35,7 @@ TASK_EXIT_OOM = 75
 TASK_EXIT_BAD_CONFIG = 76
 TASK_EXIT_USER_CODE = 77
 TASK_EXIT_COLLECTIVE = 78
+TASK_EXIT_NOTICE = 79
 
 #: exit status -> the ``kind`` of the matching ``error`` event (0 has none).
 EXIT_KIND = {

@@ -12,3 +12,7 @@ DEFAULT_MAX_TASKS_PER_JOB = 256
 #: finished jobs are deleted (records, logs, stored outputs) this long after they ended
 #: (``--retention``; 0 keeps them)
 DEFAULT_RETENTION_S = 7 * 24 * 3600.0
+#: the longest notice a drain may give (``strata drain --deadline``, ``strata worker --notice``):
+#: clouds give 30 s to 2 min, Slurm's ``--signal`` minutes; beyond an hour it is a plan, not a
+#: notice
+MAX_NOTICE_S = 3600.0

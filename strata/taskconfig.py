@@ -21,6 +21,9 @@ TASK_CONFIG_VERSION = 1
 #: How often a task reports progress and allocator figures. Every report costs the agent and the
 #: coordinator a little CPU, and on a small host that is CPU the lockstep trainers do not get.
 REPORT_INTERVAL_S = 1.0
+#: a notice to a task: this file in its working directory, written by its agent, holds the step
+#: after which the task saves a checkpoint and stops (``strata.worker.notice``)
+NOTICE_FILE = "notice"
 
 
 @dataclasses.dataclass(frozen=True)

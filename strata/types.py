@@ -197,8 +197,12 @@ class JobRecovery:
     #: must, on a cluster that has had the workers for it)
     capacity_deadline: float = 0.0
     #: a task ran out of a budget Strata chose and the job was restarted with its need, not
-    #: counted against ``restart.max_restarts`` (once: ``Coordinator._memory_retry``)
+    #: counted against ``restart.max_restarts`` (once: ``decisions.may_retry_memory``)
     memory_retried: bool = False
+    #: a notice (``strata drain --deadline``): the step after which every task saves a
+    #: checkpoint and stops, and when the notice's worker leaves (0: no notice in flight)
+    notice_step: int = 0
+    notice_deadline: float = 0.0
 
 
 @dataclasses.dataclass

@@ -19,8 +19,8 @@ import time
 
 import pytest
 
-from strata.exitcodes import TASK_EXIT_COLLECTIVE, TASK_EXIT_OK
-from strata.taskconfig import TASK_CONFIG_VERSION
+from strata.exitcodes import TASK_EXIT_COLLECTIVE, TASK_EXIT_NOTICE, TASK_EXIT_OK
+from strata.taskconfig import NOTICE_FILE, TASK_CONFIG_VERSION
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from strata.worker.failures import peer_failure  # noqa: E402
@@ -48,8 +48,9 @@ def ckpt_spec(steps: int, every: int, keep: int = 3, workers: int = 1, **over) -
 
 def start(tmp, name: str, spec: dict, *, shared: str, restart: int, role: str = "worker",
           index: int = 0, cluster: dict | None = None, section: dict | None = None,
-          env_extra: dict | None = None) -> Task:
-    """One task process of job ``JOB`` (``cluster``: its TF_CONFIG's; none: no TF_CONFIG)."""
+          env_extra: dict | None = None, cwd: str | None = None) -> Task:
+    """One task process of job ``JOB`` (``cluster``: its TF_CONFIG's; none: no TF_CONFIG),
+    run in ``cwd`` (its working directory, where a notice is read; default the checkout)."""
     cfg = {"version": TASK_CONFIG_VERSION, "job_id": JOB, "role": role, "index": index,
            "spec": spec, "memory_budget_bytes": 512 << 20, "report_interval_s": 0.5,
            "restart": restart,
@@ -70,7 +71,7 @@ def start(tmp, name: str, spec: dict, *, shared: str, restart: int, role: str = 
     log_path = str(tmp / f"{name}.log")
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "strata.worker.task", "--config",
-                                 str(path), "--events-fd", str(w)], cwd=ROOT, env=env,
+                                 str(path), "--events-fd", str(w)], cwd=cwd or ROOT, env=env,
                                 pass_fds=(w,), stdout=log, stderr=subprocess.STDOUT)
     os.close(w)
     return Task(proc, r, log_path)
@@ -204,10 +205,16 @@ def test_a_generation_ignores_its_own_and_later_generations(one_worker, tmp_path
 
 
 def start_workers(tmp, name: str, spec: dict, *, shared: str, restart: int,
-                  env_extra: dict | None = None) -> list[Task]:
+                  env_extra: dict | None = None, notice: int = 0) -> list[Task]:
+    """Two workers; ``notice``: a notice for that step already in each one's directory."""
     cluster = {"worker": ports(2)}
+    dirs = [tmp / f"{name}-dir{i}" for i in range(2)]
+    for d in dirs:
+        d.mkdir()
+        if notice:
+            (d / NOTICE_FILE).write_text(str(notice))
     return [start(tmp, f"{name}-w{i}", spec, shared=shared, restart=restart, index=i,
-                  cluster=cluster, env_extra=env_extra) for i in range(2)]
+                  cluster=cluster, env_extra=env_extra, cwd=str(dirs[i])) for i in range(2)]
 
 
 def test_two_workers_save_and_resume_together(tmp_path):
@@ -233,6 +240,31 @@ def test_two_workers_save_and_resume_together(tmp_path):
     assert not os.path.exists(gen_dir(shared, 0))
     assert saved_steps(gen_dir(shared, 1)) == [8]
     assert not [n for n in os.listdir(gen_dir(shared, 1)) if n.startswith("tmp-")]
+
+
+def test_a_notice_saves_both_workers_at_its_step_and_the_resumed_run_matches(tmp_path):
+    """A notice for step 4 of a 10-step 2-worker job with no periodic checkpoint due: both
+    workers save step 4 together and stop (79); the next generation resumes at 4 and ends
+    with the weights of an uninterrupted run, bit for bit."""
+    shared = tmp_path / "shared"
+    spec = ckpt_spec(10, 1000, keep=2, workers=2)
+    g0 = start_workers(tmp_path, "gen0", spec, shared=str(shared), restart=0, notice=4)
+    plain = start_workers(tmp_path, "plain", ckpt_spec(10, 0, workers=2), shared="", restart=0)
+    try:
+        for t in g0:
+            rc = t.wait(WAIT_S)
+            assert rc == TASK_EXIT_NOTICE, f"exit {rc}; log:\n{t.log()}"
+            assert steps_of(t, "progress")[-1] <= 4 and not t.of("result")
+    finally:
+        for t in g0:
+            t.kill()
+    assert steps_of(g0[0], "checkpoint") == [4] and not g0[1].of("checkpoint")
+    assert saved_steps(gen_dir(shared, 0)) == [4]
+    g1 = start_workers(tmp_path, "gen1", spec, shared=str(shared), restart=1)
+    finish(*g1, *plain)
+    for t in g1:
+        check_resumed(t, 4, 10)
+    assert digest(g1[0]) == digest(g1[1]) == digest(plain[0])
 
 
 def test_survivor_of_a_killed_peer_exits_78(tmp_path):
@@ -268,20 +300,26 @@ def test_survivor_of_a_killed_peer_exits_78(tmp_path):
 # parameter_server chief, pipeline driver: hand-launched clusters of task processes
 
 
-def run_ps(tmp, name: str, steps: int, *, shared: str, restart: int) -> Task:
-    """A parameter_server job (chief, 1 worker, 1 ps) of ``steps`` steps, every 3; returns
-    the chief once it has ended (its servers stopped)."""
-    spec = ckpt_spec(steps, 3, workers=1, strategy="parameter_server", parameter_servers=1)
+def run_ps(tmp, name: str, steps: int, *, shared: str, restart: int, every: int = 3,
+           notice: int = 0) -> Task:
+    """A parameter_server job (chief, 1 worker, 1 ps) of ``steps`` steps, every ``every``;
+    returns the chief once it has ended (its servers stopped); ``notice``: a notice for that
+    step in the chief's directory (it must then stop on it)."""
+    spec = ckpt_spec(steps, every, workers=1, strategy="parameter_server", parameter_servers=1)
     cluster = {"chief": ports(1), "worker": ports(1), "ps": ports(1)}
     servers = [start(tmp, f"{name}-{role}", spec, shared=shared, restart=restart, role=role,
                      cluster=cluster) for role in ("ps", "worker")]
     section = {"ps_placement": {"placement": {"hidden_0": 0, "hidden_1": 0, "logits": 0},
                                 "ps_budgets_bytes": [512 << 20]}}
     chief = start(tmp, f"{name}-chief", spec, shared=shared, restart=restart, role="chief",
-                  cluster=cluster, section=section)
+                  cluster=cluster, section=section, cwd=_notice_dir(tmp, name, notice))
     try:
-        finish(chief)
+        if notice:
+            stopped_on_notice(chief, notice)
+        else:
+            finish(chief)
     finally:
+        chief.kill()
         stop(*servers)
     return chief
 
@@ -298,7 +336,7 @@ def test_parameter_server_chief_saves_and_resumes(tmp_path):
 
 
 def start_pipeline(tmp, name: str, steps: int, every: int, *, shared: str,
-                   restart: int) -> tuple[Task, Task]:
+                   restart: int, notice: int = 0) -> tuple[Task, Task]:
     """A 2-stage pipeline job: the driver (chief, stage 0: hidden_0) and one stage server
     (worker:0, stage 1: hidden_1 and logits). Returns (chief, server)."""
     spec = ckpt_spec(steps, every, workers=1, strategy="pipeline", stages=2, microbatches=2)
@@ -312,8 +350,23 @@ def start_pipeline(tmp, name: str, steps: int, every: int, *, shared: str,
     section = {"stage_layout": {"stages": 2, "replicas": 1, "microbatches": 2,
                                 "microbatch": 128, "layout": layout}}
     chief = start(tmp, f"{name}-chief", spec, shared=shared, restart=restart, role="chief",
-                  cluster=cluster, section=section)
+                  cluster=cluster, section=section, cwd=_notice_dir(tmp, name, notice))
     return chief, server
+
+
+def _notice_dir(tmp, name: str, notice: int) -> str:
+    """The chief's working directory, with a notice for step ``notice`` (0: none) in it."""
+    d = tmp / f"{name}-chief-dir"
+    d.mkdir()
+    if notice:
+        (d / NOTICE_FILE).write_text(str(notice))
+    return str(d)
+
+
+def stopped_on_notice(chief: Task, step: int) -> None:
+    rc = chief.wait(WAIT_S)
+    assert rc == TASK_EXIT_NOTICE, f"exit {rc}; log:\n{chief.log()}"
+    assert steps_of(chief, "checkpoint")[-1] == step and not chief.of("result")
 
 
 def test_pipeline_driver_saves_and_resumes_remote_stages(tmp_path):
@@ -337,6 +390,34 @@ def test_pipeline_driver_saves_and_resumes_remote_stages(tmp_path):
     assert not os.path.exists(gen_dir(shared, 0))
     # every stage's layers and optimizer, and the data position, restored exactly
     assert digest(chief) == digest(plain[0])
+
+
+def test_a_notice_stops_a_pipeline_and_a_parameter_server_job_at_its_step(tmp_path):
+    """The chief drives both: told step 3 of 6 (no periodic checkpoint due), it saves every
+    stage's (or server's) variables there and stops; the next generation resumes at 3."""
+    shared = str(tmp_path / "shared")
+    chief, server = start_pipeline(tmp_path, "pipe0", 6, 1000, shared=shared, restart=0,
+                                   notice=3)
+    plain = start_pipeline(tmp_path, "plain", 6, 0, shared="", restart=0)
+    try:
+        stopped_on_notice(chief, 3)
+        finish(plain[0])
+    finally:
+        chief.kill()
+        stop(server, plain[1])
+    chief, server = start_pipeline(tmp_path, "pipe1", 6, 1000, shared=shared, restart=1)
+    try:
+        finish(chief)
+    finally:
+        stop(server)
+    check_resumed(chief, 3, 6)
+    assert digest(chief) == digest(plain[0])
+
+    ps_shared = str(tmp_path / "ps-shared")
+    run_ps(tmp_path, "ps0", 8, shared=ps_shared, restart=0, every=1000, notice=3)
+    assert saved_steps(os.path.join(ps_shared, "jobs", JOB, "checkpoints", "gen-0")) == [3]
+    g1 = run_ps(tmp_path, "ps1", 8, shared=ps_shared, restart=1, every=1000)
+    check_resumed(g1, 3, 8)
 
 
 def test_peer_failures_are_told_from_other_errors():

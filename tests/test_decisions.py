@@ -384,3 +384,59 @@ def test_a_stop_cancels_what_never_started_fails_what_was_lost_and_tells_the_res
     assert [t.index for t in stop.lost] == [3]
     assert stop.tell == ("a", "b")
     assert [t.state for t in job.tasks][1] == TaskState.RUNNING  # the decision changes nothing
+
+
+# --- a notice --------------------------------------------------------------------------------
+
+from strata.coordinator.decisions import NOTICE_LEAD_S, notice, notice_saved  # noqa: E402
+
+
+def _running(step: int, every: int = 100) -> Job:
+    job = _spec_job("multi_worker_mirrored", JobState.RUNNING, [("worker", R), ("worker", R)])
+    job.spec = dataclasses.replace(job.spec, checkpoint_every_steps=every)
+    job.metrics.step = step
+    return job
+
+
+#: (reported step, checkpoint.every_steps, storage, steps/s, deadline) -> (save step, words)
+NOTICES = [
+    # the step all tasks are told before they reach it: the reported one plus the lead time
+    (40, 100, True, 10.0, 30.0, 40 + int(10 * NOTICE_LEAD_S) + 1, ""),
+    (40, 100, True, 0.5, 30.0, 42, ""),
+    # slow steps: reaching the save takes more than half the deadline
+    (40, 100, True, 0.05, 30.0, 0, "no time to reach a step"),
+    (40, 100, True, 10.0, 1.0, 0, "no time to reach a step"),
+    # nowhere to save, or nothing to save yet
+    (40, 0, True, 10.0, 30.0, 0, "takes no checkpoints"),
+    (40, 100, False, 10.0, 30.0, 0, "takes no checkpoints"),
+    (0, 100, True, 10.0, 30.0, 0, "not reported a step yet"),
+    (40, 100, True, 0.0, 30.0, 0, "not reported a step yet"),
+]
+
+
+@pytest.mark.parametrize("step, every, storage, rate, deadline, at, words", NOTICES)
+def test_where_a_job_saves_on_notice(step, every, storage, rate, deadline, at, words):
+    plan = notice(_running(step, every), deadline, rate, storage=storage)
+    assert plan.step == at
+    assert words in plan.reason and bool(plan.reason) == (at == 0)
+
+
+def test_a_notice_is_saved_once_the_lead_reports_its_step_and_a_restart_ends_it():
+    job = _running(45)
+    assert not notice_saved(job)  # no notice
+    job.recovery.notice_step = 61
+    job.checkpoint_step = 60
+    assert not notice_saved(job)
+    job.checkpoint_step = 61
+    assert notice_saved(job)
+    job.state = JobState.RESTARTING
+    assert not notice_saved(job)  # restarting already
+    r = restart(job, "saved on notice", 10.0, failure=False)
+    assert r.recovery["notice_step"] == 0 and r.recovery["notice_deadline"] == 0.0
+
+
+def test_a_task_stopped_on_notice_waits_for_the_save_not_a_restart():
+    job = _spec_job("multi_worker_mirrored", JobState.RUNNING, [("worker", R), ("worker", C)])
+    assert on_task_change(job, job.tasks[1], strategies.get(job.strategy)).action == RESTART
+    job.recovery.notice_step = 61
+    assert on_task_change(job, job.tasks[1], strategies.get(job.strategy)).action == NOTHING

@@ -187,6 +187,11 @@ def test_slurm_without_gpus_starts_one_cpu_agent_per_node(tmp_path):
     assert sorted(dict(zip(a[2::2], a[3::2]))["--name"] for a in agents) == ["node-a-cpu",
                                                                             "node-b-cpu"]
     assert all("--device" in a and a[a.index("--device") + 1] == "CPU" for a in agents)
+    # the time limit is a notice: Slurm signals the script, which tells the agents to leave
+    assert all(a[a.index("--notice") + 1] == "120s" for a in agents)
+    with open(os.path.join(DEPLOY, "slurm", "strata.sbatch")) as f:
+        script = f.read()
+    assert "#SBATCH --signal=B:USR1@120" in script and "USR1" in script.split("trap")[-1]
     coord = [srun_command(c)[1] for c in calls if c[0] == "srun"][0]
     assert "--insecure" in coord  # no certificates given: said, not silent
 

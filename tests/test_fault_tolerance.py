@@ -41,7 +41,7 @@ def ft(tmp_path_factory):
 
 
 def job_spec(name: str, strategy: str = "multi_worker_mirrored", steps: int = 2000,
-             batch: int = 64, **kw):
+             batch: int = 64, every: int = EVERY, **kw):
     extra = {"multi_worker_mirrored": {"workers": 2},
              "parameter_server": {"workers": 1, "parameter_servers": 1},
              "pipeline": {"workers": 1, "stages": 2, "microbatches": 2}}[strategy]
@@ -49,7 +49,7 @@ def job_spec(name: str, strategy: str = "multi_worker_mirrored", steps: int = 20
                 model={"builtin": {"kind": "mlp", "input_shape": [64], "hidden": [256, 256],
                                    "classes": 10}},
                 data={"source": "digits", "batch_size": batch},
-                checkpoint={"every_steps": EVERY, "keep": 2},
+                checkpoint={"every_steps": every, "keep": 2},
                 restart={"max_restarts": 2, "backoff_s": 1}, **{**extra, **kw})
 
 
@@ -151,6 +151,30 @@ def test_coordinator_sigkill_loses_and_duplicates_nothing(ft):
         assert names.count("crash-late") == 1 and names.count("crash-running") == 1
         assert before | {late["job"].id} == {j.id for j in client.jobs()} & (
             before | {late["job"].id})
+
+
+def test_a_notice_moves_a_job_and_trains_no_step_again(ft):
+    """strata drain --deadline: both workers of a 2-worker job save at one step ahead of
+    them (no periodic checkpoint is near) and stop; the job resumes there on the spare."""
+    with ft.client() as client:
+        job = client.submit(job_spec("notice", steps=2500, every=100000))
+        j = wait_until(lambda: (lambda j: j if j.state.final or j.metrics.step >= 100 else None)(
+            client.get(job.id)), 120, interval=0.2, what="100 steps")
+        assert not j.state.final, j.message
+        leaving = next(t.worker for t in j.tasks if t.index == 1)
+        client.drain(leaving, deadline_s=30)
+        final = client.wait(job.id, timeout=WAIT_S)
+        assert final.state == JobState.SUCCEEDED, final.message
+        assert final.metrics.step == 2500 and final.restarts == 1
+        assert final.steps_repeated <= 1, final.steps_repeated
+        assert leaving not in {t.worker for t in final.tasks}
+        events = [e.message for e in client.watch(job.id) if e.seq]
+        saved = [m for m in events if "saved on notice" in m]
+        assert saved and any(m.startswith("restart 1:") for m in saved), events
+        assert any("resumed from the checkpoint at step" in m for m in events), events
+    # the agent leaves, and comes back under its name ready for work
+    ft.kill_worker(leaving)
+    ft.add_worker(leaving)
 
 
 def test_drain_moves_the_job_and_places_nothing_more(ft):

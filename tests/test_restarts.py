@@ -249,3 +249,77 @@ def test_a_returning_agent_has_its_stale_attempt_stopped(env):
     stops = [c for c in commands(coord, where) if isinstance(c, StopTaskCommand)]
     assert stops and stops[0].job_id == job.id
     assert job.state == JobState.SCHEDULED and job.tasks[0].worker == other
+
+
+def _notice_job(env):
+    coord, clock, _, _ = env
+    job, sessions = running_job(env, {**SPEC, "checkpoint": {"every_steps": 1000}},
+                                workers=("a", "b", "c"))
+    lead = next(t for t in job.tasks if t.index == 0)
+    report(coord, sessions, lead, TaskState.RUNNING, step=40, total_steps=100, loss=1.0,
+           examples_per_sec=640.0)  # 10 steps/s at a global batch of 64
+    for name in coord.workers:
+        commands(coord, name)
+    return coord, clock, job, sessions, lead
+
+
+def test_a_notice_saves_at_a_step_every_task_reaches_then_restarts_from_it(env):
+    from strata.coordinator.agents import NoticeCommand
+
+    coord, clock, job, sessions, lead = _notice_job(env)
+    leaving = job.tasks[1].worker
+    coord.drain(leaving, deadline_s=30)
+    assert job.state == JobState.RUNNING  # not yet: its tasks save first
+    step = job.recovery.notice_step
+    assert step == 40 + 20 + 1
+    told = {w: [c for c in commands(coord, w) if isinstance(c, NoticeCommand)]
+            for w in ("a", "b", "c")}
+    assert {w for w, cs in told.items() if cs} == {t.worker for t in job.tasks}
+    assert all(c.step == step for cs in told.values() for c in cs)
+    assert any(e.kind == "notice" and f"after step {step}" in e.message
+               for e in coord.store.events(job.id))
+    # a worker that saved and stopped before the lead's report: the job waits for the save
+    other = job.tasks[1]
+    report(coord, sessions, other, TaskState.CANCELLED, exit_code=79)
+    assert job.state == JobState.RUNNING and job.recovery.failures == 0
+    # the lead's checkpoint and its stop, in one report: the job restarts from it, uncounted
+    report(coord, sessions, lead, TaskState.CANCELLED, step=step, checkpoint_step=step)
+    assert job.state == JobState.RESTARTING and job.recovery.failures == 0
+    assert job.recovery.notice_step == 0 and job.checkpoint_step == step
+    assert any("saved on notice" in e.message and f"step {step}" in e.message
+               for e in coord.store.events(job.id))
+    clock.now += 4  # its backoff
+    coord.tick()
+    coord.tick()
+    assert job.state == JobState.SCHEDULED and leaving not in {t.worker for t in job.tasks}
+
+
+def test_a_notice_whose_deadline_passes_restarts_from_the_last_checkpoint_and_says_so(env):
+    coord, clock, job, sessions, lead = _notice_job(env)
+    coord.drain(job.tasks[1].worker, deadline_s=8)  # (agents are lost after 10 s unheard)
+    assert job.recovery.notice_step
+    clock.now += 7
+    coord.tick()
+    assert job.state == JobState.RUNNING
+    clock.now += 2
+    coord.tick()
+    assert job.state == JobState.RESTARTING and job.recovery.failures == 0
+    assert any("deadline passed" in e.message for e in coord.store.events(job.id))
+    assert any("resumes from the start (no checkpoint yet)" in e.message
+               for e in coord.store.events(job.id))
+
+
+@pytest.mark.parametrize("deadline, words", [(0.5, "no time to reach a step"),
+                                             (float("nan"), None), (-1.0, None), (1e9, None)])
+def test_a_notice_too_short_restarts_at_once_and_a_bad_deadline_is_refused(env, deadline, words):
+    from strata.errors import SpecError
+
+    coord, clock, job, sessions, lead = _notice_job(env)
+    if words is None:
+        with pytest.raises(SpecError, match="deadline") as e:
+            coord.drain(job.tasks[1].worker, deadline_s=deadline)
+        assert e.value.field == "deadline_s" and job.state == JobState.RUNNING
+        return
+    coord.drain(job.tasks[1].worker, deadline_s=deadline)
+    assert job.state == JobState.RESTARTING and job.recovery.notice_step == 0
+    assert any(words in e.message for e in coord.store.events(job.id))

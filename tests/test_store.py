@@ -56,7 +56,8 @@ def full_job(job_id: str = "a-1") -> Job:
         recovery=JobRecovery(request_id="req-1", restart_at=7.5, requested_workers=2,
                              step_at_failure=3, last_cause="OOM on w1", failures=1,
                              replanned=True, probe_of="p-1", capacity_deadline=99.5,
-                             memory_retried=True))
+                             memory_retried=True, notice_step=140,
+                             notice_deadline=1250.5))
 
 
 def full_task(job_id: str = "a-1", index: int = 1) -> Task:

@@ -56,6 +56,9 @@ REGISTER_BACKOFF_MAX_S = 5.0
 HEARTBEAT_JITTER = 0.1
 #: SIGTERM: how long the agent waits for the coordinator to move its tasks elsewhere
 DRAIN_TIMEOUT_S = 60.0
+#: of the time a notice leaves (``--notice``), the share its jobs may take to reach and save a
+#: checkpoint; the rest is for their processes to stop and the agent to go
+NOTICE_SAVE_SHARE = 0.8
 #: how often the agent counts its own files (``DiskMeter``) and collects fetched files no task
 #: uses: those of a deleted job at once (``purge``), any other ``BLOB_KEEP_S`` after its last
 #: use, and the least recently used beyond ``MAX_IDLE_BLOB_BYTES`` (a sweep of many models
@@ -262,6 +265,10 @@ class Agent:
             threading.Thread(target=self._stop, args=(victims,), daemon=True).start()
         elif which == "purge":
             threading.Thread(target=self.purge, args=(cmd.purge.job_id,), daemon=True).start()
+        elif which == "notice":
+            n = cmd.notice
+            for t in self._victims(n.job_id, attempt=n.attempt):
+                t.notice(n.step)
 
     def fetch_blob(self, sha: str, suffix: str = "") -> str:
         """The local copy of blob ``sha`` (a job's .keras file or code archive), fetched from
@@ -481,15 +488,18 @@ class Agent:
                     break
                 self.stopping.wait(min(REREGISTER_POLL_S, left))
 
-    def drain(self, timeout_s: float = DRAIN_TIMEOUT_S) -> None:
-        """SIGTERM: asks the coordinator to drain this agent (no new tasks; its jobs restart
-        elsewhere from their checkpoints) and waits, at most ``timeout_s``, for its tasks to be
+    def drain(self, timeout_s: float | None = None) -> None:
+        """SIGTERM: a notice. Asks the coordinator to drain this agent (no new tasks; its jobs
+        save a checkpoint on notice, within ``NOTICE_SAVE_SHARE`` of ``timeout_s``, and restart
+        elsewhere from it) and waits, at most ``timeout_s`` (``--notice``), for its tasks to be
         stopped that way. Without a coordinator to ask, ``shutdown`` stops them directly."""
+        timeout_s = self.cfg.notice_s if timeout_s is None else timeout_s
         self.draining.set()
         deadline = time.monotonic() + timeout_s
         try:
-            self.stub.DrainAgent(pb.DrainAgentRequest(name=self.cfg.name, session=self.session),
-                                 timeout=RPC_TIMEOUT_S)
+            self.stub.DrainAgent(pb.DrainAgentRequest(
+                name=self.cfg.name, session=self.session,
+                deadline_s=timeout_s * NOTICE_SAVE_SHARE), timeout=RPC_TIMEOUT_S)
         except grpc.RpcError as e:
             log.warning("cannot drain through the coordinator (%s); stopping the tasks", e.code())
             return

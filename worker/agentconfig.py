@@ -32,5 +32,8 @@ class AgentConfig:
     cpu_kernels: str = ""
     #: the coordinator's CA, and this agent's certificate under mutual TLS (empty: plain text)
     tls: ClientTls = dataclasses.field(default_factory=ClientTls)
+    #: --notice: how long the machine stays after SIGTERM (a spot reclaim's or a pod's grace):
+    #: the agent's jobs save a checkpoint on notice within it and move (``Agent.drain``)
+    notice_s: float = 60.0
     #: its ``agent`` token (``strata.auth``; empty when the coordinator has no auth)
     token: str = dataclasses.field(default="", repr=False)

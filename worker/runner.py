@@ -25,11 +25,12 @@ import os
 import time
 from typing import Any, Callable
 
-from strata.exitcodes import TASK_EXIT_OK
+from strata.exitcodes import TASK_EXIT_NOTICE, TASK_EXIT_OK
 from strata.modelspec import ModelProfile, ModelSpecError, profile_model
 from strata.types import STREAMED_SOURCES
 from strata.taskconfig import TaskConfig, TaskConfigError
 from strata.worker.checkpoints import Checkpointer, Found
+from strata.worker.notice import Notice
 from strata.worker.device import configure_device
 from strata.worker.events import Events, exit_task, format_mib, log
 from strata.worker.losses import training_loss
@@ -278,6 +279,8 @@ class TrainingRunner:
         self.data: Data | None = None
         # checkpoints: None when the job takes none; the step training resumes after
         self.checkpointer: Checkpointer | None = None
+        #: a notice from the agent: save and stop after its step (``stop_on_notice``)
+        self.notice = Notice()
         self.resume_from: Found | None = None
         self.start_step = 0
         self.scalars: Scalars | None = None
@@ -503,6 +506,18 @@ class TrainingRunner:
             self.peaks.note(f"step {step}")
             self.after_step(step)
             self.peaks.note(f"checkpoint at step {step}")
+            if self.checkpointer is not None and self.notice.due(step):
+                self.stop_on_notice(step)
+
+    def stop_on_notice(self, step: int) -> None:
+        """A notice (``strata.worker.notice``): the checkpoint of step ``step`` is saved (unless
+        it was just saved as due), then the task stops with ``TASK_EXIT_NOTICE``."""
+        c = self.checkpointer
+        assert c is not None
+        if not c.due(step):
+            c.save(step)
+        log(f"notice: checkpoint at step {step} saved; stopping")
+        exit_task(TASK_EXIT_NOTICE, self.events)
 
     def evaluate(self) -> tuple[float, float] | None:
         """(test loss, test accuracy), None when the job has no test split."""

@@ -25,6 +25,9 @@ def classify_exit(code: int, *, stopped: bool, has_result: bool, error_kind: str
         return TaskState.CANCELLED, FailureKind.NONE, code, "stopped"
     if code == 0 and has_result:
         return TaskState.SUCCEEDED, FailureKind.NONE, 0, ""
+    if code == exitcodes.TASK_EXIT_NOTICE:
+        return (TaskState.CANCELLED, FailureKind.NONE, code,
+                message or "saved a checkpoint on notice and stopped")
     if code == exitcodes.TASK_EXIT_OOM or error_kind == "oom":
         return TaskState.FAILED, FailureKind.OOM, code, message
     if code == exitcodes.TASK_EXIT_BAD_CONFIG or error_kind == "bad_config":

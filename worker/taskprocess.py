@@ -19,7 +19,7 @@ from typing import Protocol
 
 from strata.protos import strata_pb2 as pb
 from strata import convert
-from strata.taskconfig import AgentSettings
+from strata.taskconfig import NOTICE_FILE, AgentSettings
 from strata.units import parse_size
 from strata.oom import allocator_refusal
 from strata.types import OutOfMemory
@@ -114,6 +114,8 @@ class TaskProcess:
     def _start(self) -> None:
         cmd = self._cmd
         os.makedirs(self.dir, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):  # an earlier attempt's notice
+            os.unlink(os.path.join(self.dir, NOTICE_FILE))
         # The contract passes through as the coordinator built it; the agent fills only its
         # own settings (the task sees the agent's one GPU as GPU:0: CUDA_VISIBLE_DEVICES below).
         for sha, suffix in blobs_needed(cmd):
@@ -349,6 +351,17 @@ class TaskProcess:
         self.agent.report(self)
 
     # --- control ------------------------------------------------------------------------------
+
+    def notice(self, step: int) -> None:
+        """A notice (``strata drain --deadline``): the task saves a checkpoint once ``step``
+        is done and stops (``strata.worker.notice``, which reads this file at each step)."""
+        path = os.path.join(self.dir, NOTICE_FILE)
+        with contextlib.suppress(OSError):
+            with open(path + ".tmp", "w") as f:
+                f.write(str(int(step)))
+            os.replace(path + ".tmp", path)
+            log.info("task %s/%s:%d: notice, save after step %d", self.job_id, self.role,
+                     self.index, step)
 
     def stop(self) -> None:
         """SIGTERM to the task's process group, SIGKILL after a grace period."""

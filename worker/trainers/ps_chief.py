@@ -1,56 +1,18 @@
 """The chief of a ``parameter_server`` job: asynchronous training with TensorFlow's
 ``ParameterServerStrategy`` and ``ClusterCoordinator`` (the strategy's runner for role
-``chief`` here; the job's ``worker`` and ``ps`` tasks are plain ``worker.server`` processes).
+``chief``; the job's ``worker`` and ``ps`` tasks are plain ``worker.server`` processes).
 
-Placement. ``ParameterServerStrategy``'s ``variable_partitioner`` does not reach Keras 3
-variables (each Keras variable wraps one whole ``tf.Variable``, placed round-robin), so Strata
-places whole layers: the contract's ``ps_placement`` maps each layer with variables
-to a PS task (``strata.psplan`` balances them against the PS memory slices). The model is built
-under a ``tf.variable_creator_scope`` that sets ``colocate_with`` (what
-``strategy.extended.colocate_vars_with`` does) to a scalar anchor variable already on the chosen
-PS task; the layer is the innermost component of the Keras name scope being built
-(``keras.src.backend.common.name_scope.current_path()``, e.g. ``hidden_0``) that names a placed
-layer. Optimizer slots follow their variable (Keras 3's TensorFlow optimizer creates each slot
-under ``colocate_vars_with(reference)``). After building, every model variable and every slot
-is checked against the placement and the job fails (bad_config) if one is elsewhere. Scalar
-optimizer state (iterations, learning rate, loss scale) is placed round-robin by TensorFlow.
+Contract: every layer's variables and optimizer slots live on the PS task the contract's
+``ps_placement`` names (checked after building; a misplaced one fails the job, bad_config).
+Steps are scheduled on whichever worker is free and applied asynchronously; a lost worker does
+not fail the job, a lost PS task does. Every wait is bounded (``Watchdog``:
+``STRATA_PS_CONNECT_TIMEOUT_S``, ``STRATA_PS_UNREACHABLE_TIMEOUT_S``); a chief whose peers are
+gone exits 78 (``TASK_EXIT_COLLECTIVE``, kind ``collective_timeout``). A checkpoint holds
+exactly the steps it counts; evaluation, the weights' SHA-256 and ``model.keras`` run on the
+chief. Events as every training runner (``strata.worker.runner``).
 
-Training. ``steps = worker.data.total_steps(...)`` steps are scheduled with
-``coordinator.schedule``; each is one batch of ``data.batch_size`` examples on whichever worker
-is free, loss = mean over that batch, gradients applied to the PS variables at once
-(asynchronous). Each worker reads the full training set (embedded in its input pipeline) in
-its own order: a stateless shuffle per epoch seeded from the worker's clock when its pipeline
-is created (the pipeline function is traced once on the chief, so an op seed would be the same
-on every worker), so a restarted worker draws a new order too. At most ``4 x workers`` steps
-are queued ahead. A step returns nothing: it adds its loss and 1 to two scalar variables on a
-PS task, which the chief reads for ``progress`` (a result left on a worker could not be fetched
-once that worker died). A worker task that dies does not fail the job: the coordinator re-runs
-its step on another worker (a step that had already applied its gradients is then applied
-twice; the chief logs it). A lost PS task fails the job at once, naming the task. Every wait
-is bounded by a watchdog thread that probes the tasks' TCP ports: the strategy's constructor
-(which waits for every task) must connect within ``STRATA_PS_CONNECT_TIMEOUT_S`` (120 s), and
-the job fails with a clear error when no worker task is reachable, or a PS task is
-unreachable, for ``STRATA_PS_UNREACHABLE_TIMEOUT_S`` (60 s). A chief that fails because its
-peers are gone (a lost PS task, no reachable worker) exits with status 78
-(``TASK_EXIT_COLLECTIVE``, error kind ``collective_timeout``).
-
-Checkpoints (``strata.worker.checkpoints``): the chief saves the model, the optimizer and the
-``applied`` and ``loss_sum`` counters every ``checkpoint.every_steps`` steps (the checkpoint's
-step is the number of steps waited for). It schedules no step past a checkpoint step and joins
-the coordinator before saving, so the saved variables hold exactly those steps; each PS task
-writes its own variables' shard. A resumed chief trains the remaining steps with a fresh data
-order (each worker's order is random by design; a ``code.dataset`` pipeline starts again from
-its beginning on every worker).
-
-Evaluation runs on the chief (the whole test split in batches of ``min(data.batch_size,
-256)``, reading the variables from the PS tasks), as do the weights' SHA-256 and
-``model.keras`` (saved when two copies of the weights fit in what is left of the chief's
-budget).
-
-Events as every training runner (``strata.worker.runner``): ``started`` (the coordinator connected to the cluster),
-``first_step``, ``progress`` (``step`` = steps applied, ``loss`` = mean loss of the steps since
-the previous report, ``memory`` = the chief's own allocator, near zero while training),
-``result``, or ``error`` before a failing exit.
+Placement, training, failures, checkpoints, events: docs/strategies.md, "The parameter-server
+chief".
 """
 
 from __future__ import annotations
@@ -524,6 +486,9 @@ class PsChiefRunner(TrainingRunner):
             last.update(step=step, count=count, sum=total)
 
         next_ckpt = ckpt.next_due(start) if ckpt is not None and ckpt.every > 0 else steps + 1
+        # a notice's step once read (the chief alone drives: it stops at the notice's step, or
+        # at the first one not yet scheduled); nothing is scheduled past it
+        stop_at = steps + 1
         inflight = [coordinator.schedule(self._train_step, args=(self.per_worker_iter,))]
         scheduled = waited = start + 1
         while True:
@@ -538,9 +503,15 @@ class PsChiefRunner(TrainingRunner):
                 coordinator.join()  # nothing is in flight: scheduling stopped at this step
                 ckpt.save(waited)
                 next_ckpt = ckpt.next_due(waited)
+            if ckpt is not None and stop_at > steps and self.notice.at():
+                stop_at = max(self.notice.at(), scheduled)
+            if waited == stop_at:
+                coordinator.join()
+                report()
+                self.stop_on_notice(waited)
             if waited >= steps:
                 break
-            while scheduled < min(steps, next_ckpt) and len(inflight) < window:
+            while scheduled < min(steps, next_ckpt, stop_at) and len(inflight) < window:
                 inflight.append(coordinator.schedule(self._train_step,
                                                      args=(self.per_worker_iter,)))
                 scheduled += 1
