@@ -18,7 +18,7 @@ distinct budgets the problem is strongly NP-hard, and a search that runs out ret
 that still fits, marked ``optimal=False`` with a proven ``lower_bound``. The design (matching
 by Hall's theorem, keys, probes, the bisection, hardness and the allowance; the "points"
 cited below) is in ``docs/planner.md``; the memory and cost of a stage in
-``strata/stagememory.py``.
+``strata/stagememory.py`` (its terms: docs/memory.md, "Pipeline stages").
 """
 
 from __future__ import annotations

@@ -129,7 +129,7 @@ class ReplicaSchedule:
             # start of the step), so without this a lagging stage collects
             # all M of them; with it, at most two (the one it is working on
             # and the next), which is what the stage estimate counts
-            # (``strata.stagememory``). Before this and the re-run's wait
+            # (docs/memory.md, "Pipeline stages"). Before this and the re-run's wait
             # above, a recomputing first stage once peaked 6.5 MiB over its
             # estimate (three of its 1024 x 512 gradients' worth). In GPipe's
             # schedule the stage below finished i + 2 a slot before this
