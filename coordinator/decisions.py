@@ -346,12 +346,10 @@ def notice(job: Job, deadline_s: float, steps_per_s: float, *, storage: bool) ->
     worker leaves in ``deadline_s``: the step its lead last reported plus what it trains in
     ``NOTICE_LEAD_S`` and one more, so that every task is told before it gets there. The save
     must be reached within half the deadline (the other half is the save's and the stop's);
-    else, with no checkpoints (``checkpoint.every_steps`` and every task's agent's shared
-    directory, ``storage``), or with no step yet, the job restarts at once."""
-    assert job.spec is not None
-    if not (job.spec.checkpoint_every_steps and storage):
-        return NoticePlan(0, "it takes no checkpoints (checkpoint.every_steps and a shared "
-                             "directory on every worker)")
+    else, with nowhere to save (a shared directory on every task's agent, ``storage``; a job
+    without ``checkpoint:`` saves on notice too), or with no step yet, the job restarts at once."""
+    if not storage:
+        return NoticePlan(0, "a worker of it has no shared directory to save a checkpoint in")
     now_step = job.metrics.step
     if not now_step or steps_per_s <= 0:
         return NoticePlan(0, "it has not reported a step yet")

@@ -124,7 +124,10 @@ class TaskConfig:
 
     @property
     def checkpoints_enabled(self) -> bool:
-        return self.spec.checkpoint_every_steps > 0 and bool(self.agent.shared_dir)
+        """The task keeps checkpoints: wherever its agent has a shared directory. It saves one
+        every ``checkpoint.every_steps`` (0: never periodically) and one on a notice, and
+        resumes from the latest of an earlier generation."""
+        return bool(self.agent.shared_dir)
 
 
 class TaskConfigError(Exception):

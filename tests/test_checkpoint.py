@@ -242,12 +242,14 @@ def test_two_workers_save_and_resume_together(tmp_path):
     assert not [n for n in os.listdir(gen_dir(shared, 1)) if n.startswith("tmp-")]
 
 
-def test_a_notice_saves_both_workers_at_its_step_and_the_resumed_run_matches(tmp_path):
-    """A notice for step 4 of a 10-step 2-worker job with no periodic checkpoint due: both
-    workers save step 4 together and stop (79); the next generation resumes at 4 and ends
-    with the weights of an uninterrupted run, bit for bit."""
+@pytest.mark.parametrize("every", [1000, 0])
+def test_a_notice_saves_both_workers_at_its_step_and_the_resumed_run_matches(tmp_path, every):
+    """A notice for step 4 of a 10-step 2-worker job with no periodic checkpoint due (or none
+    at all: a job without ``checkpoint:`` saves on notice too): both workers save step 4
+    together and stop (79); the next generation resumes at 4 and ends with the weights of an
+    uninterrupted run, bit for bit."""
     shared = tmp_path / "shared"
-    spec = ckpt_spec(10, 1000, keep=2, workers=2)
+    spec = ckpt_spec(10, every, keep=2, workers=2)
     g0 = start_workers(tmp_path, "gen0", spec, shared=str(shared), restart=0, notice=4)
     plain = start_workers(tmp_path, "plain", ckpt_spec(10, 0, workers=2), shared="", restart=0)
     try:

@@ -406,9 +406,9 @@ NOTICES = [
     # slow steps: reaching the save takes more than half the deadline
     (40, 100, True, 0.05, 30.0, 0, "no time to reach a step"),
     (40, 100, True, 10.0, 1.0, 0, "no time to reach a step"),
-    # nowhere to save, or nothing to save yet
-    (40, 0, True, 10.0, 30.0, 0, "takes no checkpoints"),
-    (40, 100, False, 10.0, 30.0, 0, "takes no checkpoints"),
+    # a job without periodic checkpoints saves on notice too; not without a shared directory
+    (40, 0, True, 10.0, 30.0, 40 + int(10 * NOTICE_LEAD_S) + 1, ""),
+    (40, 100, False, 10.0, 30.0, 0, "no shared directory"),
     (0, 100, True, 10.0, 30.0, 0, "not reported a step yet"),
     (40, 100, True, 0.0, 30.0, 0, "not reported a step yet"),
 ]
