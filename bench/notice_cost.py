@@ -3,13 +3,14 @@
 
     .venv/bin/python bench/notice_cost.py [--deadline 30] [--cases mlp,big]
 
-On one local cluster of three 1 GiB agents (1 intra-op thread per task), for each case: the
+On one local cluster of four 1 GiB agents (1 intra-op thread per task), for each case: the
 job runs without periodic checkpoints near (``checkpoint.every_steps`` beyond its length); once
 it has trained ``--after`` steps, the worker of one of its tasks is drained with a deadline.
 Timed from the drain: the notice's event, the checkpoint's report (the restart), the job placed
 again, its resumed first step; with the steps trained again (0 when the save came in time) and
 the step saved at. The drained agent is then
-restarted under its name, so that every case finds three.
+restarted under its name, so that every case finds four (a parameter-server job needs
+three agents besides the one that leaves).
 
 Prints a Markdown table (the top table of docs/benchmarks.md keeps the figures that hold).
 """
@@ -91,7 +92,7 @@ def measure(c: LocalCluster, client, case: str, args: argparse.Namespace) -> tup
 def main() -> int:
     args = parse_args()
     rows = []
-    with LocalCluster(workers=3, memory_budget="1GiB", threads=1, heartbeat_timeout_s=4) as c:
+    with LocalCluster(workers=4, memory_budget="1GiB", threads=1, heartbeat_timeout_s=4) as c:
         with c.client() as client:
             for case in args.cases.split(","):
                 rows.append(measure(c, client, case, args))
