@@ -214,6 +214,9 @@ class JobStep:
     cancelled: bool = False
 
 
+_NOTHING = JobStep(NOTHING)
+
+
 def on_task_change(job: Job, task: Task, strategy: Strategy) -> JobStep:
     """What ``task``'s new state (already set) means for ``job``, by ``strategy``'s rules
     (``Strategy.on_failure``, ``decide_on_end``: pure functions of the job and task)."""
@@ -222,7 +225,7 @@ def on_task_change(job: Job, task: Task, strategy: Strategy) -> JobStep:
     if task.state == TaskState.CANCELLED and job.recovery.notice_step:
         # stopped on a notice after its save: the job restarts once the save is reported,
         # or at the notice's deadline (``Coordinator._notices_due``)
-        return JobStep(NOTHING)
+        return _NOTHING
     if task.state == TaskState.CANCELLED and job.state in (JobState.SCHEDULED, JobState.RUNNING):
         # stopped although its job runs (its agent shut down): the job lost a task
         decision = strategy.on_failure(job, dataclasses.replace(task,
@@ -239,7 +242,7 @@ def on_task_change(job: Job, task: Task, strategy: Strategy) -> JobStep:
             for t in job.tasks):
         # (a FAILED task here is one the strategy's failure policy carries on without)
         return JobStep(RUN, "all tasks running")
-    return JobStep(NOTHING)
+    return _NOTHING
 
 
 # --- a task's failure ---------------------------------------------------------------------------
@@ -248,17 +251,13 @@ def on_task_change(job: Job, task: Task, strategy: Strategy) -> JobStep:
 CONTINUE = JobAction("continue")
 #: restart once, not counted, planned on what the task was seen to need (``may_retry_memory``)
 MEMORY_RETRY = JobAction("memory_retry")
-#: the task failed as a casualty of its job's stop or restart: nothing more to decide
-_CASUALTY = JobStep(NOTHING)
-
-
-def on_failure(job: Job, task: Task, policy: JobStep, *, memory_retry: bool) -> JobStep:
-    """What ``task``'s failure (its state already FAILED) does to ``job``: ``policy`` is what the
+def on_failure(job: Job, policy: JobStep, *, memory_retry: bool) -> JobStep:
+    """What a task's failure (its state already FAILED) does to ``job``: ``policy`` is what the
     strategy's failure policy says of it (``Strategy.on_failure`` as ``failure_step``);
     ``memory_retry``: the failure was out of memory and ``may_retry_memory`` allows one retry.
     A job that is no longer running or starting takes no decision: the task died in its stop."""
     if job.state not in _RESUMABLE:
-        return _CASUALTY
+        return _NOTHING  # a casualty of its job's stop or restart
     if policy.action == CONTINUE:
         return policy
     if memory_retry:
@@ -415,8 +414,7 @@ RESUME = JobAction("resume")
 #: asks only for these, so thousands of running jobs cost it nothing
 TICK_STATES = frozenset({JobState.PENDING, JobState.RESTARTING, JobState.SCHEDULED})
 
-_NOTHING, _PLACE, _AFTER_PROBE, _RESUME = (JobStep(NOTHING), JobStep(PLACE), JobStep(AFTER_PROBE),
-                                          JobStep(RESUME))
+_PLACE, _AFTER_PROBE, _RESUME = JobStep(PLACE), JobStep(AFTER_PROBE), JobStep(RESUME)
 
 
 def on_tick(job: Job, now: float, *, probing: bool = False, scheduled_since: float = 0.0,

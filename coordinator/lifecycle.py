@@ -387,7 +387,7 @@ class JobLifecycle:
         # the policy judges the process that died: a driver that failed on another task's
         # device is still a dead driver (``_fail_oom`` names where memory ran out)
         step = decisions.on_failure(
-            job, task, decisions.failure_step(policy.action, policy.message),
+            job, decisions.failure_step(policy.action, policy.message),
             memory_retry=oom is not None and decisions.may_retry_memory(
                 job, oom, self._device_bytes(oom.worker)))
         if step.action == decisions.CONTINUE:

@@ -315,7 +315,7 @@ FAILURES = [
 
 @pytest.mark.parametrize("job_state, policy, retry, action", FAILURES)
 def test_what_a_tasks_failure_does_to_its_job(job_state, policy, retry, action):
-    step = on_failure(_job(job_state), _task(TaskState.FAILED), policy, memory_retry=retry)
+    step = on_failure(_job(job_state), policy, memory_retry=retry)
     assert step.action == action
     if action != NOTHING:
         assert step.message == policy.message
