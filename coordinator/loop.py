@@ -302,9 +302,7 @@ class ControlLoop(JobLifecycle):
         placed: dict[tuple[str, int], Task] = {}
         for t, live in zip(order, lives):
             i = taken[live.name] = taken.get(live.name, -1) + 1
-            placed[(t.role, t.index)] = dataclasses.replace(
-                t, worker=live.name, address=f"{live.record.address}:{live.free_ports[i]}",
-                attempt=t.attempt + 1)
+            placed[(t.role, t.index)] = self.state.placed(t, live, i)
         message = "placed on " + ", ".join(
             f"{t.role}:{t.index}->{placed[(t.role, t.index)].worker}" for t in job.tasks)
         self.store.put_tasks(placed.values())

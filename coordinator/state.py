@@ -18,6 +18,8 @@ by job needs; and two version counters that say when room may have grown
 
 from __future__ import annotations
 
+import dataclasses
+
 import heapq
 from typing import Iterable
 
@@ -170,13 +172,19 @@ class ClusterState:
                 self.refresh(task.worker)
         return True
 
+    @staticmethod
+    def placed(task: Task, live: LiveWorker, nth: int = 0) -> Task:
+        """A copy of ``task`` as ``place_task`` gives it to ``live`` once ``nth`` of the agent's
+        offered ports are taken: what a placement writes before it takes anything."""
+        return dataclasses.replace(task, worker=live.name, attempt=task.attempt + 1,
+                                   address=f"{live.record.address}:{live.free_ports[nth]}")
+
     def place_task(self, task: Task, live: LiveWorker) -> None:
         """Gives ``task`` (a new attempt of it) to ``live``: its budget reserved there and the
         first port the agent offers taken."""
+        given = self.placed(task, live)
         port = live.free_ports.pop(0)
-        task.worker = live.name
-        task.address = f"{live.record.address}:{port}"
-        task.attempt += 1
+        task.worker, task.address, task.attempt = given.worker, given.address, given.attempt
         self.reservations[live.name] = self.reservations.get(live.name, 0) \
             + task.memory_budget_bytes
         self.ports_held.setdefault(live.name, set()).add(str(port))
