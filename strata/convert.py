@@ -314,25 +314,6 @@ def _readers(desc: Any) -> dict[str, _Reader]:
     return out
 
 
-def message_to_dict(msg: Message) -> dict[str, Any]:
-    """Only the fields that are set (optional scalars by presence), with native Python types:
-    a message as plain data, for tools. Unlike json_format.MessageToDict this keeps int64 as
-    int. (The spec conversions above read messages field by field, with no dict between.)"""
-    out: dict[str, Any] = {}
-    for field, value in msg.ListFields():
-        if field.message_type is not None and field.message_type.GetOptions().map_entry:
-            vf = field.message_type.fields_by_name["value"]
-            out[field.name] = {k: message_to_dict(v) if vf.message_type is not None else v
-                               for k, v in value.items()}
-        elif field.message_type is not None and not _is_repeated(field):
-            out[field.name] = message_to_dict(value)
-        elif _is_repeated(field):
-            out[field.name] = [message_to_dict(v) if isinstance(v, Message) else v for v in value]
-        else:
-            out[field.name] = value
-    return out
-
-
 def _is_repeated(field: Any) -> bool:
     # protobuf 5+: field.is_repeated; older: label == LABEL_REPEATED.
     rep = getattr(field, "is_repeated", None)
