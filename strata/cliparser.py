@@ -90,6 +90,14 @@ class _Commands:
                              "no token)")
 
 
+def _state_filter(sp: argparse.ArgumentParser, what: str, states: Any) -> None:
+    """``--state``: only ``what`` in one of these states (repeatable, any case)."""
+    names = [st.value for st in states]
+    sp.add_argument("--state", action="append", default=[], type=str.upper, choices=names,
+                    metavar="STATE", help=f"only {what} in this state (repeatable): "
+                                          + ", ".join(names))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="strata", description="Strata: distributed TensorFlow training.",
                                 epilog="Exit codes: 0 ok; 1 job failed or command failed; 2 bad usage "
@@ -267,10 +275,7 @@ def _job_commands(cmds: _Commands) -> None:
     sp.add_argument("--json", action="store_true", help=JSON_HELP)
     sp.add_argument("--all", action="store_true",
                     help="also the memory probes (NAME-probe-...) jobs run before they start")
-    sp.add_argument("--state", action="append", default=[], type=str.upper,
-                    choices=[s.value for s in JobState], metavar="STATE",
-                    help="only jobs in this state (repeatable): "
-                         + ", ".join(s.value for s in JobState))
+    _state_filter(sp, "jobs", JobState)
     sp = cmds.add("status", cmd_status, "show one job")
     sp.add_argument("job_id", metavar="JOB_ID", help="the job")
     sp.add_argument("--json", action="store_true", help=JSON_HELP)
@@ -307,10 +312,7 @@ def _look_commands(cmds: _Commands) -> None:
                     help="only the last N lines of each task's log (default: all)")
     sp = cmds.add("workers", cmd_workers, "list worker agents and their memory")
     sp.add_argument("--json", action="store_true", help=JSON_HELP)
-    sp.add_argument("--state", action="append", default=[], type=str.upper,
-                    choices=[s.value for s in WorkerState], metavar="STATE",
-                    help="only workers in this state (repeatable): "
-                         + ", ".join(s.value for s in WorkerState))
+    _state_filter(sp, "workers", WorkerState)
     sp = cmds.add("download", cmd_download, "fetch a job's outputs (trained model, metrics.json)")
     sp.add_argument("job_id", metavar="JOB_ID", help="the job")
     sp.add_argument("dest", metavar="DIR", help="where to write them (made if missing)")

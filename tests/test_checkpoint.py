@@ -204,17 +204,22 @@ def test_a_generation_ignores_its_own_and_later_generations(one_worker, tmp_path
 # multi_worker_mirrored, two workers
 
 
+def task_dir(tmp, name: str, notice: int = 0) -> str:
+    """A task's working directory, with a notice for step ``notice`` (0: none) in it."""
+    d = tmp / f"{name}-dir"
+    d.mkdir()
+    if notice:
+        (d / NOTICE_FILE).write_text(str(notice))
+    return str(d)
+
+
 def start_workers(tmp, name: str, spec: dict, *, shared: str, restart: int,
                   env_extra: dict | None = None, notice: int = 0) -> list[Task]:
     """Two workers; ``notice``: a notice for that step already in each one's directory."""
     cluster = {"worker": ports(2)}
-    dirs = [tmp / f"{name}-dir{i}" for i in range(2)]
-    for d in dirs:
-        d.mkdir()
-        if notice:
-            (d / NOTICE_FILE).write_text(str(notice))
     return [start(tmp, f"{name}-w{i}", spec, shared=shared, restart=restart, index=i,
-                  cluster=cluster, env_extra=env_extra, cwd=str(dirs[i])) for i in range(2)]
+                  cluster=cluster, env_extra=env_extra, cwd=task_dir(tmp, f"{name}-w{i}", notice))
+            for i in range(2)]
 
 
 def test_two_workers_save_and_resume_together(tmp_path):
@@ -314,7 +319,7 @@ def run_ps(tmp, name: str, steps: int, *, shared: str, restart: int, every: int 
     section = {"ps_placement": {"placement": {"hidden_0": 0, "hidden_1": 0, "logits": 0},
                                 "ps_budgets_bytes": [512 << 20]}}
     chief = start(tmp, f"{name}-chief", spec, shared=shared, restart=restart, role="chief",
-                  cluster=cluster, section=section, cwd=_notice_dir(tmp, name, notice))
+                  cluster=cluster, section=section, cwd=task_dir(tmp, f"{name}-chief", notice))
     try:
         if notice:
             stopped_on_notice(chief, notice)
@@ -352,17 +357,8 @@ def start_pipeline(tmp, name: str, steps: int, every: int, *, shared: str,
     section = {"stage_layout": {"stages": 2, "replicas": 1, "microbatches": 2,
                                 "microbatch": 128, "layout": layout}}
     chief = start(tmp, f"{name}-chief", spec, shared=shared, restart=restart, role="chief",
-                  cluster=cluster, section=section, cwd=_notice_dir(tmp, name, notice))
+                  cluster=cluster, section=section, cwd=task_dir(tmp, f"{name}-chief", notice))
     return chief, server
-
-
-def _notice_dir(tmp, name: str, notice: int) -> str:
-    """The chief's working directory, with a notice for step ``notice`` (0: none) in it."""
-    d = tmp / f"{name}-chief-dir"
-    d.mkdir()
-    if notice:
-        (d / NOTICE_FILE).write_text(str(notice))
-    return str(d)
 
 
 def stopped_on_notice(chief: Task, step: int) -> None:
