@@ -201,6 +201,12 @@ class Coordinator(ControlLoop):
                 confined = sorted({r for rs in roots for r in rs})
                 raise SpecError(field, outside_message(confined).replace(
                     "the worker's", "any worker's"))
+        if known and spec.elastic and not any(w.record.shared_dir for w in known):
+            raise InfeasibleError(
+                f"job {spec.name!r} is elastic (workers: {{min: {spec.workers_min}, max: "
+                f"{spec.workers_max}}}) and resizes through checkpoints, but no worker has a "
+                "shared directory: start the workers with --shared-dir DIR, a directory every "
+                "worker sees at the same path, or give a fixed workers: N")
         if not spec.checkpoint_every_steps:
             return
         if known and not any(w.record.shared_dir for w in known):
@@ -243,6 +249,9 @@ class Coordinator(ControlLoop):
         if done is not None:
             return done
         prepared = self._prepared(spec, free=False)
+        if prepared.spec.elastic and self.state.whole_offers(Needs.of(prepared.spec)):
+            # as wide as places now, at least min (waiting, it narrows: _place_narrower)
+            prepared = PreparedJob(*self._widest(prepared.spec))
         spec, plan = prepared.spec, prepared.plan
         self._check_limits(spec, len(plan.tasks), owner)
         self._check_needs(spec)

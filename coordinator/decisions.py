@@ -307,7 +307,9 @@ def restart(job: Job, cause: str, now: float, *, failure: bool,
     failures = rec.failures + (1 if failure else 0)
     fields = {"failures": failures,
               "requested_workers": rec.requested_workers or job.spec.workers,
-              "restart_at": now + job.spec.restart_backoff_s,
+              # a restart from a notice's checkpoint has no failure to back off from
+              "restart_at": now + (0.0 if rec.notice_step and not failure
+                                   else job.spec.restart_backoff_s),
               "step_at_failure": max(rec.step_at_failure, job.metrics.step),
               "last_cause": cause, "replanned": False, "notice_step": 0,
               "notice_deadline": 0.0}
@@ -357,6 +359,20 @@ def notice(job: Job, deadline_s: float, steps_per_s: float, *, storage: bool) ->
         return NoticePlan(0, f"the deadline of {deadline_s:g} s leaves no time to reach a "
                              f"step all its tasks can save at (step {step})")
     return NoticePlan(step)
+
+
+def may_grow(job: Job, now: float, settle_s: float) -> bool:
+    """Whether elastic ``job`` may grow now: running below its ``max``, no notice or resize in
+    flight, a step reported, and ``settle_s`` passed since its first step and since its last
+    resize ended."""
+    spec = job.spec
+    if spec is None or not spec.elastic or job.state != JobState.RUNNING:
+        return False
+    rec = job.recovery
+    if spec.workers >= spec.workers_max or rec.notice_step or rec.resize_began or rec.probe_of:
+        return False
+    return job.metrics.step > 0 and bool(job.started_at) \
+        and now - max(rec.resized_at, job.started_at) >= settle_s
 
 
 def notice_saved(job: Job) -> bool:

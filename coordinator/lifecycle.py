@@ -251,26 +251,38 @@ class JobLifecycle:
         checkpoint after a step they all reach in time (``decisions.notice``) and stop, and the
         job restarts from it (``_notice_saved``), or at the deadline from its last periodic
         one (``_notices_due``); with no step to save at, it restarts at once."""
-        assert job.spec is not None
         if job.recovery.notice_step:
             return  # one in flight: its step and deadline stand
-        workers = [self.workers.get(t.worker) for t in job.tasks if t.worker]
-        storage = all(w is not None and w.record.shared_dir for w in workers)
-        rate = job.metrics.examples_per_sec / max(1, job.spec.data.batch_size)
-        plan = decisions.notice(job, deadline_s, rate, storage=storage)
+        plan = self._save_at(job, deadline_s)
         if not plan.step:
             self._restart(job, f"worker {worker} leaves within {deadline_s:g} s and no "
                                f"checkpoint is saved on notice: {plan.reason}", failure=False)
             return
-        job.recovery.notice_step = plan.step
+        self._save_and_stop(job, plan.step, deadline_s, "notice",
+                            f"worker {worker} leaves within {deadline_s:g} s: every task saves "
+                            f"a checkpoint after step {plan.step} and stops; the job resumes "
+                            "from it")
+
+    def _save_at(self, job: Job, deadline_s: float) -> decisions.NoticePlan:
+        """Where ``job``'s tasks can save a checkpoint together within ``deadline_s``."""
+        assert job.spec is not None
+        workers = [self.workers.get(t.worker) for t in job.tasks if t.worker]
+        storage = all(w is not None and w.record.shared_dir for w in workers)
+        rate = job.metrics.examples_per_sec / max(1, job.spec.data.batch_size)
+        return decisions.notice(job, deadline_s, rate, storage=storage)
+
+    def _save_and_stop(self, job: Job, step: int, deadline_s: float, kind: str,
+                       message: str) -> None:
+        """Every task of ``job`` saves a checkpoint after ``step`` and stops (a notice); the
+        job restarts from it once saved (``_notice_saved``), or from its last periodic one
+        past ``deadline_s`` (``_notices_due``)."""
+        job.recovery.notice_step = step
         job.recovery.notice_deadline = self.clock() + deadline_s
         self.store.put_job(job)
         self._notices.add(job.id)
-        self._event(job, "notice", f"worker {worker} leaves within {deadline_s:g} s: every "
-                                   f"task saves a checkpoint after step {plan.step} and stops; "
-                                   "the job resumes from it")
+        self._event(job, kind, message)
         for name in dict.fromkeys(t.worker for t in job.tasks if t.worker and not t.state.final):
-            self.agents.send(name, NoticeCommand(job_id=job.id, step=plan.step))
+            self.agents.send(name, NoticeCommand(job_id=job.id, step=step))
 
     def _notice_saved(self, job: Job) -> None:
         """The lead reported the checkpoint its notice asked for: the job restarts from it."""
@@ -428,12 +440,8 @@ class JobLifecycle:
         placed like a pending job. A plan that no longer fits fails the job with the reason."""
         assert job.spec is not None
         rec = job.recovery
-        offers = self.state.whole_offers(Needs.of(job.spec))
-        strategy = strategies.get(job.strategy)
-        wanted = dataclasses.replace(job.spec, workers=rec.requested_workers or job.spec.workers)
-        spec = strategy.narrow(wanted, len(offers)) if offers else wanted
         try:
-            plan = prepare(spec, offers, self.measured, largest=self.largest_alloc).plan
+            spec, plan = self._replan(job)
         except SpecError as e:
             self._stop_job(job, JobState.FAILED, f"cannot restart: {e}")
             return
@@ -452,10 +460,7 @@ class JobLifecycle:
                     f"{format_size(old)} (memory.per_task_budget fixes it); it needs more"))
                 return
         if spec.workers != job.spec.workers:
-            self._event(job, "message", f"restart {job.restarts}: {spec.workers} of "
-                                        f"{wanted.workers} workers available; the job runs "
-                                        f"{spec.workers} wide, global batch "
-                                        f"{spec.data.batch_size} kept")
+            self._width_changed(job, spec)
         attempt = max((t.attempt for t in job.tasks), default=0)
         job.spec = spec
         job.tasks = tasks_of(job.id, plan, attempt)
@@ -464,6 +469,25 @@ class JobLifecycle:
         job.message = f"restart {job.restarts}: waiting for workers"
         self.store.replace_tasks(job.id, job.tasks)
         self.store.put_job(job)
+
+    def _replan(self, job: Job) -> tuple[JobSpec, JobPlan]:
+        """The spec and plan a restart of ``job`` runs: as wide as asked, or narrower when
+        fewer agents are connected (``Strategy.narrow``). Raises ``SpecError``."""
+        assert job.spec is not None
+        offers = self.state.whole_offers(Needs.of(job.spec))
+        wanted = dataclasses.replace(
+            job.spec, workers=job.recovery.requested_workers or job.spec.workers)
+        spec = strategies.get(job.strategy).narrow(wanted, len(offers)) if offers else wanted
+        return spec, prepare(spec, offers, self.measured, largest=self.largest_alloc).plan
+
+    def _width_changed(self, job: Job, spec: JobSpec) -> None:
+        """A restart of ``job`` runs ``spec``, of another width than before."""
+        assert job.spec is not None
+        wanted = job.recovery.requested_workers or job.spec.workers
+        self._event(job, "message", f"restart {job.restarts}: {spec.workers} of "
+                                    f"{wanted} workers available; the job runs "
+                                    f"{spec.workers} wide, global batch "
+                                    f"{spec.data.batch_size} kept")
 
     def _after_task_change(self, job: Job, task: Task) -> None:
         self._event(job, "task", f"task {task.role}:{task.index} on {task.worker}: {task.state.value}")
@@ -483,6 +507,10 @@ class JobLifecycle:
             self._set_job_state(job, JobState.SUCCEEDED, step.message)
         elif step.action == decisions.RUN:
             self._set_job_state(job, JobState.RUNNING, step.message)
+            self._running(job)
+
+    def _running(self, job: Job) -> None:
+        """``job`` has just become RUNNING (every task runs)."""
 
     def _after_probe(self, job: Job) -> bool:
         """Whether ``job`` may be scheduled: its memory probe has ended and the job's tasks now

@@ -23,7 +23,7 @@ from strata.coordinator.agents import (
 )
 from strata.coordinator.blobs import BlobStore
 from strata.coordinator.disk import DiskGuard
-from strata.coordinator.lifecycle import JobLifecycle
+from strata.coordinator.elastic import ElasticJobs
 from strata.coordinator.placement import Capacity, Placement, TaskDemand, place
 from strata.coordinator.state import ClusterState
 from strata.coordinator.store import Store
@@ -44,6 +44,8 @@ LOOP_STALL_S = 2.0
 MAX_DELAY_ALLOWANCE = 5.0
 #: how often finished jobs are checked against --retention
 EXPIRY_INTERVAL_S = 60.0
+#: seconds between checks whether an elastic job may grow, when no room has freed meanwhile
+GROW_CHECK_S = 5.0
 
 
 @functools.lru_cache(maxsize=1024)  # a thousand waiting jobs share a handful of messages
@@ -52,7 +54,7 @@ def _shape(message: str) -> str:
     return re.sub(r"[0-9][0-9.,]*", "#", message)
 
 
-class ControlLoop(JobLifecycle):
+class ControlLoop(ElasticJobs):
     """The control loop over the jobs' lifecycle (``Coordinator`` adds the API)."""
 
     #: the state directory's room (``coordinator.disk``), set by ``Coordinator``
@@ -80,6 +82,7 @@ class ControlLoop(JobLifecycle):
         #: per waiting job, the room version and demands it last failed to fit at: it is not
         #: tried again until one of them moves (``_try_schedule``)
         self._tried: dict[str, tuple[Any, ...]] = {}
+        self._grow_version, self._next_grow = -1, 0.0
         #: when agents are next judged (monotonic): once a tick interval, not on every wake-up
         self._next_judgement = 0.0
         #: each waiting job's needs (``Needs.of`` its spec, which does not change)
@@ -230,6 +233,10 @@ class ControlLoop(JobLifecycle):
                 self._resume(job)
                 if job.state == JobState.RESTARTING:
                     self._try_schedule(job)
+        if self._elastic and (self.state.room_version != self._grow_version
+                              or now >= self._next_grow):
+            self._grow_version, self._next_grow = self.state.room_version, now + GROW_CHECK_S
+            self._grow(now)
 
     def _tick_fresh(self) -> bool:
         """Whether the tick's caches may be used: inside a tick, and dropped first if room
@@ -276,6 +283,11 @@ class ControlLoop(JobLifecycle):
         if placement is None:
             demands = [TaskDemand(t.role, t.index, t.memory_budget_bytes) for t in job.tasks]
             placement = self._place(demands, needs)
+        # (an elastic job's width is set with its probe's measures; a probe keeps its own)
+        if job.spec.elastic and job.id not in self._probe_of and not job.recovery.probe_of and (
+                self._start_wider(job) if placement.assignments else self._place_narrower(job)):
+            self._try_schedule(job)
+            return
         if not placement.assignments:
             self._tried[job.id] = key
             if self._tick_cache is not None:

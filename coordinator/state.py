@@ -126,6 +126,11 @@ class ClusterState:
             self._order = [j for j in self._order if j.id not in over]
         return over
 
+    def elastic(self) -> list[Job]:
+        """The live elastic jobs (``workers: {min, max}``), in scheduling order: one walk of
+        the live jobs."""
+        return [j for j in self.ordered() if j.spec is not None and j.spec.elastic]
+
     def ordered(self) -> list[Job]:
         """The live jobs in scheduling order (the list kept: copy it to change jobs while
         walking it)."""

@@ -183,6 +183,9 @@ def _print_status(job) -> None:
           + (f"; {m.examples_per_sec:,.0f} examples/s" if m.examples_per_sec else "")
           + (f"; test accuracy {m.test_accuracy:.4f}" if m.test_accuracy is not None else ""))
     print(f"  memory estimate {_fmt_bytes(job.estimated_memory_bytes)} per task")
+    if job.spec is not None and job.spec.elastic:
+        print(f"  elastic: {job.spec.workers} wide now, of {job.spec.workers_min}-"
+              f"{job.spec.workers_max}; resizes {job.recovery.resizes}")
     if job.training:
         print(f"  training with {job.training}")
     if m.test_metrics:

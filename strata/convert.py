@@ -39,6 +39,8 @@ def spec_to_proto(spec: JobSpec) -> pb.JobSpec:
     t, o = spec.training, spec.training.optimizer
     return pb.JobSpec(
         name=spec.name, strategy=spec.strategy, workers=spec.workers,
+        elastic=pb.WorkerRange(min=spec.workers_min, max=spec.workers_max)
+        if spec.elastic else None,
         parameter_servers=spec.parameter_servers, stages=spec.stages,
         microbatches=spec.microbatches, model=_model_to_proto(spec.model),
         data=_data_to_proto(spec.data),
@@ -126,7 +128,8 @@ def accepted_spec_from_proto(msg: pb.JobSpec) -> JobSpec:
         max_restarts=r.max_restarts,
         restart_backoff_s=r.backoff_s if r.HasField("backoff_s") else JobSpec.restart_backoff_s,
         retry_user_errors=r.retry_user_errors,
-        code=_code_from_proto(msg.code))
+        code=_code_from_proto(msg.code),
+        workers_min=msg.elastic.min, workers_max=msg.elastic.max)
 
 
 def _model_from_proto(m: pb.ModelSpec) -> dict[str, Any]:
@@ -381,7 +384,8 @@ def job_to_proto(j: Job, with_spec: bool = True) -> pb.Job:
         spec=spec_to_proto(j.spec) if j.spec is not None and with_spec else None,
         output_dir=j.output_dir, outputs=list(j.outputs), checkpoint_step=j.checkpoint_step,
         steps_repeated=j.steps_repeated, owner=j.owner, tensorboard_dir=j.tensorboard_dir,
-        training=j.training, probe_of=j.recovery.probe_of,
+        training=j.training, probe_of=j.recovery.probe_of, resizes=j.recovery.resizes,
+        workers_now=j.spec.workers if j.spec is not None else j.recovery.workers_now,
     )
 
 
@@ -404,7 +408,8 @@ def job_from_proto(m: pb.Job) -> Job:
         tasks=[task_from_proto(m.id, t) for t in m.tasks],
         output_dir=m.output_dir, outputs=list(m.outputs), checkpoint_step=m.checkpoint_step,
         steps_repeated=m.steps_repeated, owner=m.owner, tensorboard_dir=m.tensorboard_dir,
-        training=m.training, recovery=JobRecovery(probe_of=m.probe_of),
+        training=m.training, recovery=JobRecovery(probe_of=m.probe_of, resizes=m.resizes,
+                                                  workers_now=m.workers_now),
     )
 
 

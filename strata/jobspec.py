@@ -143,6 +143,15 @@ class JobSpec:
     #: users' own code: {"dir_name", "sha256", "size", "model", "dataset"} (empty: none)
     code: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     gradients: GradientSpec = GradientSpec()
+    #: an elastic job's range of widths (``workers: {min, max}``): ``workers`` is the width it
+    #: is planned at now, which resizes move within the range; both 0: a fixed width
+    workers_min: int = 0
+    workers_max: int = 0
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the job may run narrower or wider than planned (``workers: {min, max}``)."""
+        return self.workers_max > 0
 
     @property
     def code_model(self) -> str:
@@ -159,6 +168,8 @@ class JobSpec:
         out = self._to_dict()
         if self.code:
             out["code"] = json.loads(json.dumps(self.code))
+        if self.elastic:
+            out["elastic"] = {"min": self.workers_min, "max": self.workers_max}
         return out
 
     def _to_dict(self) -> dict[str, Any]:
@@ -217,7 +228,9 @@ class JobSpec:
             checkpoint_keep=int(sub("checkpoint").get("keep", cls.checkpoint_keep)),
             restart_backoff_s=float(sub("restart").get("backoff_s", cls.restart_backoff_s)),
             retry_user_errors=bool(sub("restart").get("retry_user_errors", False)),
-            code=json.loads(json.dumps(dict(sub("code")))))
+            code=json.loads(json.dumps(dict(sub("code")))),
+            workers_min=int(sub("elastic").get("min", 0)),
+            workers_max=int(sub("elastic").get("max", 0)))
 
     @property
     def per_replica_batch(self) -> int:

@@ -157,7 +157,7 @@ def estimate_task_memory(spec: dict[str, Any], per_replica_batch: int, profile: 
 
     # data: this task's shard as tensors plus the input batches in flight
     n_train, feat_bytes, label_bytes = _data_shape(spec, profile, train_examples)
-    shard = dataset_bytes(spec, profile, shards=workers, train_examples=train_examples)
+    shard = dataset_bytes(spec, profile, shards=_data_shards(spec, workers), train_examples=train_examples)
     inflight = int(math.ceil(INPUT_BATCHES_IN_FLIGHT * b * (feat_bytes + label_bytes)))
     data = shard + inflight
 
@@ -356,6 +356,13 @@ def _data_shape(spec: dict[str, Any], profile: ModelProfile, train_examples: int
     else:
         n_train = int(train_examples or 0)
     return n_train, 4 * profile.input_elems, label_bytes
+
+
+def _data_shards(spec: dict[str, Any], workers: int) -> int:
+    """Into how many shards a job's workers split its training set: an elastic job's workers
+    each hold all of it (its order is global, so that a resize keeps the position in the
+    epoch: ``strata.worker.data.make_global_dataset``)."""
+    return 1 if spec.get("elastic") else workers
 
 
 def dataset_bytes(spec: dict[str, Any], profile: ModelProfile | None = None, *, shards: int = 1,

@@ -29,7 +29,7 @@ from strata.uploads import SHA256_RE
 
 _TOP_KEYS = {
     "name", "strategy", "workers", "parameter_servers", "stages", "microbatches", "model", "data",
-    "training", "memory", "checkpoint", "restart", "code", "gradients",
+    "training", "memory", "checkpoint", "restart", "code", "gradients", "elastic",
 }
 
 
@@ -158,7 +158,7 @@ def parse_job_spec(raw: Any) -> JobSpec:
     name = _name(raw)
     strategy_name = raw.get("strategy")
     strategy = strategies.get(strategies.DEFAULT if strategy_name in (None, "") else strategy_name)
-    workers = _int(raw, "workers", "workers", 1, lo=1, hi=MAX_TASKS)
+    workers, lo, hi = _workers(raw, strategy)
     defaults = strategy.defaults()
     parameter_servers = _int(raw, "parameter_servers", "parameter_servers",
                              defaults.get("parameter_servers", 0), hi=MAX_TASKS)
@@ -170,6 +170,8 @@ def parse_job_spec(raw: Any) -> JobSpec:
     data = _data(raw, workers)
     training = _training(raw)
     memory = _memory(raw)
+    if hi:
+        workers = _elastic_width(raw, lo, hi, data.batch_size, microbatches)
     gradients = _gradients(raw, workers, data.batch_size)
 
     c = _section(raw, "checkpoint", {"every_steps", "keep"})
@@ -198,6 +200,8 @@ def parse_job_spec(raw: Any) -> JobSpec:
         retry_user_errors=_bool(r, "retry_user_errors", "restart.retry_user_errors", False),
         code=code,
         gradients=gradients,
+        workers_min=lo,
+        workers_max=hi,
     )
     _check_strategy_fields(spec, strategy)
     strategy.validate(spec)
@@ -205,6 +209,56 @@ def parse_job_spec(raw: Any) -> JobSpec:
     if not spec.code_model:
         _check_model(spec)
     return spec
+
+
+def _workers(raw: Mapping[str, Any], strategy: strategies.Strategy) -> tuple[int, int, int]:
+    """``workers``: a fixed width (an integer), or an elastic range ``{min, max}``; the
+    normalized form (``JobSpec.to_dict``, a message) gives the range as ``elastic: {min, max}``
+    beside the width planned now. Returns (width, min, max), the range (0, 0) when fixed."""
+    given = raw.get("workers")
+    rng = raw.get("elastic")
+    if isinstance(given, Mapping):
+        if rng is not None:
+            raise SpecError("elastic", "give the range once: workers: {min, max}")
+        given, field = None, "workers"
+    elif rng is None:
+        return _int(raw, "workers", "workers", 1, lo=1, hi=MAX_TASKS), 0, 0
+    else:
+        field = "elastic"
+    r = _section(raw, field, {"min", "max"})
+    if "min" not in r or "max" not in r:
+        raise SpecError(field, "an elastic range needs both min and max, e.g. {min: 2, max: 4}")
+    lo = _int(r, "min", f"{field}.min", 1, lo=1, hi=MAX_TASKS)
+    hi = _int(r, "max", f"{field}.max", 1, lo=1, hi=MAX_TASKS)
+    if lo > hi:
+        raise SpecError(f"{field}.max", f"must be >= min ({lo}), got {hi}")
+    if not strategy.elastic:
+        raise SpecError(field, f"strategy {strategy.name} runs at a fixed width (elastic: "
+                               f"{', '.join(strategies.elastic_names())})")
+    if given is not None:
+        width = _int(raw, "workers", "workers", lo, lo=1, hi=MAX_TASKS)
+        if not lo <= width <= hi:
+            raise SpecError("workers", f"{width} is outside the elastic range {lo}-{hi}")
+    return lo, lo, hi
+
+
+def _elastic_width(raw: Mapping[str, Any], lo: int, hi: int, batch_size: int,
+                   microbatches: int) -> int:
+    """The width an elastic job is planned at first: the widest in its range whose replicas
+    share the global batch evenly (each resize keeps the global batch), or the width the
+    normalized form names. The narrowest must share it: a job may have to run at ``min``."""
+    g = raw.get("gradients")
+    accumulate = _int(g if isinstance(g, Mapping) else {}, "accumulate", "gradients.accumulate",
+                      1, lo=1, hi=1024)
+    share = accumulate * microbatches
+    field = "workers.min" if isinstance(raw.get("workers"), Mapping) else "elastic.min"
+    if batch_size % (lo * share):
+        raise SpecError(field, f"the global batch {batch_size} must divide evenly among the "
+                               f"{lo} workers an elastic job may run at"
+                               + (f", {share} slices each" if share > 1 else ""))
+    if raw.get("workers") is not None and not isinstance(raw.get("workers"), Mapping):
+        return _int(raw, "workers", "workers", lo, lo=lo, hi=hi)
+    return max(k for k in range(lo, hi + 1) if batch_size % (k * share) == 0)
 
 
 def _name(raw: Mapping[str, Any]) -> str:

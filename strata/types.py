@@ -203,6 +203,14 @@ class JobRecovery:
     #: checkpoint and stops, and when the notice's worker leaves (0: no notice in flight)
     notice_step: int = 0
     notice_deadline: float = 0.0
+    #: an elastic job's changes of width, in all; the width before the resize in flight (0:
+    #: none) and when that resize began; when the last one ended (resizes settle between)
+    resizes: int = 0
+    resize_from: int = 0
+    resize_began: float = 0.0
+    resized_at: float = 0.0
+    #: the width a job read back without its spec runs at (shown; the spec's ``workers``)
+    workers_now: int = 0
 
 
 @dataclasses.dataclass
@@ -392,7 +400,12 @@ def job_to_json(j: Job) -> dict[str, Any]:
         "checkpoint_step": j.checkpoint_step, "steps_repeated": j.steps_repeated,
         "owner": j.owner, "tensorboard_dir": j.tensorboard_dir or None,
         "training": j.training or None, "probe_of": j.recovery.probe_of or None,
+        "resizes": j.recovery.resizes, "workers_now": _width(j),
     }
+
+
+def _width(j: Job) -> int | None:
+    return j.spec.workers if j.spec is not None else (j.recovery.workers_now or None)
 
 
 def worker_to_json(w: WorkerInfo) -> dict[str, Any]:

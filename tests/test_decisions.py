@@ -440,3 +440,54 @@ def test_a_task_stopped_on_notice_waits_for_the_save_not_a_restart():
     assert on_task_change(job, job.tasks[1], strategies.get(job.strategy)).action == RESTART
     job.recovery.notice_step = 61
     assert on_task_change(job, job.tasks[1], strategies.get(job.strategy)).action == NOTHING
+
+
+def test_a_restart_from_a_notice_checkpoint_does_not_back_off_and_a_failure_does():
+    job = _running(45)
+    job.spec = dataclasses.replace(job.spec, restart_backoff_s=5.0)
+    assert restart(job, "boom", 10.0, failure=True).recovery["restart_at"] == 15.0
+    assert restart(job, "drained", 10.0, failure=False).recovery["restart_at"] == 15.0
+    job.recovery.notice_step = 61
+    assert restart(job, "saved on notice", 10.0, failure=False).recovery["restart_at"] == 10.0
+    assert restart(job, "lost", 10.0, failure=True).recovery["restart_at"] == 15.0
+
+
+from strata.coordinator.decisions import may_grow  # noqa: E402
+
+
+def _elastic(**change) -> Job:
+    job = _running(45)
+    job.spec = dataclasses.replace(job.spec, workers=2, workers_min=2, workers_max=4)
+    job.started_at = 100.0
+    for name, value in change.items():
+        target = job.recovery if hasattr(job.recovery, name) else job
+        setattr(target, name, value)
+    return job
+
+
+#: (job fields, now) -> whether it may grow
+GROWS = [
+    ({}, 110.0, True),
+    ({}, 105.0, False),                                # settling after its first step
+    ({"resized_at": 108.0}, 115.0, False),             # settling after its last resize
+    ({"resized_at": 108.0}, 118.0, True),
+    ({"notice_step": 60}, 200.0, False),               # a notice in flight
+    ({"resize_began": 150.0}, 200.0, False),           # a resize in flight
+    ({"state": JobState.RESTARTING}, 200.0, False),
+    ({"started_at": 0.0}, 200.0, False),               # no step yet
+    ({"probe_of": "p"}, 200.0, False),                 # a memory probe keeps its width
+]
+
+
+@pytest.mark.parametrize("change, now, grows", GROWS)
+def test_when_an_elastic_job_may_grow(change, now, grows):
+    assert may_grow(_elastic(**change), now, 10.0) == grows
+
+
+def test_a_fixed_job_or_one_at_its_max_never_grows():
+    job = _running(45)
+    job.started_at = 100.0
+    assert not may_grow(job, 500.0, 10.0)
+    wide = _elastic()
+    wide.spec = dataclasses.replace(wide.spec, workers=4)
+    assert not may_grow(wide, 500.0, 10.0)

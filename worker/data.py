@@ -21,6 +21,7 @@ import importlib.util
 import math
 import os
 from dataclasses import dataclass
+from typing import Any
 
 # the examples a worker's shuffle buffer holds of a streamed source, which ``strata.memory``
 # counts in the task's data term
@@ -267,6 +268,51 @@ def make_train_dataset(x: np.ndarray, y: np.ndarray, per_replica_batch: int, see
         ds = ds.skip(skip)
     ds = ds.map(lambda i: (tf.gather(xt, i), tf.gather(yt, i)))
     return ds.prefetch(1)
+
+
+def make_global_dataset(x: np.ndarray, y: np.ndarray, global_batch: int, index: int,
+                        pipelines: int, per_replica_batch: int, seed: int, skip: int = 0,
+                        trace: str = ""):
+    """An elastic job's input for worker ``index`` of ``pipelines``: ONE order of the whole
+    training set, the same on every worker (shuffled from ``seed``, reshuffled every pass),
+    cut into global batches; each worker takes its contiguous share of each global batch, in
+    per-replica batches. The position is a function of the step alone, whatever the width:
+    a job resized at step S (``skip``) goes on from example ``S * global_batch`` of the same
+    order, so no example of an epoch is seen twice or skipped. Every worker holds the whole
+    set (a fixed-width job holds its shard: ``make_train_dataset``). ``trace``: a file that
+    gets, for each batch made, ``step worker-of-pipelines index,index,...`` (the examples'
+    rows; ``STRATA_TRACE_EXAMPLES``)."""
+    import tensorflow as tf
+
+    xt = tf.constant(x)
+    yt = tf.constant(y)
+    n = int(x.shape[0])
+    share = global_batch // pipelines
+    ds = tf.data.Dataset.range(n).shuffle(n, seed=seed, reshuffle_each_iteration=True).repeat()
+    ds = ds.batch(global_batch, drop_remainder=True)
+    if skip > 0:
+        ds = ds.skip(skip)
+    ds = ds.map(lambda i: i[index * share:(index + 1) * share])
+    if trace:
+        ds = ds.enumerate(start=skip).map(
+            lambda step, i: _traced(tf, trace, step, i, index, pipelines))
+    if per_replica_batch != share:
+        ds = ds.unbatch().batch(per_replica_batch, drop_remainder=True)
+    ds = ds.map(lambda i: (tf.gather(xt, i), tf.gather(yt, i)))
+    return ds.prefetch(1)
+
+
+def _traced(tf: Any, path: str, step: Any, rows: Any, index: int, pipelines: int) -> Any:
+    """``rows`` of global ``step``, appended to ``path`` as they are made (a batch made
+    ahead of a stop is written and never trained: readers keep, for each step, the lines of
+    the last attempt that made it)."""
+    def write(s: Any, r: Any) -> Any:
+        with open(path, "a") as f:
+            f.write(f"{int(s)} {index}-of-{pipelines} {','.join(str(int(v)) for v in r)}\n")
+        return r
+    out = tf.numpy_function(write, [step, rows], tf.int64, stateful=True)
+    out.set_shape(rows.shape)
+    return out
 
 
 # --------------------------------------------------------------------------------------------

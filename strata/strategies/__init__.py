@@ -59,6 +59,11 @@ def names() -> list[str]:
     return list(_REGISTRY)
 
 
+def elastic_names() -> list[str]:
+    """The strategies whose jobs may take ``workers: {min, max}``."""
+    return [n for n in names() if _REGISTRY[n].elastic]
+
+
 def all_strategies() -> list[Strategy]:
     _load()
     return list(_REGISTRY.values())

@@ -169,6 +169,9 @@ class Strategy(abc.ABC):
     #: ``(TaskConfig, Events) -> int``; ``runner``): named, not imported, so that the
     #: coordinator, which holds strategies too, never loads task-side code or TensorFlow
     runners: ClassVar[Mapping[str, str]] = {}
+    #: takes ``workers: {min, max}``: its ``narrow`` runs the job at any width in the range, and
+    #: a resize restarts it from a checkpoint at another width, the global batch kept
+    elastic: ClassVar[bool] = False
 
     # -- spec
 
@@ -231,6 +234,23 @@ class Strategy(abc.ABC):
         global batch kept) returns that spec; the default keeps the spec and the job waits
         for workers."""
         return spec
+
+    def batch_share(self, spec: JobSpec) -> str:
+        """What each of ``spec``'s workers takes of the global batch, for a resize's event."""
+        return f"{spec.data.batch_size // max(1, spec.workers)} examples per worker"
+
+    def width_for(self, spec: JobSpec, agents: int) -> JobSpec:
+        """An elastic ``spec`` at its widest for ``agents`` agents (``narrow`` from its
+        ``max``), never below its ``min``: with fewer agents than ``min`` needs, the spec at
+        ``min``, which waits for them. A fixed spec is ``narrow``'s."""
+        import dataclasses
+
+        if not spec.elastic:
+            return self.narrow(spec, agents)
+        out = self.narrow(dataclasses.replace(spec, workers=spec.workers_max), agents)
+        if out.workers < spec.workers_min:
+            out = dataclasses.replace(spec, workers=spec.workers_min)
+        return out
 
     # -- out of memory
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from strata.errors import SpecError
 from strata.strategies import register
 from strata.strategies.pipeline import Pipeline
 
@@ -19,11 +20,19 @@ if TYPE_CHECKING:
 @register
 class Hybrid(Pipeline):
     name = "hybrid"
+    elastic = True
     summary = "data-parallel replicas of a pipeline"
     fields = Pipeline.fields | {"gradients.compression"}
 
     def validate(self, spec: JobSpec) -> None:
-        pass  # any number of replicas
+        # any number of replicas; an elastic job's replicas are of one split, so its depth is
+        # given: a resize changes how many replicas run, never the stages of one
+        if spec.elastic and spec.stages < 1:
+            raise SpecError("stages", "an elastic hybrid job names its stages (workers: {min, "
+                                      "max} counts replicas of that many stages)")
+
+    def batch_share(self, spec: JobSpec) -> str:
+        return f"{spec.data.batch_size // max(1, spec.workers)} examples per replica"
 
     def narrow(self, spec: JobSpec, workers: int) -> JobSpec:
         # fewer replicas of the same split, the global batch kept: a replica needs a worker per

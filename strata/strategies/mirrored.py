@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 @register
 class MultiWorkerMirrored(Strategy):
     name = "multi_worker_mirrored"
+    elastic = True
     runners = {"worker": "strata.worker.trainers.data_parallel:run"}
     summary = "data parallel: identical replicas, gradients all-reduced every step"
     lead: ClassVar[tuple[str, int]] = ("worker", 0)
@@ -67,7 +68,8 @@ class MultiWorkerMirrored(Strategy):
 
         if workers >= spec.workers or workers < 1:
             return spec
-        n = max(k for k in range(1, workers + 1) if spec.data.batch_size % k == 0)
+        share = spec.gradients.accumulate
+        n = max(k for k in range(1, workers + 1) if spec.data.batch_size % (k * share) == 0)
         return dataclasses.replace(spec, workers=n)
 
     def oom_levers(self, job: Job, task: Task) -> list[str]:

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 @register
 class ParameterServer(Strategy):
     name = "parameter_server"
+    elastic = True
     runners = {"chief": "strata.worker.trainers.ps_chief:run_chief",
                "worker": "strata.worker.server:serve", "ps": "strata.worker.server:serve"}
     summary = "asynchronous: a chief, workers, and layers placed on parameter-server tasks"
@@ -110,6 +111,9 @@ class ParameterServer(Strategy):
                     f"the job continues on {len(left)} remaining worker(s): the chief's "
                     f"ClusterCoordinator reschedules the steps of worker:{task.index}")
         return restart_or_fail(job, task)
+
+    def batch_share(self, spec: JobSpec) -> str:
+        return f"each step a whole batch on one of {spec.workers} workers"
 
     def narrow(self, spec: JobSpec, workers: int) -> JobSpec:
         # the chief and every PS task are needed (the PS tasks hold the placed layers); the

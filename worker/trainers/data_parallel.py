@@ -229,7 +229,7 @@ class MirroredRunner(TrainingRunner):
         from strata.worker import data as wdata
 
         tf, gb, seed, skip = self.tf, self.gb, self.seed, self.start_step
-        data_spec, loss = self.spec.data, self.loss_kind()
+        data_spec, loss, elastic = self.spec.data, self.loss_kind(), self.spec.elastic
         names = tuple(getattr(t, "name", "") for t in model.inputs)
         dtypes = [str(t.dtype) for t in model.inputs]
         out_shape = tuple(int(v) for v in model.outputs[0].shape[1:])
@@ -243,6 +243,9 @@ class MirroredRunner(TrainingRunner):
 
         def dataset_fn(ctx: Any) -> Any:
             wid = ctx.input_pipeline_id
+            if elastic:
+                return self._global_stream(ctx, wdata.stream(
+                    data_spec, "train", input_names=names).map(prepare))
             ds = wdata.stream(data_spec, "train", shards=ctx.num_input_pipelines,
                               index=wid, input_names=names).map(prepare)
             ds = ds.shuffle(wdata.STREAM_SHUFFLE_EXAMPLES, seed=seed + wid).repeat() \
@@ -265,10 +268,45 @@ class MirroredRunner(TrainingRunner):
 
         def dataset_fn(ctx: Any) -> Any:
             wid, nw = ctx.input_pipeline_id, ctx.num_input_pipelines
+            if self.spec.elastic:
+                return wdata.make_global_dataset(
+                    x_train, y_train, gb, wid, nw, ctx.get_per_replica_batch_size(gb), seed,
+                    skip=skip, trace=self._trace_path(wid))
             x, y = wdata.shard(x_train, y_train, wid, nw)
             return wdata.make_train_dataset(x, y, ctx.get_per_replica_batch_size(gb),
                                             seed + wid, skip=skip)
         return dataset_fn
+
+    def _global_stream(self, ctx: Any, ds: Any) -> Any:
+        """An elastic job's streamed input (``_streamed_input``): the whole stream in one
+        order on every worker (the same seed), cut into global batches; each worker takes its
+        share of each (``strata.worker.data.make_global_dataset``, which says why). Every
+        worker reads the whole stream."""
+        tf, gb, skip = self.tf, self.gb, self.start_step
+        wid, nw = ctx.input_pipeline_id, ctx.num_input_pipelines
+        share, rows = gb // nw, ctx.get_per_replica_batch_size(gb)
+        from strata.worker import data as wdata
+
+        ds = ds.shuffle(wdata.STREAM_SHUFFLE_EXAMPLES, seed=self.seed).repeat() \
+            .batch(gb, drop_remainder=True)
+        if skip:
+            ds = ds.skip(skip)
+        ds = ds.map(lambda *e: tf.nest.map_structure(
+            lambda t: t[wid * share:(wid + 1) * share], e))
+        if rows != share:
+            ds = ds.unbatch().batch(rows, drop_remainder=True)
+        return ds.prefetch(1)
+
+    def _trace_path(self, pipeline: int) -> str:
+        """Where an elastic job's input writes the examples of each batch it makes, when the
+        agent's environment sets ``STRATA_TRACE_EXAMPLES`` (a directory): one file per
+        restart and worker, so that a reader can tell attempts apart."""
+        root = os.environ.get("STRATA_TRACE_EXAMPLES", "")
+        if not root:
+            return ""
+        os.makedirs(root, exist_ok=True)
+        return os.path.join(root, f"{self.cfg.job_id}-r{self.cfg.restart:04d}-"
+                                  f"w{pipeline}.txt")
 
     def _step_fn(self, model: Any, optimizer: Any, loss_fn: Any) -> Callable[..., Any]:
         """One replica's step: loss reduced over the global batch, sliced with
@@ -327,8 +365,11 @@ class MirroredRunner(TrainingRunner):
         meta = self.checkpointer.read_meta(self.tf, found)
         if meta.get("replicas") not in (None, self.n_replicas):
             log(f"the checkpoint was written by {meta['replicas']} replicas, this job has "
-                f"{self.n_replicas}: each worker resumes its new shard at the step (the examples "
-                "differ from an uninterrupted run's)")
+                f"{self.n_replicas}: " + (
+                    "the input goes on at the same example of its one order (elastic)"
+                    if self.spec.elastic else
+                    "each worker resumes its new shard at the step (the examples differ "
+                    "from an uninterrupted run's)"))
         return self.checkpointer.restore(found)
 
     def train_step(self, step: int) -> Callable[[], float]:
