@@ -25,7 +25,7 @@ from strata.coordinator.agents import Needs
 from strata.coordinator.lifecycle import JobLifecycle
 from strata.coordinator.placement import Capacity, TaskDemand, place
 from strata.jobspec import JobSpec
-from strata.types import Job, JobPlan, JobState
+from strata.types import Job, JobPlan, JobState, Task
 
 #: seconds an elastic job runs at a width before it may grow again
 RESIZE_SETTLE_S = 10.0
@@ -68,7 +68,8 @@ class ElasticJobs(JobLifecycle):
             seen.add(wide.workers)
             plan = prepare(wide, offers, self.measured, largest=self.largest_alloc).plan
             demands = [TaskDemand(t.role, t.index, t.memory_budget_bytes) for t in plan.tasks]
-            if plan.feasible and place(demands, room).placed:
+            if plan.feasible and self._queue_holds(wide, plan, holding) \
+                    and place(demands, room).placed:
                 return wide, plan
         fallback = spec if above else dataclasses.replace(spec, workers=spec.workers_min)
         return fallback, prepare(fallback, offers, self.measured, largest=self.largest_alloc).plan
@@ -128,8 +129,7 @@ class ElasticJobs(JobLifecycle):
         each is told to save and stop, and restarts wider (``_width_changed``)."""
         elastic = self.state.elastic()
         self._elastic = bool(elastic)
-        if not elastic or any(j.state in (JobState.PENDING, JobState.RESTARTING)
-                              for j in self.state.ordered()):
+        if not elastic or any(self._waits_for_room(j) for j in self.state.ordered()):
             return
         for job in elastic:
             if not decisions.may_grow(job, now, RESIZE_SETTLE_S):
@@ -148,6 +148,28 @@ class ElasticJobs(JobLifecycle):
                                 f"every task saves a checkpoint after step {save.step} and "
                                 f"stops; the job resumes from it {wide.workers} wide")
 
+    def _notice(self, job: Job, worker: str, deadline_s: float) -> None:
+        # an elastic job that may shrink: its resize, if any, is timed from the notice
+        if job.spec is not None and job.spec.elastic and not job.recovery.resize_began:
+            job.recovery.resize_began = self.clock()
+        super()._notice(job, worker, deadline_s)
+
+    def _restart(self, job: Job, cause: str, *, failure: bool, oom: Task | None = None) -> None:
+        # (a loss: from the restart)
+        if job.spec is not None and job.spec.elastic and not job.recovery.resize_began:
+            job.recovery.resize_began = self.clock()
+        super()._restart(job, cause, failure=failure, oom=oom)
+
+    def _queue_holds(self, spec: JobSpec, plan: JobPlan, holding: Job | None) -> bool:
+        """Whether ``spec``'s queue may hold ``plan`` (``holding``'s own share given back):
+        ``ControlLoop`` asks its queues; without them, always."""
+        return True
+
+    def _waits_for_room(self, job: Job) -> bool:
+        """Whether ``job`` waits for room that growth would take (``ControlLoop`` leaves out
+        a job its queue holds back: room would not start it)."""
+        return job.state in (JobState.PENDING, JobState.RESTARTING)
+
     def _width_changed(self, job: Job, spec: JobSpec) -> None:
         assert job.spec is not None
         if not job.spec.elastic:
@@ -156,20 +178,23 @@ class ElasticJobs(JobLifecycle):
         rec.resizes += 1
         rec.resize_from = rec.resize_from or job.spec.workers
         now = self.clock()
-        why = (f"saved and stopped in {now - rec.resize_began:.1f} s" if rec.resize_began
-               else f"after {rec.last_cause}")
         rec.resize_began = rec.resize_began or now
         share = strategies.get(spec.strategy).batch_share
         self._event(job, "resized", (
             f"resize {rec.resizes}: {job.spec.workers} -> {spec.workers} workers at step "
             f"{job.checkpoint_step}, global batch {spec.data.batch_size} kept "
-            f"({share(job.spec)} -> {share(spec)}); {why}"))
+            f"({share(job.spec)} -> {share(spec)}); planned {now - rec.resize_began:.1f} s "
+            f"after it began ({rec.last_cause})"))
 
     def _running(self, job: Job) -> None:
         rec = job.recovery
         if not rec.resize_began or job.spec is None:
             return
         now = self.clock()
+        if not rec.resize_from:  # a notice or a restart that kept its width: no resize
+            rec.resize_began = 0.0
+            self.store.put_job(job)
+            return
         took = f"{now - rec.resize_began:.1f} s after the resize began"
         if rec.resize_from == job.spec.workers:
             self._event(job, "message", f"running {job.spec.workers} wide as before, "

@@ -121,7 +121,8 @@ def test_an_elastic_job_grows_when_agents_join_and_shrinks_on_a_notice(env):
     _run(coord, _sessions(coord), job)
     resized = [e.message for e in store.events(job.id) if e.kind == "resized"]
     assert "2 -> 4 workers at step" in resized[0] and "32 examples per worker -> 16 examples per worker" in resized[0]
-    assert "saved and stopped in 2.0 s" in resized[0] and "running 4 wide (2 before)" in resized[1]
+    assert "planned 2.0 s after it began (its checkpoint at step" in resized[0]
+    assert "running 4 wide (2 before), 2.0 s after the resize began" in resized[1]
     shown = job_to_json(job)
     assert shown["resizes"] == 1 and shown["workers_now"] == 4
 

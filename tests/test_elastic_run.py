@@ -20,7 +20,7 @@ from conftest import spec, wait_until
 
 pytestmark = pytest.mark.integration
 
-STEPS = 5000
+STEPS = 3000
 BATCH = 64
 DIGITS_TRAIN = 1437  # the digits split's training rows (strata.worker.data)
 
