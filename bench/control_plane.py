@@ -47,6 +47,7 @@ if not os.environ.get("STRATA_BENCH_SHIM"):
 from strata.coordinator.core import Coordinator  # noqa: E402
 from strata.coordinator.store import SqliteStore  # noqa: E402
 from strata.coordinator.web import Web  # noqa: E402
+from strata.queues import load_queues  # noqa: E402
 from strata.types import MemoryStatus, TaskReport, TaskState  # noqa: E402
 
 GiB = 1 << 30
@@ -76,6 +77,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--running", type=int, default=2000)
     ap.add_argument("--pending", type=int, default=1000)
     ap.add_argument("--finished", type=int, default=2000)
+    ap.add_argument("--queues", default="", metavar="FILE",
+                    help="a queues file (strata coordinator --queues): the tick orders the "
+                         "waiting jobs by the shared cluster's policy")
     args = ap.parse_args()
     assert args.running <= args.agents
     return args
@@ -208,7 +212,9 @@ def main() -> None:
     tmp = tempfile.mkdtemp(prefix="strata-cp-")
     db = os.path.join(tmp, "s.db")
     clock = Clock()
-    coord = Coordinator(SqliteStore(db), tmp, heartbeat_timeout_s=1e9, clock=clock)
+    queues = load_queues(args.queues) if args.queues else None
+    coord = Coordinator(SqliteStore(db), tmp, heartbeat_timeout_s=1e9, clock=clock,
+                        queues=queues)
     coord.max_pending_per_user = 10**9  # one simulated user queues them all
     t0 = time.perf_counter()
     sessions, running, on = populate(coord, args)

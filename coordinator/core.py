@@ -37,6 +37,8 @@ from strata.coordinator.series import Series
 from strata.coordinator import decisions
 from strata.coordinator.state import ClusterState
 from strata.coordinator.loop import ControlLoop
+from strata.coordinator.queueing import Queueing
+from strata.queues import Queues, QueueView, Share
 from strata.coordinator.admission import (
     PreparedJob, first_probe_budget, plan_on, prepare, probe_plan, probe_spec,
     wants_probe,
@@ -110,7 +112,7 @@ class Coordinator(ControlLoop):
                  max_job_logs: int = DEFAULT_MAX_JOB_LOG_BYTES,
                  disk_reserve: int = DEFAULT_RESERVE_BYTES,
                  disk_ballast: int | None = None,
-                 blob_grace_s: float = DEFAULT_BLOB_GRACE_S):
+                 blob_grace_s: float = DEFAULT_BLOB_GRACE_S, queues: Queues | None = None):
         #: recent progress and memory of each job, for the status page (not stored)
         self.series = Series()
         #: one tenant cannot fill the queue or the cluster: ``--max-pending-per-user``,
@@ -141,6 +143,8 @@ class Coordinator(ControlLoop):
         self.blobs.load(store.load_blob_owners(), store.blob_refs(), owners)
         self.logs.load(owners)
         self.heartbeat_interval_s = heartbeat_interval_s
+        #: ``--queues``: shares, priorities, fair share (none: one queue, oldest first)
+        self.queueing = Queueing(queues)
         self._stops_sent: dict[tuple[str, str, str, int], float] = {}
         self._implausible_said: dict[str, float] = {}
         #: job id -> outputs refused so far (``output_refused``: a few become events)
@@ -249,11 +253,14 @@ class Coordinator(ControlLoop):
         if done is not None:
             return done
         prepared = self._prepared(spec, free=False)
+        prepared = PreparedJob(self.queueing.resolve(prepared.spec, owner), prepared.plan)
         if prepared.spec.elastic and self.state.whole_offers(Needs.of(prepared.spec)):
             # as wide as places now, at least min (waiting, it narrows: _place_narrower)
             prepared = PreparedJob(*self._widest(prepared.spec))
         spec, plan = prepared.spec, prepared.plan
         self._check_limits(spec, len(plan.tasks), owner)
+        self.queueing.check_share(spec, Share(len(plan.tasks),
+                                              sum(t.memory_budget_bytes for t in plan.tasks)))
         self._check_needs(spec)
         if not plan.feasible:
             budgets = [w.record.budget_bytes for w in self.agents.values() if not w.lost]
@@ -299,6 +306,10 @@ class Coordinator(ControlLoop):
             "for ever. Add workers, ask for fewer (workers, parameter_servers, stages), or "
             "submit with --queue-for-capacity DURATION to wait for workers that will come",
             estimate_bytes=plan.largest_estimate, largest_budget_bytes=have[0])
+
+    def queue_views(self) -> list[QueueView]:
+        """Each queue: its shares, what its jobs hold, how many wait and run."""
+        return self.queueing.views(self.state.live.values())
 
     def get(self, job_id: str) -> Job:
         job = self.jobs.get(job_id)

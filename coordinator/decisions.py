@@ -361,6 +361,16 @@ def notice(job: Job, deadline_s: float, steps_per_s: float, *, storage: bool) ->
     return NoticePlan(step)
 
 
+def past_time_limit(job: Job, now: float) -> str:
+    """Why ``job`` fails now for its ``training.time_limit`` (counted from its first step), or
+    "" while within it."""
+    limit = job.spec.training.time_limit_s if job.spec is not None else 0.0
+    if not limit or not job.started_at or job.state.final or now - job.started_at <= limit:
+        return ""
+    return (f"ran past its training.time_limit of {limit:g} s (from its first step), at step "
+            f"{job.metrics.step}")
+
+
 def may_grow(job: Job, now: float, settle_s: float) -> bool:
     """Whether elastic ``job`` may grow now: running below its ``max``, no notice or resize in
     flight, a step reported, and ``settle_s`` passed since its first step and since its last

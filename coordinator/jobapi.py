@@ -183,6 +183,11 @@ class JobServicer(pb_grpc.JobServiceServicer):
             coordinator_disk=convert.coordinator_disk_to_proto(self.coord.disk_status()))
 
     @rpc
+    async def ListQueues(self, request: pb.ListQueuesRequest, context: Any) -> pb.ListQueuesResponse:
+        return pb.ListQueuesResponse(
+            queues=[convert.queue_to_proto(q) for q in self.coord.queue_views()])
+
+    @rpc
     async def UploadBlob(self, request_iterator: AsyncIterator[pb.FileChunk],
                          context: Any) -> pb.BlobRef:
         async def chunks() -> AsyncIterator[bytes]:

@@ -24,13 +24,16 @@ from strata.coordinator.agents import (
 from strata.coordinator.blobs import BlobStore
 from strata.coordinator.disk import DiskGuard
 from strata.coordinator.elastic import ElasticJobs
+from strata.coordinator.queueing import Queueing
 from strata.coordinator.placement import Capacity, Placement, TaskDemand, place
 from strata.coordinator.state import ClusterState
 from strata.coordinator.store import Store
 from strata.errors import DiskFull
 from strata.taskconfig import REPORT_INTERVAL_S, TaskConfig
 from strata.tfconfig import build_tf_config
-from strata.types import FailureKind, Job, JobState, Task
+from strata.jobspec import JobSpec
+from strata.queues import Share
+from strata.types import FailureKind, Job, JobPlan, JobState, Task
 from strata.units import format_size
 
 log = logging.getLogger("strata.coordinator")
@@ -83,6 +86,9 @@ class ControlLoop(ElasticJobs):
         #: tried again until one of them moves (``_try_schedule``)
         self._tried: dict[str, tuple[Any, ...]] = {}
         self._grow_version, self._next_grow = -1, 0.0
+        self._next_limits = 0.0  # when jobs are next held to their training.time_limit
+        #: the queues (``--queues``): order, shares, fair share (``Coordinator`` sets them)
+        self.queueing = Queueing()
         #: when agents are next judged (monotonic): once a tick interval, not on every wake-up
         self._next_judgement = 0.0
         #: each waiting job's needs (``Needs.of`` its spec, which does not change)
@@ -215,7 +221,14 @@ class ControlLoop(ElasticJobs):
 
     def _schedule(self, now: float) -> None:
         # a copy: scheduling a job may end another (a failed probe fails its job)
-        for job in list(self.state.ordered()):
+        jobs = list(self.state.ordered())
+        if self.queueing.configured:
+            # the policy's order of the waiting jobs, after those placed or being restarted
+            self.queueing.begin_tick(jobs, now)
+            waiting = [j for j in jobs if j.state == JobState.PENDING]
+            jobs = [j for j in jobs if j.state != JobState.PENDING] \
+                + self.queueing.order(waiting, now)
+        for job in jobs:
             if job.state not in decisions.TICK_STATES:
                 continue
             since = self._scheduled_at.setdefault(job.id, now) \
@@ -237,6 +250,12 @@ class ControlLoop(ElasticJobs):
                               or now >= self._next_grow):
             self._grow_version, self._next_grow = self.state.room_version, now + GROW_CHECK_S
             self._grow(now)
+        if now >= self._next_limits:
+            self._next_limits = now + GROW_CHECK_S
+            for job in list(self.state.ordered()):
+                why = decisions.past_time_limit(job, now)
+                if why:
+                    self._stop_job(job, JobState.FAILED, why)
 
     def _tick_fresh(self) -> bool:
         """Whether the tick's caches may be used: inside a tick, and dropped first if room
@@ -275,6 +294,14 @@ class ControlLoop(ElasticJobs):
         key = (self.state.room_version, tuple(t.memory_budget_bytes for t in job.tasks))
         if self._tried.get(job.id) == key:
             return
+        held_back = self.queueing.blocked(job) if job.state == JobState.PENDING else ""
+        if held_back and job.spec.elastic and not job.recovery.probe_of \
+                and job.id not in self._probe_of and self._place_narrower(job):
+            self._try_schedule(job)  # narrower, its queue may hold it
+            return
+        if held_back:
+            self._wait_with(job, held_back)
+            return
         needs = self._needs.get(job.id)
         if needs is None:
             needs = self._needs[job.id] = Needs.of(job.spec)
@@ -292,17 +319,30 @@ class ControlLoop(ElasticJobs):
             self._tried[job.id] = key
             if self._tick_cache is not None:
                 self._tick_failed[(needs, key[1])] = placement
-            if job.message != placement.reason:
-                # Only a new kind of reason is stored and becomes an event: counts in it ("3 of
-                # 980 workers") change with every agent that comes or goes, and a write and an
-                # event per waiting job per registration stalled the loop with many waiting.
-                news = _shape(job.message) != _shape(placement.reason)
-                job.message = placement.reason
-                if news:
-                    self.store.put_job(job)
-                    self._event(job, "message", placement.reason)
+            self._wait_with(job, placement.reason)
             return
         self._place_job(job, placement)
+        self.queueing.placed(job)
+
+    def _queue_holds(self, spec: JobSpec, plan: JobPlan, holding: Job | None) -> bool:
+        return self.queueing.holds(spec, Share(len(plan.tasks), sum(
+            t.memory_budget_bytes for t in plan.tasks)), holding)
+
+    def _waits_for_room(self, job: Job) -> bool:
+        return super()._waits_for_room(job) and not (
+            job.state == JobState.PENDING and self.queueing.blocked(job))
+
+    def _wait_with(self, job: Job, reason: str) -> None:
+        """``job`` waits for ``reason``."""
+        if job.message != reason:
+            # Only a new kind of reason is stored and becomes an event: counts in it ("3 of
+            # 980 workers") change with every agent that comes or goes, and a write and an
+            # event per waiting job per registration stalled the loop with many waiting.
+            news = _shape(job.message) != _shape(reason)
+            job.message = reason
+            if news:
+                self.store.put_job(job)
+                self._event(job, "message", reason)
 
     def _place_job(self, job: Job, placement: Placement) -> None:
         """``job`` placed as ``placement`` says: written first (its tasks with their workers and

@@ -18,6 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from strata.auth import Auth, AuthFileError
+from strata.queues import QueueError, load_queues
 from strata.coordinator.blobs import (
     DEFAULT_BLOB_GRACE_S, DEFAULT_MAX_JOB_OUTPUTS_BYTES, DEFAULT_MAX_UPLOAD_BYTES,
     DEFAULT_USER_QUOTA_BYTES,
@@ -130,7 +131,7 @@ async def serve(listen: str, state_dir: str, *, heartbeat_timeout_s: float = 10.
                 max_job_logs: int = DEFAULT_MAX_JOB_LOG_BYTES,
                 disk_reserve: int = DEFAULT_RESERVE_BYTES,
                 disk_ballast: int | None = None,
-                blob_grace_s: float = DEFAULT_BLOB_GRACE_S) -> None:
+                blob_grace_s: float = DEFAULT_BLOB_GRACE_S, queues: str = "") -> None:
     """Runs the coordinator until SIGINT/SIGTERM. Prints (and optionally writes) the bound
     address. With ``tls_cert``/``tls_key`` it serves TLS only; with ``tls_client_ca`` clients
     and agents must present a certificate that CA signed (``strata.tls``), and without
@@ -148,7 +149,8 @@ async def serve(listen: str, state_dir: str, *, heartbeat_timeout_s: float = 10.
                         max_tasks_per_job=max_tasks_per_job, retention_s=retention_s,
                         user_quota=user_quota, max_job_outputs=max_job_outputs,
                         max_job_logs=max_job_logs, disk_reserve=disk_reserve,
-                        disk_ballast=disk_ballast, blob_grace_s=blob_grace_s)
+                        disk_ballast=disk_ballast, blob_grace_s=blob_grace_s,
+                        queues=load_queues(queues) if queues else None)
     server = grpc.aio.server(options=server_options())
     auth = _auth(auth_tokens, tls_client_ca)
     calls = OpenCalls()
@@ -169,7 +171,7 @@ async def serve(listen: str, state_dir: str, *, heartbeat_timeout_s: float = 10.
                                  (tls_cert, tls_key, tls_client_ca), probe)
     # The signals are handled before the address is announced: whoever reads the port file
     # may send SIGHUP at once (new tokens), and SIGHUP's default ends the process.
-    stop = _handle_signals(auth, revocations)
+    stop = _handle_signals(auth, revocations, coord, queues)
     if port_file:
         _write_file(port_file, address)
     tasks = (asyncio.create_task(coord.run()), asyncio.create_task(gc_policy.run()),
@@ -252,9 +254,10 @@ async def _start_http(http_listen: str, http_port_file: str | None, coord: Coord
     return http
 
 
-def _handle_signals(auth: Auth, revocations: Revocations) -> asyncio.Event:
-    """The event SIGINT and SIGTERM set; with tokens, SIGHUP reloads them and revokes those
-    gone (kept as they were if the file is wrong)."""
+def _handle_signals(auth: Auth, revocations: Revocations, coord: Coordinator,
+                    queues: str) -> asyncio.Event:
+    """The event SIGINT and SIGTERM set; SIGHUP reloads the tokens (and revokes those gone)
+    and the queues file, each kept as it was if its file is wrong."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -269,9 +272,24 @@ def _handle_signals(auth: Auth, revocations: Revocations) -> asyncio.Event:
             return
         log.info("SIGHUP: %d token(s) from %s, %d gone", len(auth), auth.path, len(gone))
         revocations.keys(gone, "removed from --auth-tokens")
-    if auth.tokens:
+
+    def reload_queues() -> None:
+        try:
+            coord.queueing.reload(load_queues(queues))
+        except QueueError as e:
+            log.error("SIGHUP: kept the queues in force: %s", e)
+            return
+        log.info("SIGHUP: %d queue(s) from %s", len(coord.queueing.queues.queues), queues)
+        coord.wake()
+
+    def reload() -> None:
+        if auth.tokens:
+            reload_tokens()
+        if queues:
+            reload_queues()
+    if auth.tokens or queues:
         with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(signal.SIGHUP, reload_tokens)
+            loop.add_signal_handler(signal.SIGHUP, reload)
     return stop
 
 

@@ -161,18 +161,20 @@ class OptimizerSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., learning_rate: _Optional[float] = ...) -> None: ...
 
 class TrainingSpec(_message.Message):
-    __slots__ = ("epochs", "steps", "optimizer", "loss", "seed")
+    __slots__ = ("epochs", "steps", "optimizer", "loss", "seed", "time_limit")
     EPOCHS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    TIME_LIMIT_FIELD_NUMBER: _ClassVar[int]
     epochs: int
     steps: int
     optimizer: OptimizerSpec
     loss: str
     seed: int
-    def __init__(self, epochs: _Optional[int] = ..., steps: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., loss: _Optional[str] = ..., seed: _Optional[int] = ...) -> None: ...
+    time_limit: float
+    def __init__(self, epochs: _Optional[int] = ..., steps: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., loss: _Optional[str] = ..., seed: _Optional[int] = ..., time_limit: _Optional[float] = ...) -> None: ...
 
 class MemorySpec(_message.Message):
     __slots__ = ("per_task_budget", "mixed_precision", "recompute", "profile")
@@ -229,7 +231,7 @@ class RestartSpec(_message.Message):
     def __init__(self, max_restarts: _Optional[int] = ..., backoff_s: _Optional[float] = ..., retry_user_errors: _Optional[bool] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("name", "strategy", "workers", "parameter_servers", "stages", "microbatches", "model", "data", "training", "memory", "checkpoint", "restart", "code", "gradients", "elastic")
+    __slots__ = ("name", "strategy", "workers", "parameter_servers", "stages", "microbatches", "model", "data", "training", "memory", "checkpoint", "restart", "code", "gradients", "elastic", "queue", "priority", "preemptible")
     NAME_FIELD_NUMBER: _ClassVar[int]
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -245,6 +247,9 @@ class JobSpec(_message.Message):
     CODE_FIELD_NUMBER: _ClassVar[int]
     GRADIENTS_FIELD_NUMBER: _ClassVar[int]
     ELASTIC_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIBLE_FIELD_NUMBER: _ClassVar[int]
     name: str
     strategy: str
     workers: int
@@ -260,7 +265,10 @@ class JobSpec(_message.Message):
     code: CodeSpec
     gradients: GradientSpec
     elastic: WorkerRange
-    def __init__(self, name: _Optional[str] = ..., strategy: _Optional[str] = ..., workers: _Optional[int] = ..., parameter_servers: _Optional[int] = ..., stages: _Optional[int] = ..., microbatches: _Optional[int] = ..., model: _Optional[_Union[ModelSpec, _Mapping]] = ..., data: _Optional[_Union[DataSpec, _Mapping]] = ..., training: _Optional[_Union[TrainingSpec, _Mapping]] = ..., memory: _Optional[_Union[MemorySpec, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointSpec, _Mapping]] = ..., restart: _Optional[_Union[RestartSpec, _Mapping]] = ..., code: _Optional[_Union[CodeSpec, _Mapping]] = ..., gradients: _Optional[_Union[GradientSpec, _Mapping]] = ..., elastic: _Optional[_Union[WorkerRange, _Mapping]] = ...) -> None: ...
+    queue: str
+    priority: str
+    preemptible: bool
+    def __init__(self, name: _Optional[str] = ..., strategy: _Optional[str] = ..., workers: _Optional[int] = ..., parameter_servers: _Optional[int] = ..., stages: _Optional[int] = ..., microbatches: _Optional[int] = ..., model: _Optional[_Union[ModelSpec, _Mapping]] = ..., data: _Optional[_Union[DataSpec, _Mapping]] = ..., training: _Optional[_Union[TrainingSpec, _Mapping]] = ..., memory: _Optional[_Union[MemorySpec, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointSpec, _Mapping]] = ..., restart: _Optional[_Union[RestartSpec, _Mapping]] = ..., code: _Optional[_Union[CodeSpec, _Mapping]] = ..., gradients: _Optional[_Union[GradientSpec, _Mapping]] = ..., elastic: _Optional[_Union[WorkerRange, _Mapping]] = ..., queue: _Optional[str] = ..., priority: _Optional[str] = ..., preemptible: _Optional[bool] = ...) -> None: ...
 
 class WorkerRange(_message.Message):
     __slots__ = ("min", "max")
@@ -672,6 +680,42 @@ class ListWorkersResponse(_message.Message):
     next_page_token: str
     coordinator_disk: CoordinatorDisk
     def __init__(self, workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., coordinator_disk: _Optional[_Union[CoordinatorDisk, _Mapping]] = ...) -> None: ...
+
+class QueueShare(_message.Message):
+    __slots__ = ("workers", "memory_bytes")
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    workers: int
+    memory_bytes: int
+    def __init__(self, workers: _Optional[int] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
+
+class QueueInfo(_message.Message):
+    __slots__ = ("name", "nominal", "borrow", "in_use", "waiting", "running", "default")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    NOMINAL_FIELD_NUMBER: _ClassVar[int]
+    BORROW_FIELD_NUMBER: _ClassVar[int]
+    IN_USE_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    nominal: QueueShare
+    borrow: QueueShare
+    in_use: QueueShare
+    waiting: int
+    running: int
+    default: bool
+    def __init__(self, name: _Optional[str] = ..., nominal: _Optional[_Union[QueueShare, _Mapping]] = ..., borrow: _Optional[_Union[QueueShare, _Mapping]] = ..., in_use: _Optional[_Union[QueueShare, _Mapping]] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., default: _Optional[bool] = ...) -> None: ...
+
+class ListQueuesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListQueuesResponse(_message.Message):
+    __slots__ = ("queues",)
+    QUEUES_FIELD_NUMBER: _ClassVar[int]
+    queues: _containers.RepeatedCompositeFieldContainer[QueueInfo]
+    def __init__(self, queues: _Optional[_Iterable[_Union[QueueInfo, _Mapping]]] = ...) -> None: ...
 
 class TaskStatus(_message.Message):
     __slots__ = ("job_id", "role", "index", "state", "failure", "exit_code", "message", "in_use_bytes", "peak_bytes", "step", "total_steps", "loss", "examples_per_sec", "has_result", "test_accuracy", "test_loss", "weights_sha256", "model_path", "first_step_time", "attempt", "replica_weights_sha256", "oom", "checkpoint_step", "resumed_step", "training", "test_metrics", "notes", "largest_alloc_bytes")

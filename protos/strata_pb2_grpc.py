@@ -74,6 +74,11 @@ class JobServiceStub:
                 request_serializer=strata_dot_protos_dot_strata__pb2.ListWorkersRequest.SerializeToString,
                 response_deserializer=strata_dot_protos_dot_strata__pb2.ListWorkersResponse.FromString,
                 _registered_method=True)
+        self.ListQueues = channel.unary_unary(
+                '/strata.v1.JobService/ListQueues',
+                request_serializer=strata_dot_protos_dot_strata__pb2.ListQueuesRequest.SerializeToString,
+                response_deserializer=strata_dot_protos_dot_strata__pb2.ListQueuesResponse.FromString,
+                _registered_method=True)
         self.UploadBlob = channel.stream_unary(
                 '/strata.v1.JobService/UploadBlob',
                 request_serializer=strata_dot_protos_dot_strata__pb2.FileChunk.SerializeToString,
@@ -147,6 +152,12 @@ class JobServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListWorkers(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListQueues(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -231,6 +242,11 @@ def add_JobServiceServicer_to_server(servicer, server):
                     servicer.ListWorkers,
                     request_deserializer=strata_dot_protos_dot_strata__pb2.ListWorkersRequest.FromString,
                     response_serializer=strata_dot_protos_dot_strata__pb2.ListWorkersResponse.SerializeToString,
+            ),
+            'ListQueues': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListQueues,
+                    request_deserializer=strata_dot_protos_dot_strata__pb2.ListQueuesRequest.FromString,
+                    response_serializer=strata_dot_protos_dot_strata__pb2.ListQueuesResponse.SerializeToString,
             ),
             'UploadBlob': grpc.stream_unary_rpc_method_handler(
                     servicer.UploadBlob,
@@ -474,6 +490,33 @@ class JobService:
             '/strata.v1.JobService/ListWorkers',
             strata_dot_protos_dot_strata__pb2.ListWorkersRequest.SerializeToString,
             strata_dot_protos_dot_strata__pb2.ListWorkersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListQueues(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/strata.v1.JobService/ListQueues',
+            strata_dot_protos_dot_strata__pb2.ListQueuesRequest.SerializeToString,
+            strata_dot_protos_dot_strata__pb2.ListQueuesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -48,7 +48,7 @@ NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,127}$")
 
 #: what each role may call, by RPC method name (cluster API: the agent role, checked against
 #: the request's agent name as well)
-READ = frozenset({"GetJob", "ListJobs", "WatchJob", "ListWorkers"})
+READ = frozenset({"GetJob", "ListJobs", "WatchJob", "ListWorkers", "ListQueues"})
 SUBMIT = frozenset({"SubmitJob", "PlanJob", "UploadBlob"})
 OWN_JOB = frozenset({"CancelJob", "GetLogs", "DownloadOutput", "DeleteJob"})
 ADMIN_ONLY = frozenset({"DrainWorker", "Revoke"})

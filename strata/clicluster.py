@@ -15,6 +15,7 @@ from typing import Any
 
 from strata import cpukernels
 from strata.limits import MAX_NOTICE_S
+from strata.queues import UNBOUNDED
 from strata.clicommon import (
     EXIT_FAILED, EXIT_OK, EXIT_UNAVAILABLE, UsageError, _address, _check_job, _client,
     _client_tls, _duration, _fmt_bytes, _print_json, _size, _table, _token,
@@ -75,6 +76,13 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
             Auth(args.auth_tokens)  # readable and well formed, before listening
         except AuthFileError as e:
             raise UsageError(str(e)) from None
+    if args.queues:
+        from strata.queues import QueueError, load_queues
+
+        try:
+            load_queues(args.queues)  # readable and well formed, before listening
+        except QueueError as e:
+            raise UsageError(f"--queues: {e}") from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     asyncio.run(serve(args.listen, args.state_dir, heartbeat_timeout_s=args.heartbeat_timeout,
                       start_timeout_s=args.start_timeout, port_file=args.port_file,
@@ -84,7 +92,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
                       max_pending_per_user=args.max_pending_per_user,
                       max_tasks_per_job=args.max_tasks_per_job, retention_s=retention,
                       http_listen=args.http_listen, http_port_file=args.http_port_file,
-                      **storage))
+                      queues=args.queues, **storage))
     return EXIT_OK
 
 
@@ -306,6 +314,25 @@ def cmd_workers(args: argparse.Namespace) -> int:
               f"{_fmt_bytes(disk.blobs_bytes)}, outputs {_fmt_bytes(disk.outputs_bytes)}, logs "
               f"{_fmt_bytes(disk.logs_bytes)}), {_fmt_bytes(disk.disk.free_bytes)} free "
               f"({_fmt_bytes(disk.reserve_bytes)} of it kept for state changes)")
+    return EXIT_OK
+
+
+def cmd_queues(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        queues = c.queues()
+    if args.json:
+        _print_json([q.to_json() for q in queues])
+        return EXIT_OK
+
+    def share(s) -> str:
+        w = "-" if s.workers >= UNBOUNDED else str(s.workers)
+        m = "-" if s.memory_bytes >= UNBOUNDED else _fmt_bytes(s.memory_bytes)
+        return f"{w} / {m}"
+    rows = [[q.name + (" (default)" if q.default else ""), share(q.nominal), share(q.borrow),
+             share(q.in_use), str(max(0, q.in_use.workers - q.nominal.workers)),
+             str(q.waiting), str(q.running)] for q in queues]
+    _table(rows, ["QUEUE", "NOMINAL (WORKERS / MEMORY)", "BORROW", "IN USE", "BORROWED",
+                  "WAITING", "RUNNING"])
     return EXIT_OK
 
 

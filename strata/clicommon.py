@@ -27,17 +27,12 @@ def _fail(message: str, code: int) -> int:
 
 def _duration(flag: str, text: str) -> float:
     """``7d``, ``12h``, ``30m``, ``45s`` or plain seconds."""
-    units = {"d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0}
-    t = text.strip().lower()
-    scale = units.get(t[-1:], 0.0)
-    number = t[:-1] if scale else t
+    from strata.units import parse_duration
+
     try:
-        value = float(number) * (scale or 1.0)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value < 1e10 or value != value:
-        raise UsageError(f"{flag} {text[:32]!r}: a duration such as 7d, 12h, 30m or seconds")
-    return value
+        return parse_duration(text)
+    except ValueError as e:
+        raise UsageError(f"{flag} {e}") from None
 
 
 def _size(flag: str, text: str, zero: bool = False) -> int:

@@ -25,6 +25,7 @@ from strata import convert
 from strata.errors import SpecError, StrataError
 from strata.spec import load_spec_file, parse_job_spec
 from strata.jobspec import JobSpec
+from strata.queues import QueueView
 from strata.auth import read_token, with_token
 from strata.tls import ClientTls, channel
 from strata.types import CoordinatorDisk, Job, JobEvent, Plan, WorkerInfo
@@ -348,6 +349,11 @@ class Client:
                                     states=[pb.WorkerState.Value(s) for s in states])
         return [convert.worker_from_proto(w) for r in self._pages("ListWorkers", req)
                 for w in r.workers]
+
+    def queues(self) -> list[QueueView]:
+        """The coordinator's queues (``--queues``): shares, use, waiting and running jobs."""
+        resp = self._call("ListQueues", pb.ListQueuesRequest())
+        return [convert.queue_from_proto(q) for q in resp.queues]
 
     def watch(self, job_id: str, after_seq: int = 0, timeout: float | None = None) -> Iterator[JobEvent]:
         """Stored events, then live snapshots, until the job ends (or ``timeout`` seconds pass)."""

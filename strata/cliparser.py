@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 from strata.clicluster import (
     cmd_admin, cmd_certs, cmd_coordinator, cmd_demo, cmd_drain, cmd_health, cmd_up, cmd_worker,
-    cmd_workers,
+    cmd_queues, cmd_workers,
 )
 from strata.clicommon import EXIT_TIMEOUT
 from strata.clijobs import (
@@ -40,6 +40,7 @@ EXAMPLES = {
     "delete": "strata delete job-1a2b3c4d",
     "logs": "strata logs job-1a2b3c4d --task worker:1 --tail 50 --follow",
     "workers": "strata workers --json",
+    "queues": "strata queues --json",
     "download": "strata download job-1a2b3c4d out/",
     "plan": "strata plan examples/deep-pipeline.yaml --workers 4 --memory-budget 2GiB",
     "validate": "strata validate examples/digits-ps.yaml",
@@ -156,6 +157,10 @@ def _coordinator_command(cmds: _Commands) -> None:
     sp.add_argument("--auth-tokens", default="", metavar="FILE",
                     help="require bearer tokens: lines TOKEN ROLE NAME, roles admin, submitter, "
                          "viewer, agent; reloaded on SIGHUP (default: none, everything open)")
+    sp.add_argument("--queues", default="", metavar="FILE",
+                    help="the shared cluster's queues (YAML: shares, borrowing, priority "
+                         "classes, fair share; docs/scheduling.md); reloaded on SIGHUP "
+                         "(default: one queue, everyone's, jobs oldest first)")
     sp.add_argument("--max-pending-per-user", type=int, default=DEFAULT_MAX_PENDING_PER_USER,
                     metavar="N", help="jobs one user may have waiting; more are refused "
                                       f"(default {DEFAULT_MAX_PENDING_PER_USER})")
@@ -313,6 +318,10 @@ def _look_commands(cmds: _Commands) -> None:
     sp = cmds.add("workers", cmd_workers, "list worker agents and their memory")
     sp.add_argument("--json", action="store_true", help=JSON_HELP)
     _state_filter(sp, "workers", WorkerState)
+    sp = cmds.add("queues", cmd_queues, "list the shared cluster's queues: each one's share, "
+                                          "what it holds and borrows, its waiting and running "
+                                          "jobs")
+    sp.add_argument("--json", action="store_true", help=JSON_HELP)
     sp = cmds.add("download", cmd_download, "fetch a job's outputs (trained model, metrics.json)")
     sp.add_argument("job_id", metavar="JOB_ID", help="the job")
     sp.add_argument("dest", metavar="DIR", help="where to write them (made if missing)")

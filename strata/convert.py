@@ -15,6 +15,7 @@ from strata.jobspec import (
     DataSpec, GradientSpec, JobSpec, MemorySpec, OptimizerSpec, TrainingSpec,
 )
 from strata.errors import SpecError
+from strata.queues import UNBOUNDED, QueueView, Share
 from strata.taskconfig import (
     TASK_CONFIG_VERSION, AgentSettings, ParameterServerSection, PipelineSection,
     StageAssignment, TaskConfig, TaskConfigError,
@@ -41,11 +42,14 @@ def spec_to_proto(spec: JobSpec) -> pb.JobSpec:
         name=spec.name, strategy=spec.strategy, workers=spec.workers,
         elastic=pb.WorkerRange(min=spec.workers_min, max=spec.workers_max)
         if spec.elastic else None,
+        queue=spec.queue, priority=spec.priority,
+        preemptible=None if spec.preemptible else False,
         parameter_servers=spec.parameter_servers, stages=spec.stages,
         microbatches=spec.microbatches, model=_model_to_proto(spec.model),
         data=_data_to_proto(spec.data),
         training=pb.TrainingSpec(
             epochs=t.epochs, steps=t.steps, seed=t.seed, loss=t.loss,
+            time_limit=t.time_limit_s if t.time_limit_s else None,
             # an optimizer not given stays out: the task then knows it was not
             optimizer=pb.OptimizerSpec(name=o.name, learning_rate=o.learning_rate)
             if o is not None else None),
@@ -121,7 +125,8 @@ def accepted_spec_from_proto(msg: pb.JobSpec) -> JobSpec:
         microbatches=msg.microbatches, model=_model_from_proto(msg.model),
         data=_data_from_proto(msg.data),
         training=TrainingSpec(epochs=t.epochs, steps=t.steps, loss=t.loss, seed=t.seed,
-                              optimizer=_optimizer_from_proto(t.optimizer)),
+                              optimizer=_optimizer_from_proto(t.optimizer),
+                              time_limit_s=t.time_limit),
         memory=_memory_from_proto(msg.memory), gradients=_gradients_from_proto(msg.gradients),
         checkpoint_every_steps=c.every_steps,
         checkpoint_keep=c.keep if c.HasField("keep") else JobSpec.checkpoint_keep,
@@ -129,7 +134,9 @@ def accepted_spec_from_proto(msg: pb.JobSpec) -> JobSpec:
         restart_backoff_s=r.backoff_s if r.HasField("backoff_s") else JobSpec.restart_backoff_s,
         retry_user_errors=r.retry_user_errors,
         code=_code_from_proto(msg.code),
-        workers_min=msg.elastic.min, workers_max=msg.elastic.max)
+        workers_min=msg.elastic.min, workers_max=msg.elastic.max, queue=msg.queue,
+        priority=msg.priority,
+        preemptible=msg.preemptible if msg.HasField("preemptible") else True)
 
 
 def _model_from_proto(m: pb.ModelSpec) -> dict[str, Any]:
@@ -655,3 +662,26 @@ def read_task_config(path: str) -> TaskConfig:
 def write_task_config(path: str, config: TaskConfig) -> None:
     with open(path, "wb") as f:
         f.write(task_config_to_proto(config).SerializeToString())
+
+
+# --- queues -----------------------------------------------------------------------------------
+
+def _share_to_proto(s: Share) -> pb.QueueShare:
+    return pb.QueueShare(workers=None if s.workers >= UNBOUNDED else s.workers,
+                         memory_bytes=None if s.memory_bytes >= UNBOUNDED else s.memory_bytes)
+
+
+def _share_from_proto(m: pb.QueueShare) -> Share:
+    return Share(m.workers if m.HasField("workers") else UNBOUNDED,
+                 m.memory_bytes if m.HasField("memory_bytes") else UNBOUNDED)
+
+
+def queue_to_proto(q: QueueView) -> pb.QueueInfo:
+    return pb.QueueInfo(name=q.name, nominal=_share_to_proto(q.nominal),
+                        borrow=_share_to_proto(q.borrow), in_use=_share_to_proto(q.in_use),
+                        waiting=q.waiting, running=q.running, default=q.default)
+
+
+def queue_from_proto(m: pb.QueueInfo) -> QueueView:
+    return QueueView(m.name, _share_from_proto(m.nominal), _share_from_proto(m.borrow),
+                     _share_from_proto(m.in_use), m.waiting, m.running, m.default)

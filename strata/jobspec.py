@@ -73,6 +73,9 @@ class TrainingSpec:
     optimizer: OptimizerSpec | None = None
     loss: str = ""
     seed: int = 0
+    #: seconds the job may train (from its first step); past it, it fails. The scheduler plans
+    #: backfill with it (0: no limit)
+    time_limit_s: float = 0.0
 
     @property
     def optimizer_used(self) -> OptimizerSpec:
@@ -147,6 +150,11 @@ class JobSpec:
     #: is planned at now, which resizes move within the range; both 0: a fixed width
     workers_min: int = 0
     workers_max: int = 0
+    #: its queue (``strata.queues``; resolved at submission: the owner's when not given), its
+    #: priority class, and whether a job of higher priority may preempt it
+    queue: str = ""
+    priority: str = ""
+    preemptible: bool = True
 
     @property
     def elastic(self) -> bool:
@@ -170,6 +178,11 @@ class JobSpec:
             out["code"] = json.loads(json.dumps(self.code))
         if self.elastic:
             out["elastic"] = {"min": self.workers_min, "max": self.workers_max}
+        for key, value in (("queue", self.queue), ("priority", self.priority)):
+            if value:
+                out[key] = value
+        if not self.preemptible:
+            out["preemptible"] = False
         return out
 
     def _to_dict(self) -> dict[str, Any]:
@@ -184,8 +197,9 @@ class JobSpec:
             "data": {**dataclasses.asdict(self.data), "image_size": list(self.data.image_size),
                      "features": json.loads(json.dumps(self.data.features))},
             # an optimizer or loss not given stays out: the task then knows it was not
-            "training": {k: v for k, v in dataclasses.asdict(self.training).items()
-                         if not (k in ("optimizer", "loss") and not v)},
+            "training": {("time_limit" if k == "time_limit_s" else k): v
+                         for k, v in dataclasses.asdict(self.training).items()
+                         if not (k in ("optimizer", "loss", "time_limit_s") and not v)},
             "memory": dataclasses.asdict(self.memory),
             "gradients": dataclasses.asdict(self.gradients),
             "checkpoint": {"every_steps": self.checkpoint_every_steps,
@@ -220,7 +234,8 @@ class JobSpec:
             training=TrainingSpec(
                 epochs=int(t.get("epochs", 0)), steps=int(t.get("steps", 0)),
                 optimizer=fill(OptimizerSpec, t["optimizer"]) if t.get("optimizer") else None,
-                loss=str(t.get("loss") or ""), seed=int(t.get("seed", 0))),
+                loss=str(t.get("loss") or ""), seed=int(t.get("seed", 0)),
+                time_limit_s=float(t.get("time_limit", 0.0))),
             memory=fill(MemorySpec, sub("memory")),
             gradients=fill(GradientSpec, sub("gradients")),
             checkpoint_every_steps=int(sub("checkpoint").get("every_steps", 0)),
@@ -230,7 +245,9 @@ class JobSpec:
             retry_user_errors=bool(sub("restart").get("retry_user_errors", False)),
             code=json.loads(json.dumps(dict(sub("code")))),
             workers_min=int(sub("elastic").get("min", 0)),
-            workers_max=int(sub("elastic").get("max", 0)))
+            workers_max=int(sub("elastic").get("max", 0)),
+            queue=str(d.get("queue") or ""), priority=str(d.get("priority") or ""),
+            preemptible=bool(d.get("preemptible", True)))
 
     @property
     def per_replica_batch(self) -> int:

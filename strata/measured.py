@@ -41,9 +41,11 @@ OOM_BOUND = "#oom"
 def bound_of(kind: str) -> str:
     return kind + OOM_BOUND
 
+#: what does not change a task's memory: names, schedules, the queue it waits in
 _IGNORED = {
-    "name": None, "checkpoint": None, "restart": None,
-    "training": {"steps", "epochs", "seed", "optimizer.learning_rate"},
+    "name": None, "checkpoint": None, "restart": None, "queue": None, "priority": None,
+    "preemptible": None,
+    "training": {"steps", "epochs", "seed", "optimizer.learning_rate", "time_limit"},
     "memory": {"per_task_budget", "per_task_budget_bytes", "profile"},
 }
 

@@ -24,12 +24,13 @@ from strata.jobspec import (
 )
 from strata.modelspec import ModelSpecError, profile_model
 from strata.types import DATA_SOURCES, STREAMED_SOURCES
-from strata.units import parse_size
+from strata.units import parse_duration, parse_size
 from strata.uploads import SHA256_RE
 
 _TOP_KEYS = {
     "name", "strategy", "workers", "parameter_servers", "stages", "microbatches", "model", "data",
-    "training", "memory", "checkpoint", "restart", "code", "gradients", "elastic",
+    "training", "memory", "checkpoint", "restart", "code", "gradients", "elastic", "queue",
+    "priority", "preemptible",
 }
 
 
@@ -202,6 +203,9 @@ def parse_job_spec(raw: Any) -> JobSpec:
         gradients=gradients,
         workers_min=lo,
         workers_max=hi,
+        queue=_label(raw, "queue"),
+        priority=_label(raw, "priority"),
+        preemptible=_bool(raw, "preemptible", "preemptible", True),
     )
     _check_strategy_fields(spec, strategy)
     strategy.validate(spec)
@@ -259,6 +263,18 @@ def _elastic_width(raw: Mapping[str, Any], lo: int, hi: int, batch_size: int,
     if raw.get("workers") is not None and not isinstance(raw.get("workers"), Mapping):
         return _int(raw, "workers", "workers", lo, lo=lo, hi=hi)
     return max(k for k in range(lo, hi + 1) if batch_size % (k * share) == 0)
+
+
+def _label(raw: Mapping[str, Any], key: str) -> str:
+    """``queue`` or ``priority``: a name from the coordinator's queues file (checked there)."""
+    value = raw.get(key)
+    if value is None or value == "":
+        return ""
+    if not isinstance(value, str) or len(value) > 64 or not all(
+            c.isalnum() or c in "-_." for c in value):
+        raise SpecError(key, f"must be a name of 1-64 letters, digits, - _ . (from the "
+                             f"coordinator's queues file), got {str(value)[:64]!r}")
+    return value
 
 
 def _name(raw: Mapping[str, Any]) -> str:
@@ -335,7 +351,7 @@ def _data(raw: Mapping[str, Any], workers: int) -> DataSpec:
 
 
 def _training(raw: Mapping[str, Any]) -> TrainingSpec:
-    t = _section(raw, "training", {"epochs", "steps", "optimizer", "loss", "seed"})
+    t = _section(raw, "training", {"epochs", "steps", "optimizer", "loss", "seed", "time_limit"})
     o = _section(t, "optimizer", {"name", "learning_rate"}, "training.")
     epochs = _int(t, "epochs", "training.epochs", 0, hi=1_000_000)
     steps = _int(t, "steps", "training.steps", 0, hi=1 << 40)
@@ -355,8 +371,24 @@ def _training(raw: Mapping[str, Any]) -> TrainingSpec:
         ) if t.get("optimizer") else None,
         loss=_choice(t, "loss", "training.loss", DEFAULT_LOSS, LOSSES) if t.get("loss") else "",
         seed=_int(t, "seed", "training.seed", 0, hi=(1 << 31) - 1),
+        time_limit_s=_time_limit(t.get("time_limit")),
     )
     return training
+
+
+def _time_limit(value: Any) -> float:
+    """``training.time_limit``: ``2h``, ``90m``, seconds; absent or 0: none."""
+    if value is None or value == 0 or value == "":
+        return 0.0
+    if isinstance(value, bool):
+        raise SpecError("training.time_limit", f"must be a duration such as 2h, got {value!r}")
+    try:
+        seconds = parse_duration(str(value))
+    except ValueError as e:
+        raise SpecError("training.time_limit", str(e)) from None
+    if seconds > 366 * 86400:
+        raise SpecError("training.time_limit", "must be at most a year")
+    return seconds
 
 
 def _memory(raw: Mapping[str, Any]) -> MemorySpec:

@@ -71,3 +71,18 @@ def format_size(n: int | float) -> str:
                 text = text[:-2]
             return f"{sign}{text} {unit}"
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def parse_duration(text: str) -> float:
+    """Seconds of ``7d``, ``12h``, ``30m``, ``45s`` or plain seconds. Raises ``ValueError``."""
+    units = {"d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0}
+    t = str(text).strip().lower()
+    scale = units.get(t[-1:], 0.0)
+    number = t[:-1] if scale else t
+    try:
+        value = float(number) * (scale or 1.0)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < 1e10 or value != value:
+        raise ValueError(f"{str(text)[:32]!r}: a duration such as 7d, 12h, 30m or seconds")
+    return value

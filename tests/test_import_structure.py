@@ -22,12 +22,12 @@ FOLDERS = {"strata": "strata", "coordinator": "strata.coordinator", "worker": "s
 #: the library's floors, lowest first. A module not named is refused by the test: a new module
 #: takes a floor when it is added.
 FLOORS: list[tuple[str, set[str]]] = [
-    ("ground: types, errors, units, the task contract, model descriptions", {
+    ("ground: types, errors, units, the task contract, model descriptions, queues", {
         "strata", "strata.errors", "strata.units", "strata.jobspec", "strata.exitcodes",
         "strata.limits",
         "strata.cpukernels", "strata.types", "strata.taskconfig", "strata.layerbase",
         "strata.layers", "strata.modelspec", "strata.safeyaml", "strata.uploads", "strata.dataroots",
-        "strata.tfconfig", "strata.auth", "strata.tls"}),
+        "strata.tfconfig", "strata.auth", "strata.tls", "strata.queues"}),
     ("estimators and planner", {
         "strata.memory", "strata.oom", "strata.measured", "strata.stagememory", "strata.psplan",
         "strata.planner", "strata.planner.search"}),

@@ -1,0 +1,134 @@
+"""The coordinator's queues (``--queues FILE``): a job's queue and priority resolved at
+submission, the waiting jobs ordered by the policy (``coordinator.policy``) and held back
+while their queue's share is taken, each owner's use charged for fair share, and the view
+``strata queues`` shows. Without a file the cluster is one queue, everyone's, unbounded, and
+jobs are placed oldest first (the control loop's own order; no per-tick sort).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable
+
+from strata.errors import QuotaExceeded, SpecError
+from strata.jobspec import JobSpec
+from strata.queues import UNBOUNDED, QueueError, Queues, QueueView, Share
+from strata.units import format_size
+from strata.coordinator import policy
+from strata.types import Job, JobState
+
+
+class Queueing:
+    """The queues in force and what the policy needs between ticks."""
+
+    def __init__(self, queues: Queues | None = None) -> None:
+        self.configured = queues is not None
+        self.queues = queues or Queues()
+        self.fair = policy.FairShare(self.queues.fair_share_half_life_s)
+        self.use: dict[str, Share] = {}
+        self._charged_at = 0.0
+
+    def reload(self, queues: Queues) -> None:
+        """A new file (SIGHUP): its queues from now on; the owners' use carries over."""
+        self.configured = True
+        self.queues = queues
+        self.fair.half_life_s = queues.fair_share_half_life_s
+
+    def resolve(self, spec: JobSpec, owner: str) -> JobSpec:
+        """``spec`` with its queue and priority class resolved for ``owner``. Raises
+        ``SpecError`` naming ``queue`` or ``priority``; ``QuotaExceeded`` for a job its queue
+        could never hold, or one not preemptible beyond its queue's nominal share."""
+        if not self.configured and (spec.queue not in ("", "default") or spec.priority):
+            field = "queue" if spec.queue not in ("", "default") else "priority"
+            raise SpecError(field, "this coordinator has no queues file (strata coordinator "
+                                   "--queues FILE): leave queue and priority out")
+        try:
+            q = self.queues.queue_of(owner, spec.queue)
+            cls, _ = self.queues.priority_of(spec.priority)
+        except QueueError as e:
+            raise SpecError(e.field, e.message) from None
+        return dataclasses.replace(spec, queue=q.name, priority=cls)
+
+    def check_share(self, spec: JobSpec, need: Share) -> None:
+        """Refuses a job needing ``need`` that its queue could never hold, or one not
+        preemptible beyond its queue's nominal share (``QuotaExceeded``)."""
+        q = self.queues.get(spec.queue)
+        if not self.configured or q is None:
+            return
+        if not need.within(q.limit):
+            raise QuotaExceeded(
+                f"job {spec.name!r} needs {need.workers} worker(s) and "
+                f"{format_size(need.memory_bytes)}, more than queue {q.name} may ever hold "
+                f"({_share_text(q.limit)} with what it may borrow)")
+        if not spec.preemptible and not need.within(q.nominal):
+            raise QuotaExceeded(
+                f"job {spec.name!r} is not preemptible, which a job may be only within its "
+                f"queue's nominal share ({q.name}: {_share_text(q.nominal)}); it needs "
+                f"{_share_text(need)}")
+
+    def begin_tick(self, live: Iterable[Job], now: float) -> None:
+        """What each queue holds now, and each owner's use charged since the last tick."""
+        jobs = list(live)
+        queue_of = {j.id: j.spec.queue for j in jobs if j.spec is not None}
+        self.use = policy.queue_use(jobs, queue_of)
+        dt = now - self._charged_at if self._charged_at else 0.0
+        self._charged_at = now
+        if dt > 0:
+            for j in jobs:
+                h = policy.held(j)
+                if h.workers:
+                    self.fair.charge(j.owner, h.workers * dt, now)
+
+    def order(self, waiting: list[Job], now: float) -> list[Job]:
+        places = [(j, policy.Place(j.spec.queue if j.spec else "",
+                                   self._priority(j))) for j in waiting]
+        return policy.order(places, self.queues, self.use, self.fair, now)
+
+    def _priority(self, job: Job) -> int:
+        name = job.spec.priority if job.spec else ""
+        # a class the reloaded file dropped ranks lowest
+        return self.queues.priority_classes.get(name, min(self.queues.priority_classes.values()))
+
+    def blocked(self, job: Job) -> str:
+        """Why ``job``'s queue cannot take it now ("" when it can)."""
+        if not self.configured or job.spec is None:
+            return ""
+        return policy.room_for(job, self.queues.get(job.spec.queue), self.use)
+
+    def holds(self, spec: JobSpec, need: Share, holding: Job | None = None) -> bool:
+        """Whether ``spec``'s queue may hold ``need`` now, ``holding``'s share given back
+        (an elastic job that would resize)."""
+        q = self.queues.get(spec.queue) if self.configured else None
+        if q is None:
+            return True
+        have = self.use.get(q.name, Share())
+        if holding is not None:
+            h = policy.held(holding)
+            have = Share(have.workers - h.workers, have.memory_bytes - h.memory_bytes)
+        return (have + need).within(q.limit)
+
+    def placed(self, job: Job) -> None:
+        """``job`` took its room: its queue holds it from now (within this tick too)."""
+        if job.spec is not None:
+            q = job.spec.queue
+            self.use[q] = self.use.get(q, Share()) + policy.share_of(job)
+
+    def views(self, live: Iterable[Job]) -> list[QueueView]:
+        jobs = [j for j in live if j.spec is not None and not j.recovery.probe_of]
+        queue_of = {j.id: j.spec.queue for j in jobs if j.spec is not None}
+        use = policy.queue_use(jobs, queue_of)
+        out = []
+        for q in self.queues.queues:
+            mine = [j for j in jobs if queue_of.get(j.id) == q.name]
+            out.append(QueueView(
+                q.name, q.nominal, q.borrow, use.get(q.name, Share()),
+                waiting=sum(j.state == JobState.PENDING for j in mine),
+                running=sum(j.state in (JobState.SCHEDULED, JobState.RUNNING) for j in mine),
+                default=q.default))
+        return out
+
+
+def _share_text(s: Share) -> str:
+    w = "any number of" if s.workers >= UNBOUNDED else str(s.workers)
+    m = "any memory" if s.memory_bytes >= UNBOUNDED else format_size(s.memory_bytes)
+    return f"{w} worker(s), {m}"

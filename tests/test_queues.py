@@ -1,0 +1,331 @@
+"""Queues of a shared cluster: the admin's file, a job's queue and priority, the policy's order
+(tables, no coordinator), shares and borrowing held by the control loop tick by tick, and
+``strata queues`` against a real coordinator reloading its file on SIGHUP."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from strata.coordinator.policy import FairShare, Place, order
+from strata.errors import QuotaExceeded, SpecError
+from strata.queues import UNBOUNDED, QueueError, Share, parse_queues
+from strata.types import Job, JobState, Task, TaskState
+
+from conftest import Clock, wait_until
+from test_restarts import register, report
+
+GiB = 1 << 30
+FILE = """
+queues:
+  - name: research
+    members: [alice, bob]
+    nominal: {workers: 2, memory: 2GiB}
+    borrow: {workers: 2, memory: 2GiB}
+  - name: prod
+    members: [carol]
+    nominal: {workers: 2, memory: 2GiB}
+  - name: everyone
+    members: ["*"]
+    nominal: {workers: 1}
+    default: true
+priority_classes: {low: 0, normal: 100, high: 1000}
+fair_share_half_life: 1h
+"""
+
+
+# --- the file -------------------------------------------------------------------------------
+
+def test_a_queues_file_reads_whole():
+    q = parse_queues(FILE)
+    research = q.get("research")
+    assert research.nominal == Share(2, 2 * GiB) and research.limit == Share(4, 4 * GiB)
+    assert q.get("prod").borrow == Share(0, 0)
+    assert q.get("everyone").nominal == Share(1, UNBOUNDED)
+    assert q.priority_classes["high"] == 1000 and q.fair_share_half_life_s == 3600
+
+
+@pytest.mark.parametrize("text, field", [
+    ("queues: []", "queues"),
+    ("queues: [{name: a, nominal: {workers: -1}}]", "queues[0].nominal.workers"),
+    ("queues: [{name: a, nominal: {memory: lots}}]", "queues[0].nominal.memory"),
+    ("queues: [{name: a, nominal: {cpus: 2}}]", "queues[0].nominal.cpus"),
+    ("queues: [{name: a}, {name: a}]", "queues[1].name"),
+    ("queues: [{name: a, members: [x]}, {name: b, members: [x]}]", "queues[1].members"),
+    ("queues: [{name: a, default: true}, {name: b, default: true}]", "queues"),
+    ("queues: [{name: 'a b'}]", "queues[0].name"),
+    ("queues: [{name: a, colour: red}]", "queues[0].colour"),
+    ("queues: [{name: a}]\npriority_classes: {high: big}", "priority_classes.high"),
+    ("queues: [{name: a}]\nfair_share_half_life: never", "fair_share_half_life"),
+    ("queues: [{name: a}]\nteams: []", "teams"),
+    ("queues: [{name: a", "queues"),
+])
+def test_a_bad_queues_file_is_refused_naming_the_field(text, field):
+    with pytest.raises(QueueError) as e:
+        parse_queues(text)
+    assert e.value.field == field
+
+
+def test_a_jobs_queue_and_priority_resolve_for_its_owner():
+    q = parse_queues(FILE)
+    assert q.queue_of("alice").name == "research"
+    assert q.queue_of("dave").name == "everyone"  # "*"
+    assert q.queue_of("alice", "everyone").name == "everyone"
+    with pytest.raises(QueueError, match="not a member of queue 'prod'"):
+        q.queue_of("alice", "prod")
+    with pytest.raises(QueueError, match="no queue 'gpu'"):
+        q.queue_of("alice", "gpu")
+    assert q.priority_of("") == ("normal", 100) and q.priority_of("high") == ("high", 1000)
+    with pytest.raises(QueueError, match="no priority class 'urgent'"):
+        q.priority_of("urgent")
+
+
+# --- the order, as a table ------------------------------------------------------------------
+
+def _job(name: str, owner: str, created: float, workers: int = 1) -> Job:
+    j = Job(id=name, name=name, state=JobState.PENDING, strategy="multi_worker_mirrored",
+            spec=None, created_at=created, owner=owner)
+    j.tasks = [Task(job_id=name, role="worker", index=i, memory_budget_bytes=GiB // 4)
+               for i in range(workers)]
+    return j
+
+
+#: (jobs as (name, owner, created, queue, priority, workers), queue use, owners' use) -> order
+ORDERS = [
+    # oldest first, all else equal
+    ([("a", "alice", 2, "research", 100, 1), ("b", "bob", 1, "research", 100, 1)], {}, {},
+     ["b", "a"]),
+    # the higher priority first, whatever the age
+    ([("a", "alice", 1, "research", 100, 1), ("b", "bob", 2, "research", 1000, 1)], {}, {},
+     ["b", "a"]),
+    # a queue under its nominal share before one over it, whatever the priority
+    ([("a", "alice", 1, "research", 1000, 1), ("c", "carol", 2, "prod", 0, 1)],
+     {"research": Share(2, GiB)}, {}, ["c", "a"]),
+    # a job that would take its queue past nominal counts as over it
+    ([("a", "alice", 1, "research", 100, 2), ("c", "carol", 2, "prod", 100, 2)],
+     {"research": Share(1, 0)}, {}, ["c", "a"]),
+    # fair share: the owner who used the cluster less lately first
+    ([("a", "alice", 1, "research", 100, 1), ("b", "bob", 2, "research", 100, 1)], {},
+     {"alice": 7200.0, "bob": 60.0}, ["b", "a"]),
+    # ... but priority comes before fair share
+    ([("a", "alice", 1, "research", 1000, 1), ("b", "bob", 2, "research", 100, 1)], {},
+     {"alice": 7200.0}, ["a", "b"]),
+]
+
+
+@pytest.mark.parametrize("jobs, use, used, expected", ORDERS)
+def test_the_policys_order(jobs, use, used, expected):
+    queues = parse_queues(FILE)
+    fair = FairShare(3600.0)
+    for owner, seconds in used.items():
+        fair.charge(owner, seconds, 0.0)
+    waiting = [(_job(n, o, c, w), Place(q, p)) for n, o, c, q, p, w in jobs]
+    assert [j.id for j in order(waiting, queues, use, fair, 10.0)] == expected
+
+
+def test_fair_share_use_halves_every_half_life():
+    fair = FairShare(3600.0)
+    fair.charge("alice", 1000.0, 0.0)
+    assert fair.usage("alice", 3600.0) == pytest.approx(500.0)
+    fair.charge("alice", 500.0, 3600.0)
+    assert fair.usage("alice", 7200.0) == pytest.approx(500.0)
+    assert fair.usage("nobody", 7200.0) == 0.0
+
+
+# --- the control loop -----------------------------------------------------------------------
+
+@pytest.fixture
+def qenv(tmp_path):
+    from strata.coordinator.core import Coordinator
+    from strata.coordinator.store import SqliteStore
+
+    clock = Clock()
+    store = SqliteStore(str(tmp_path / "s.db"))
+    coord = Coordinator(store, str(tmp_path), heartbeat_timeout_s=10, clock=clock,
+                        monotonic=clock, queues=parse_queues(FILE))
+    for w in "abcdef":
+        register(coord, w)
+    return coord, clock
+
+
+def spec(name: str, workers: int = 2, **extra) -> dict:
+    return {"name": name, "workers": workers,
+            "model": {"builtin": {"kind": "mlp", "input_shape": [64], "hidden": [64],
+                                  "classes": 10}},
+            "data": {"source": "digits", "batch_size": 64}, "training": {"steps": 100},
+            "memory": {"per_task_budget": "600MiB"}, **extra}  # a task per agent
+
+
+def _sessions(coord):
+    return {w: live.session for w, live in coord.workers.items()}
+
+
+def _run(coord, job):
+    for t in job.tasks:
+        report(coord, _sessions(coord), t, TaskState.RUNNING)
+
+
+def test_a_queue_holds_its_nominal_share_and_borrows_up_to_its_limit(qenv):
+    coord, clock = qenv
+    jobs = []
+    for i in range(3):
+        jobs.append(coord.submit(spec(f"r{i}"), owner="alice"))
+        clock.now += 1
+    coord.tick()
+    # research: nominal 2 and borrowing 2: two jobs of two run, the third waits for its room
+    assert [j.state for j in jobs] == [JobState.SCHEDULED, JobState.SCHEDULED, JobState.PENDING]
+    assert jobs[2].message.startswith("waiting for room in queue research: it holds 4")
+    assert jobs[0].spec.queue == "research" and jobs[0].spec.priority == "normal"
+    views = {v.name: v for v in coord.queue_views()}
+    assert views["research"].in_use.workers == 4 and views["research"].waiting == 1
+    assert views["research"].to_json()["borrowed"] == 2
+    # one ends: the waiting one starts in its room
+    _run(coord, jobs[0])
+    for t in jobs[0].tasks:
+        report(coord, _sessions(coord), t, TaskState.SUCCEEDED)
+    coord.tick()
+    assert jobs[2].state == JobState.SCHEDULED
+
+
+def test_a_queue_under_its_share_goes_before_a_borrowing_one(qenv):
+    coord, clock = qenv
+    first = coord.submit(spec("r0"), owner="alice")  # research at its nominal 2
+    other = coord.submit(spec("e0", workers=1), owner="dave")  # everyone's queue: 1
+    coord.tick()
+    assert first.state == other.state == JobState.SCHEDULED  # 3 agents left
+    clock.now += 1
+    borrowing = coord.submit(spec("r1"), owner="bob")  # older, but research would borrow
+    clock.now += 1
+    entitled = coord.submit(spec("p0"), owner="carol")  # prod is under its nominal share
+    coord.tick()
+    assert entitled.state == JobState.SCHEDULED and borrowing.state == JobState.PENDING
+
+
+def test_within_a_queue_priority_then_age_decide(qenv):
+    coord, clock = qenv
+    blocker = coord.submit(spec("block", workers=4), owner="alice")
+    coord.tick()
+    assert blocker.state == JobState.SCHEDULED
+    old = coord.submit(spec("old"), owner="bob")
+    clock.now += 1
+    urgent = coord.submit(spec("urgent", priority="high"), owner="alice")
+    coord.tick()
+    assert old.state == urgent.state == JobState.PENDING  # research holds its 4
+    _run(coord, blocker)
+    for t in blocker.tasks:
+        report(coord, _sessions(coord), t, TaskState.SUCCEEDED)
+    coord.tick()
+    assert urgent.state == JobState.SCHEDULED and old.state == JobState.SCHEDULED
+    assert urgent.spec.priority == "high"
+
+
+def test_submission_refuses_what_the_queues_never_allow(qenv):
+    coord, _ = qenv
+    with pytest.raises(SpecError) as e:
+        coord.submit(spec("x", queue="prod"), owner="alice")
+    assert e.value.field == "queue"
+    with pytest.raises(SpecError) as e:
+        coord.submit(spec("x", priority="urgent"), owner="alice")
+    assert e.value.field == "priority"
+    with pytest.raises(QuotaExceeded, match="more than queue prod may ever hold"):
+        coord.submit(spec("x", workers=4), owner="carol")
+    with pytest.raises(QuotaExceeded, match="not preemptible"):
+        coord.submit(spec("x", workers=4, preemptible=False), owner="alice")
+    coord.submit(spec("x", workers=2, preemptible=False), owner="alice")
+
+
+def test_without_a_queues_file_queue_and_priority_are_refused(env):
+    coord, *_ = env
+    register(coord, "a")
+    with pytest.raises(SpecError, match="no queues file") as e:
+        coord.submit(spec("x", workers=1, priority="high"))
+    assert e.value.field == "priority"
+    job = coord.submit(spec("x", workers=1, queue="default"))
+    assert job.spec.queue == "default"
+
+
+# --- strata queues, and SIGHUP ----------------------------------------------------------------
+
+def test_strata_queues_shows_the_file_and_sighup_reloads_it(tmp_path):
+    path = tmp_path / "queues.yaml"
+    path.write_text(FILE)
+    port_file = tmp_path / "port"
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(
+        __file__)))}
+    proc = subprocess.Popen([sys.executable, "-m", "strata.cli", "coordinator", "--listen",
+                             "127.0.0.1:0", "--state-dir", str(tmp_path / "state"),
+                             "--port-file", str(port_file), "--queues", str(path)],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        wait_until(lambda: port_file.exists(), 30, what="the coordinator")
+        address = port_file.read_text()
+
+        def queues() -> list[dict]:
+            out = subprocess.run([sys.executable, "-m", "strata.cli", "queues", "--json",
+                                  "--coordinator", address], env=env, capture_output=True,
+                                 text=True, timeout=60)
+            assert out.returncode == 0, out.stderr
+            return json.loads(out.stdout)
+        shown = queues()
+        assert [q["name"] for q in shown] == ["research", "prod", "everyone"]
+        assert shown[0]["nominal"] == {"workers": 2, "memory_bytes": 2 * GiB}
+        assert shown[2]["nominal"]["memory_bytes"] is None and shown[2]["default"]
+        path.write_text(FILE.replace("name: prod", "name: production"))
+        proc.send_signal(signal.SIGHUP)
+        wait_until(lambda: [q["name"] for q in queues()][1] == "production", 30,
+                   what="the reloaded file")
+        path.write_text("queues: [")  # a broken file keeps the queues in force
+        proc.send_signal(signal.SIGHUP)
+        assert [q["name"] for q in queues()][1] == "production"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert b"kept the queues in force" in proc.stderr.read()
+
+
+def test_a_bad_queues_file_stops_the_coordinator_naming_the_field(tmp_path):
+    path = tmp_path / "queues.yaml"
+    path.write_text("queues: [{name: a, nominal: {workers: -2}}]")
+    out = subprocess.run([sys.executable, "-m", "strata.cli", "coordinator", "--listen",
+                          "127.0.0.1:0", "--state-dir", str(tmp_path / "s"), "--queues",
+                          str(path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "queues[0].nominal.workers" in out.stderr
+
+
+def test_a_job_fails_past_its_time_limit(env):
+    coord, clock, store, _ = env
+    for w in "ab":
+        register(coord, w)
+    job = coord.submit(spec("timed", workers=1, training={"steps": 10 ** 6, "time_limit": "2m"}))
+    coord.tick()
+    _run(coord, job)
+    t = job.tasks[0]
+    report(coord, _sessions(coord), t, TaskState.RUNNING, step=5, total_steps=10 ** 6,
+           loss=1.0, examples_per_sec=64.0, first_step_time=clock.now)
+
+    def later(seconds: float) -> None:
+        clock.now += seconds
+        for name, live in coord.workers.items():  # heard from: they stay
+            coord.heartbeat(name, live.session, live.memory, [], sorted(live.free_ports))
+        coord.tick()
+    later(100)
+    later(6)
+    assert job.state == JobState.RUNNING  # 106 s of its 120
+    later(20)
+    assert job.state == JobState.FAILED and "training.time_limit of 120 s" in job.message
+
+
+def test_an_elastic_job_is_as_wide_as_its_queue_may_hold(qenv):
+    coord, clock = qenv
+    wide = {**spec("el", workers={"min": 2, "max": 8}), "data": {"source": "digits",
+                                                                  "batch_size": 48}}
+    job = coord.submit(wide, owner="alice")
+    # six agents free (48 divides by 6), but research may hold 4 (nominal 2, borrowing 2)
+    assert job.spec.workers == 4
+    coord.tick()
+    assert job.state == JobState.SCHEDULED and len(job.tasks) == 4
