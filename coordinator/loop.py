@@ -17,7 +17,7 @@ import time
 from typing import Any, Callable
 
 from strata import strategies
-from strata.coordinator import decisions
+from strata.coordinator import decisions, policy
 from strata.coordinator.agents import (
     NO_NEEDS, CallWait, HeartbeatDelay, LiveWorker, Needs, StartTaskCommand,
 )
@@ -49,6 +49,15 @@ MAX_DELAY_ALLOWANCE = 5.0
 EXPIRY_INTERVAL_S = 60.0
 #: seconds between checks whether an elastic job may grow, when no room has freed meanwhile
 GROW_CHECK_S = 5.0
+
+
+def _when(start: float | None, now: float) -> str:
+    """When a reservation is expected to start, in words."""
+    if start is None:
+        return " (its start is not known: the jobs it waits for name no time limit)"
+    wait = max(0.0, start - now)
+    return f", expected to start in about {wait / 60:.0f} min" if wait >= 90 \
+        else f", expected to start in about {wait:.0f} s"
 
 
 @functools.lru_cache(maxsize=1024)  # a thousand waiting jobs share a handful of messages
@@ -87,6 +96,8 @@ class ControlLoop(ElasticJobs):
         self._tried: dict[str, tuple[Any, ...]] = {}
         self._grow_version, self._next_grow = -1, 0.0
         self._next_limits = 0.0  # when jobs are next held to their training.time_limit
+        #: with queues: the room kept this pass for the first waiting job that does not fit
+        self._reservation: policy.Reservation | None = None
         #: the queues (``--queues``): order, shares, fair share (``Coordinator`` sets them)
         self.queueing = Queueing()
         #: when agents are next judged (monotonic): once a tick interval, not on every wake-up
@@ -222,6 +233,7 @@ class ControlLoop(ElasticJobs):
     def _schedule(self, now: float) -> None:
         # a copy: scheduling a job may end another (a failed probe fails its job)
         jobs = list(self.state.ordered())
+        self._reservation = None  # the head of the order that does not fit, this pass
         if self.queueing.configured:
             # the policy's order of the waiting jobs, after those placed or being restarted
             self.queueing.begin_tick(jobs, now)
@@ -293,6 +305,9 @@ class ControlLoop(ElasticJobs):
         # placements only take room). Waiting jobs cost a tick nothing until something moves.
         key = (self.state.room_version, tuple(t.memory_budget_bytes for t in job.tasks))
         if self._tried.get(job.id) == key:
+            if self._reservation is None and self.queueing.configured \
+                    and job.state == JobState.PENDING and not self.queueing.blocked(job):
+                self._reserve(job)  # still the head, still waiting: its room stays kept
             return
         held_back = self.queueing.blocked(job) if job.state == JobState.PENDING else ""
         if held_back and job.spec.elastic and not job.recovery.probe_of \
@@ -319,10 +334,37 @@ class ControlLoop(ElasticJobs):
             self._tried[job.id] = key
             if self._tick_cache is not None:
                 self._tick_failed[(needs, key[1])] = placement
-            self._wait_with(job, placement.reason)
+            reserved = ""
+            if self._reservation is None and self.queueing.configured \
+                    and job.state == JobState.PENDING:
+                reserved = self._reserve(job)
+            self._wait_with(job, placement.reason + reserved)
+            return
+        r = self._reservation
+        if r is not None and job.state == JobState.PENDING and policy.delays(
+                r, placement.assignments.values(), policy.expected_duration(job), self.clock()):
+            self._wait_with(job, f"waiting behind {r.job_id}, the job ahead of it, whose "
+                                 f"room is kept{_when(r.start, self.clock())}: this job would "
+                                 "take some of it" + ("" if policy.expected_duration(job) else
+                                                      " (with a training.time_limit that ends "
+                                                      "before, it could run meanwhile)"))
             return
         self._place_job(job, placement)
         self.queueing.placed(job)
+
+    def _reserve(self, job: Job) -> str:
+        """Keeps room for ``job``, the first waiting job this pass that does not fit: later
+        jobs start only where they do not delay it (``policy.delays``). Returns the words its
+        wait adds ("; its room is kept: expected to start in about 5 min")."""
+        assert job.spec is not None
+        now = self.clock()
+        running = [(j, policy.expected_end(j, now)) for j in self.state.ordered()
+                   if j.state in (JobState.SCHEDULED, JobState.RUNNING, JobState.RESTARTING)]
+        self._reservation = policy.reserve(job, self.state.capacities(Needs.of(job.spec)),
+                                           running, now)
+        if not self._reservation.agents:
+            return ""
+        return f"; its room is kept{_when(self._reservation.start, now)}"
 
     def _queue_holds(self, spec: JobSpec, plan: JobPlan, holding: Job | None) -> bool:
         return self.queueing.holds(spec, Share(len(plan.tasks), sum(

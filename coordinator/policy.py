@@ -17,6 +17,7 @@ import dataclasses
 import math
 from typing import Iterable, Mapping
 
+from strata.coordinator.placement import Capacity, TaskDemand, place
 from strata.queues import Queue, Queues, Share
 from strata.types import Job, TaskState
 
@@ -114,3 +115,83 @@ def room_for(job: Job, queue: Queue | None, use: Mapping[str, Share]) -> str:
 
 def _count(n: int) -> str:
     return "unbounded" if n >= 1 << 61 else str(n)
+
+
+# --- a reservation for the head of the order, and backfill -------------------------------------
+
+def expected_end(job: Job, now: float) -> float | None:
+    """When running ``job`` is expected to end: its first step plus ``training.time_limit``
+    (it fails past it), else its remaining steps at its measured rate; None when neither is
+    known (a job may then hold its room for ever, as far as the scheduler can tell)."""
+    spec = job.spec
+    ends: list[float] = []
+    if spec is not None and spec.training.time_limit_s and job.started_at:
+        ends.append(job.started_at + spec.training.time_limit_s)
+    m = job.metrics
+    if spec is not None and m.examples_per_sec > 0 and m.total_steps > m.step:
+        rate = m.examples_per_sec / max(1, spec.data.batch_size)
+        ends.append(now + (m.total_steps - m.step) / rate)
+    return min(ends) if ends else None
+
+
+def expected_duration(job: Job) -> float | None:
+    """How long a waiting ``job`` will hold its room once placed: its ``training.time_limit``
+    (the most it may train), or None when it names none."""
+    spec = job.spec
+    return spec.training.time_limit_s if spec is not None and spec.training.time_limit_s \
+        else None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Reservation:
+    """Room kept for ``job_id`` (the head of the order that does not fit now): the agents its
+    placement will take at ``start`` (epoch seconds; None: not known, the room frees when a job
+    whose end is unknown ends)."""
+
+    job_id: str
+    agents: frozenset[str]
+    start: float | None
+
+
+def reserve(job: Job, free: list[Capacity], running: list[tuple[Job, float | None]],
+            now: float) -> Reservation:
+    """Where and when ``job`` would start: the running jobs' room given back in the order they
+    are expected to end (unknown ends last), until its tasks place. ``free``: the agents' free
+    room now; ``running``: each running job with its expected end."""
+    caps = {c.name: c for c in free}
+    demands = [TaskDemand(t.role, t.index, t.memory_budget_bytes) for t in job.tasks]
+    if not demands:
+        return Reservation(job.id, frozenset(), now)
+    need = min(d.budget_bytes for d in demands)
+    # agents that could take its smallest task: placement is tried only once there are enough
+    # for all its tasks (one per agent), so a pass over many running jobs costs few placements
+    fitting = sum(1 for c in caps.values() if c.free_bytes >= need and c.free_ports > 0)
+    order = sorted(running, key=lambda r: (r[1] is None, r[1] or 0.0))
+    for other, end in order:
+        for t in other.tasks:
+            c = caps.get(t.worker)
+            if c is None or t.state in _ENDED:
+                continue
+            before = c.free_bytes >= need and c.free_ports > 0
+            c = caps[t.worker] = dataclasses.replace(
+                c, free_bytes=min(c.budget_bytes, c.free_bytes + t.memory_budget_bytes),
+                free_ports=c.free_ports + 1)
+            fitting += (c.free_bytes >= need) and not before
+        if fitting < len(demands):
+            continue
+        placed = place(demands, list(caps.values()))
+        if placed.placed:
+            return Reservation(job.id, frozenset(placed.assignments.values()),
+                               None if end is None else max(now, end))
+    return Reservation(job.id, frozenset(), None)
+
+
+def delays(reservation: Reservation, agents: Iterable[str], duration: float | None,
+           now: float) -> bool:
+    """Whether a job placed now on ``agents`` for ``duration`` would delay ``reservation``:
+    it takes a reserved agent and is not known to end before the reserved start."""
+    if not reservation.agents.intersection(agents):
+        return False
+    if reservation.start is None or duration is None:
+        return True
+    return now + duration > reservation.start

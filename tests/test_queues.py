@@ -329,3 +329,85 @@ def test_an_elastic_job_is_as_wide_as_its_queue_may_hold(qenv):
     assert job.spec.workers == 4
     coord.tick()
     assert job.state == JobState.SCHEDULED and len(job.tasks) == 4
+
+
+# --- a reservation for the head of the order, and backfill -----------------------------------
+
+from strata.coordinator.placement import Capacity  # noqa: E402
+from strata.coordinator.policy import Reservation, delays, reserve  # noqa: E402
+
+
+def _running(name: str, agents: list[str]) -> Job:
+    j = _job(name, "x", 0.0, len(agents))
+    j.state = JobState.RUNNING
+    for t, a in zip(j.tasks, agents):
+        t.worker, t.state = a, TaskState.RUNNING
+    return j
+
+
+def test_a_reservation_takes_the_room_of_the_jobs_that_end_first():
+    free = [Capacity(a, GiB, GiB if a in "ab" else GiB // 2) for a in "abcdef"]
+    head = _job("head", "x", 0.0, 4)
+    for t in head.tasks:
+        t.memory_budget_bytes = GiB
+    soon, late, unknown = _running("soon", ["c", "d"]), _running("late", ["e"]), \
+        _running("unknown", ["f"])
+    for j in (soon, late, unknown):
+        for t in j.tasks:
+            t.memory_budget_bytes = GiB // 2
+    r = reserve(head, free, [(unknown, None), (late, 500.0), (soon, 100.0)], 10.0)
+    assert r == Reservation("head", frozenset("abcd"), 100.0)
+    # not enough room even when every job with a known end has ended: the start is unknown
+    r = reserve(head, free[:2] + free[4:], [(late, 500.0), (unknown, None)], 10.0)
+    assert r.agents == frozenset("abef") and r.start is None
+
+
+@pytest.mark.parametrize("agents, duration, delayed", [
+    (["e"], None, False),          # room the reservation does not need
+    (["a"], None, True),           # reserved room, for as long as it likes
+    (["a"], 60.0, False),          # reserved room, ending before the reserved start
+    (["a"], 120.0, True),          # ... or not
+])
+def test_a_later_job_starts_only_where_it_does_not_delay_the_reservation(agents, duration,
+                                                                         delayed):
+    r = Reservation("head", frozenset("abcd"), 100.0)
+    assert delays(r, agents, duration, 10.0) is delayed
+    assert delays(Reservation("head", frozenset("a"), None), ["a"], 60.0, 10.0)
+
+
+ONE_QUEUE = "queues: [{name: all, members: ['*'], default: true}]"
+
+
+def test_a_large_gang_is_not_overtaken_for_ever_by_smaller_jobs(tmp_path):
+    from strata.coordinator.core import Coordinator
+    from strata.coordinator.store import SqliteStore
+
+    clock = Clock()
+    coord = Coordinator(SqliteStore(str(tmp_path / "s.db")), str(tmp_path), clock=clock,
+                        heartbeat_timeout_s=10, monotonic=clock,
+                        queues=parse_queues(ONE_QUEUE))
+    for w in "abcd":
+        register(coord, w)
+    running = coord.submit(spec("running", training={"steps": 1000, "time_limit": "10m"}))
+    coord.tick()
+    _run(coord, running)
+    report(coord, _sessions(coord), running.tasks[0], TaskState.RUNNING, step=1,
+           total_steps=1000, loss=1.0, first_step_time=clock.now)
+    clock.now += 1
+    gang = coord.submit(spec("gang", workers=4))
+    clock.now += 1
+    small = coord.submit(spec("small"))  # would fit the two free agents, for ever
+    clock.now += 1
+    brief = coord.submit(spec("brief", training={"steps": 10, "time_limit": "1m"}))
+    coord.tick()
+    assert gang.state == JobState.PENDING
+    assert "its room is kept, expected to start in about 10 min" in gang.message
+    assert small.state == JobState.PENDING and small.message.startswith("waiting behind gang-")
+    # ends before the gang could start: it runs meanwhile (backfill)
+    assert brief.state == JobState.SCHEDULED
+    _run(coord, brief)
+    for j in (running, brief):
+        for t in j.tasks:
+            report(coord, _sessions(coord), t, TaskState.SUCCEEDED)
+    coord.tick()
+    assert gang.state == JobState.SCHEDULED and small.state == JobState.PENDING
