@@ -237,9 +237,10 @@ class ControlLoop(ElasticJobs):
         if self.queueing.configured:
             # the policy's order of the waiting jobs, after those placed or being restarted
             self.queueing.begin_tick(jobs, now)
-            waiting = [j for j in jobs if j.state == JobState.PENDING]
-            jobs = [j for j in jobs if j.state != JobState.PENDING] \
-                + self.queueing.order(waiting, now)
+            waiting = self.queueing.order([j for j in jobs if j.state == JobState.PENDING], now)
+            for i, j in enumerate(waiting):
+                j.position, j.estimated_start = i + 1, 0.0
+            jobs = [j for j in jobs if j.state != JobState.PENDING] + waiting
         for job in jobs:
             if job.state not in decisions.TICK_STATES:
                 continue
@@ -364,6 +365,7 @@ class ControlLoop(ElasticJobs):
                                            running, now)
         if not self._reservation.agents:
             return ""
+        job.estimated_start = self._reservation.start or 0.0
         return f"; its room is kept{_when(self._reservation.start, now)}"
 
     def _queue_holds(self, spec: JobSpec, plan: JobPlan, holding: Job | None) -> bool:

@@ -245,6 +245,11 @@ class Job:
     tensorboard_dir: str = ""
     #: what trains it (optimizer, loss, where each came from), as its lead task says
     training: str = ""
+    #: while it waits, with queues: its place among the waiting jobs (1: next), and when its
+    #: kept room is expected to free (epoch seconds; 0: not known). Not stored: each pass of
+    #: the control loop sets them
+    position: int = 0
+    estimated_start: float = 0.0
 
 
 @dataclasses.dataclass
@@ -401,6 +406,11 @@ def job_to_json(j: Job) -> dict[str, Any]:
         "owner": j.owner, "tensorboard_dir": j.tensorboard_dir or None,
         "training": j.training or None, "probe_of": j.recovery.probe_of or None,
         "resizes": j.recovery.resizes, "workers_now": _width(j),
+        "queue": (j.spec.queue or None) if j.spec is not None else None,
+        "priority": (j.spec.priority or None) if j.spec is not None else None,
+        "position": (j.position or None) if j.state == JobState.PENDING else None,
+        "waiting_for": j.message if j.state in (JobState.PENDING, JobState.RESTARTING) else None,
+        "estimated_start": (j.estimated_start or None) if j.state == JobState.PENDING else None,
     }
 
 

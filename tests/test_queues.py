@@ -15,7 +15,7 @@ import pytest
 from strata.coordinator.policy import FairShare, Place, order
 from strata.errors import QuotaExceeded, SpecError
 from strata.queues import UNBOUNDED, QueueError, Share, parse_queues
-from strata.types import Job, JobState, Task, TaskState
+from strata.types import Job, JobState, Task, TaskState, job_to_json
 
 from conftest import Clock, wait_until
 from test_restarts import register, report
@@ -402,6 +402,12 @@ def test_a_large_gang_is_not_overtaken_for_ever_by_smaller_jobs(tmp_path):
     coord.tick()
     assert gang.state == JobState.PENDING
     assert "its room is kept, expected to start in about 10 min" in gang.message
+    shown = {j.name: job_to_json(j) for j in (gang, small, brief)}
+    assert shown["gang"]["position"] == 1 and shown["small"]["position"] == 2
+    assert shown["gang"]["estimated_start"] == pytest.approx(clock.now - 3 + 600, abs=5)
+    assert shown["small"]["waiting_for"].startswith("waiting behind gang-")
+    assert shown["gang"]["queue"] == "all" and shown["gang"]["priority"] == "normal"
+    assert shown["brief"]["position"] is None and shown["small"]["estimated_start"] is None
     assert small.state == JobState.PENDING and small.message.startswith("waiting behind gang-")
     # ends before the gang could start: it runs meanwhile (backfill)
     assert brief.state == JobState.SCHEDULED

@@ -77,13 +77,15 @@ def full_worker(name: str = "w1") -> WorkerRecord:
                         pid=4242, data_roots=["/data", "/more"], cpu_kernels="onednn")
 
 
-#: what the store keeps of a job (its outputs and TensorBoard directory are read from files)
-NOT_STORED = ("output_dir", "outputs", "tensorboard_dir")
+#: what the store does not keep of a job: its outputs and TensorBoard directory (read from
+#: files), its place among the waiting jobs (set by each pass of the control loop)
+NOT_STORED = ("output_dir", "outputs", "tensorboard_dir", "position", "estimated_start")
 
 
 def stored(j: Job, tasks: Any = ()) -> Job:
     """``j`` as the store gives it back: with ``tasks``, less what it does not keep."""
-    return dataclasses.replace(j, tasks=list(tasks), output_dir="", outputs=[], tensorboard_dir="")
+    return dataclasses.replace(j, tasks=list(tasks), output_dir="", outputs=[], tensorboard_dir="",
+                               position=0, estimated_start=0.0)
 
 
 def by_key(tasks: list[Task]) -> list[Task]:
