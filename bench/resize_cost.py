@@ -33,12 +33,7 @@ from strata.local import LocalCluster  # noqa: E402
 from strata.types import JobState  # noqa: E402
 
 from conftest import wait_until  # noqa: E402
-
-SEED_MLP = {"builtin": {"kind": "mlp", "input_shape": [64], "hidden": [256, 256],
-                        "classes": 10}}
-#: about ResNet50's 25.6 M parameters (25.5 M here), as a model this suite's digits data feeds
-BIG_MLP = {"builtin": {"kind": "mlp", "input_shape": [64], "hidden": [4096, 4096, 2048],
-                       "classes": 10}}
+from notice_cost import BIG_MLP, SEED_MLP  # noqa: E402  (the same two models)
 CASES = {"mlp": (SEED_MLP, 100000), "big": (BIG_MLP, 100000)}  # name: (model, steps)
 
 
