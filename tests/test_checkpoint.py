@@ -433,3 +433,59 @@ def test_peer_failures_are_told_from_other_errors():
         assert isinstance(peer_failure(e), ConnectionError)  # found in the chain
     assert peer_failure(ValueError("shapes (2, 3) and (4,) are incompatible")) is None
     assert peer_failure(RuntimeError("stage servers not reachable after 120 s")) is None
+
+
+def _threads(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return int(next(line.split()[1] for line in f if line.startswith("Threads:")))
+
+
+def test_a_hung_peer_ends_the_survivor_within_the_timeout_and_threads_stay_few(tmp_path):
+    # SIGSTOP: the peer neither answers nor resets its connections; the survivor's stall
+    # watch ends it as a collective timeout. Meanwhile a task's threads do not grow with its
+    # steps (TensorFlow's per-collective timeout kept a sleeping thread per all-reduce)
+    timeout_s = 6.0
+    workers = start_workers(tmp_path, "hang", ckpt_spec(100000, 0, workers=2), shared="",
+                            restart=0, env_extra={"STRATA_COLLECTIVE_TIMEOUT_S": str(timeout_s)})
+    survivor, victim = workers
+    try:
+        deadline = time.time() + WAIT_S
+        while not any(p["step"] >= 200 for p in survivor.of("progress")):
+            assert survivor.proc.poll() is None, survivor.log()
+            assert time.time() < deadline, survivor.log()
+            time.sleep(0.1)
+        early = _threads(survivor.proc.pid)
+        while not any(p["step"] >= 2000 for p in survivor.of("progress")):
+            assert survivor.proc.poll() is None, survivor.log()
+            assert time.time() < deadline, survivor.log()
+            time.sleep(0.2)
+        late = _threads(survivor.proc.pid)
+        victim.proc.send_signal(signal.SIGSTOP)
+        t_stop = time.time()
+        rc = survivor.wait(timeout_s + 30)
+        took = time.time() - t_stop
+    finally:
+        for t in workers:
+            t.kill()
+    print(f"threads {early} at step 200, {late} at step 2000; survivor exited {rc} "
+          f"{took:.1f} s after its peer stopped")
+    assert late <= early + 20, (early, late)
+    assert rc == TASK_EXIT_COLLECTIVE, survivor.log()
+    assert timeout_s <= took < timeout_s + 10, took
+    assert any("no training step done" in e["message"] for e in survivor.of("error"))
+
+
+def test_the_stall_watch_fires_once_after_its_timeout_not_while_beaten():
+    from strata.worker.watchdog import StallWatch
+
+    fired: list[float] = []
+    watch = StallWatch(0.3, fired.append).start()
+    try:
+        for _ in range(6):
+            time.sleep(0.1)
+            watch.beat()  # steps keep it quiet
+        assert not fired
+        time.sleep(0.8)
+        assert len(fired) == 1 and fired[0] > 0.3
+    finally:
+        watch.stop()

@@ -8,6 +8,7 @@ import signal
 import sys
 import threading
 import time
+from typing import Callable
 
 from strata.exitcodes import TASK_EXIT_ERROR
 from strata.worker.events import Events
@@ -91,3 +92,45 @@ def install_sigterm_handler(events: Events) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
     signal.signal(signal.SIGTERM, on_term)
+
+
+class StallWatch:
+    """Ends a data-parallel task whose training makes no progress for ``timeout_s`` seconds:
+    a peer that hangs (stopped, livelocked, its link cut without a reset) leaves every
+    all-reduce waiting, and this is how the other workers learn of it. ``beat`` marks
+    progress (a step done, a checkpoint saved); ``on_stall`` runs once, on the watching
+    thread, when the time is up. It watches the training loop only (the local evaluation
+    after it runs no collective).
+
+    Why not TensorFlow's own collective timeout (``CommunicationOptions(timeout_seconds=)``):
+    it starts a thread per collective operation that sleeps out the timeout, so a task holds
+    about (collectives per second) x timeout threads: measured, 9,600 threads after 20 s of a
+    2-worker MLP at 230 steps/s with 60 s, and a 4-worker job aborted with "Resource
+    temporarily unavailable" when a thread could not be made. One thread here serves the
+    whole task."""
+
+    def __init__(self, timeout_s: float, on_stall: Callable[[float], None]) -> None:
+        self.timeout_s = timeout_s
+        self._on_stall = on_stall
+        self._last = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="stall-watch", daemon=True)
+
+    def start(self) -> "StallWatch":
+        self.beat()
+        self._thread.start()
+        return self
+
+    def beat(self) -> None:
+        self._last = time.monotonic()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _watch(self) -> None:
+        interval = max(0.05, min(1.0, self.timeout_s / 10))
+        while not self._stop.wait(interval):
+            idle = time.monotonic() - self._last
+            if idle > self.timeout_s:
+                self._on_stall(idle)
+                return

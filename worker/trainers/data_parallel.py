@@ -13,9 +13,12 @@ their own that they delete at once. Before building, worker 0's choice of checkp
 from reaches every worker in one all-reduce, so all resume at the same step; each worker's
 input skips the batches the restored steps consumed.
 
-Collective timeout: every all-reduce fails with ``DeadlineExceededError`` after
-``STRATA_COLLECTIVE_TIMEOUT_S`` (``DEFAULT_COLLECTIVE_TIMEOUT_S``, 60 s), so a worker whose peer
-hangs ends within a minute (exit status 78, ``strata.worker.task``). A peer that dies is usually
+Collective timeout: a worker whose training makes no progress (no step done, no checkpoint
+saved) for ``STRATA_COLLECTIVE_TIMEOUT_S`` (``DEFAULT_COLLECTIVE_TIMEOUT_S``, 60 s) ends with exit
+status 78, a collective timeout (``strata.worker.watchdog.StallWatch``, which says why not
+TensorFlow's per-operation timeout: a thread per all-reduce), so a worker whose peer hangs ends
+within a minute (the watch covers the training loop; the local evaluation after it runs no
+collective). A peer that dies is usually
 noticed much sooner: its SIGKILL resets the collective's connection (``UnavailableError:
 Collective ops is aborted by: ... Connection reset by peer``, measured well under a second), and
 TensorFlow's coordination service reports a peer that stopped heartbeating in about 10 s.
@@ -34,7 +37,9 @@ from typing import Any, Callable
 from strata.types import STREAMED_SOURCES
 from strata.taskconfig import TaskConfig, TaskConfigError
 from strata.worker.cluster import cluster_from_tf_config, wait_reachable
+from strata.exitcodes import EXIT_KIND, TASK_EXIT_COLLECTIVE
 from strata.worker.events import Events, log
+from strata.worker.watchdog import StallWatch
 from strata.worker.losses import eval_sums
 from strata.worker.checkpoints import Found, checkpoint_path
 from strata.worker.exchange import accumulating_step, install_all_reduce
@@ -68,16 +73,15 @@ class MirroredRunner(TrainingRunner):
 
     def join(self) -> dict[str, Any]:
         tf = self.tf
-        timeout = float(os.environ.get("STRATA_COLLECTIVE_TIMEOUT_S")
-                        or DEFAULT_COLLECTIVE_TIMEOUT_S)
-        options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=timeout)
+        self.stall_timeout_s = float(os.environ.get("STRATA_COLLECTIVE_TIMEOUT_S")
+                                     or DEFAULT_COLLECTIVE_TIMEOUT_S)
         if self.lead_address:
             # worker 0 holds the cluster's coordination service: asked before it listens,
             # TensorFlow retries about a second later (a warm job's rendezvous took 0.9-1.0 s
             # instead of 0.1 s whenever worker 1 came first). Past the wait TensorFlow's own
             # retries and timeouts apply as before.
             wait_reachable(self.lead_address, LEAD_WAIT_S)
-        self.strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+        self.strategy = tf.distribute.MultiWorkerMirroredStrategy()
         self.n_replicas = self.strategy.num_replicas_in_sync
         if self.gb % self.n_replicas:
             raise TaskConfigError("data.batch_size", f"global batch {self.gb} is not divisible "
@@ -89,6 +93,34 @@ class MirroredRunner(TrainingRunner):
                                                           f"{self.spec.gradients.accumulate} "
                                                           "equal slices")
         return {"workers": self.n_workers, "replicas": self.n_replicas}
+
+    def train(self, steps: int) -> None:
+        """The training loop, watched for a stall when there are peers to wait for."""
+        if self.n_workers <= 1:
+            return super().train(steps)
+        self._watch = StallWatch(self.stall_timeout_s, self._stalled).start()
+        try:
+            super().train(steps)
+        finally:
+            self._watch.stop()
+            self._watch = None
+
+    def after_step(self, step: int) -> None:
+        watch = getattr(self, "_watch", None)
+        if watch is not None:
+            watch.beat()  # the step is done; a checkpoint it saves counts on its own
+        super().after_step(step)
+        if watch is not None:
+            watch.beat()
+
+    def _stalled(self, idle: float) -> None:
+        """No progress for the stall timeout: a peer has hung; this worker ends as a
+        collective timeout (78), from the watching thread (the training thread is blocked)."""
+        msg = (f"a collective or a peer task failed: no training step done in {idle:.0f} s "
+               f"(STRATA_COLLECTIVE_TIMEOUT_S {self.stall_timeout_s:g}): a peer has hung")
+        log(msg)
+        self.events.emit("error", kind=EXIT_KIND[TASK_EXIT_COLLECTIVE], message=msg)
+        os._exit(TASK_EXIT_COLLECTIVE)
 
     def load(self) -> Data:
         from strata.worker import data as wdata
