@@ -23,7 +23,7 @@ from strata.coordinator.agents import (
 )
 from strata.coordinator.blobs import BlobStore
 from strata.coordinator.disk import DiskGuard
-from strata.coordinator.elastic import ElasticJobs
+from strata.coordinator.preemption import PREEMPT_DEADLINE_S, Preemptions
 from strata.coordinator.queueing import Queueing
 from strata.coordinator.placement import Capacity, Placement, TaskDemand, place
 from strata.coordinator.state import ClusterState
@@ -66,7 +66,7 @@ def _shape(message: str) -> str:
     return re.sub(r"[0-9][0-9.,]*", "#", message)
 
 
-class ControlLoop(ElasticJobs):
+class ControlLoop(Preemptions):
     """The control loop over the jobs' lifecycle (``Coordinator`` adds the API)."""
 
     #: the state directory's room (``coordinator.disk``), set by ``Coordinator``
@@ -100,6 +100,7 @@ class ControlLoop(ElasticJobs):
         self._reservation: policy.Reservation | None = None
         #: the queues (``--queues``): order, shares, fair share (``Coordinator`` sets them)
         self.queueing = Queueing()
+        self._init_preemption()
         #: when agents are next judged (monotonic): once a tick interval, not on every wake-up
         self._next_judgement = 0.0
         #: each waiting job's needs (``Needs.of`` its spec, which does not change)
@@ -234,13 +235,15 @@ class ControlLoop(ElasticJobs):
         # a copy: scheduling a job may end another (a failed probe fails its job)
         jobs = list(self.state.ordered())
         self._reservation = None  # the head of the order that does not fit, this pass
+        self._new_pass()
         if self.queueing.configured:
-            # the policy's order of the waiting jobs, after those placed or being restarted
+            # the policy's order of the waiting jobs (preempted ones among them), after those
+            # placed or being restarted
             self.queueing.begin_tick(jobs, now)
-            waiting = self.queueing.order([j for j in jobs if j.state == JobState.PENDING], now)
+            waiting = self.queueing.order([j for j in jobs if self._waiting(j)], now)
             for i, j in enumerate(waiting):
                 j.position, j.estimated_start = i + 1, 0.0
-            jobs = [j for j in jobs if j.state != JobState.PENDING] + waiting
+            jobs = [j for j in jobs if not self._waiting(j)] + waiting
         for job in jobs:
             if job.state not in decisions.TICK_STATES:
                 continue
@@ -304,19 +307,26 @@ class ControlLoop(ElasticJobs):
         # Nothing that could make room has happened since this job last failed to fit, and
         # its demands are the same: it would fail again (placement is deterministic, and other
         # placements only take room). Waiting jobs cost a tick nothing until something moves.
+        waiting = self.queueing.configured and self._waiting(job)
+        behind = self._behind_preemptor(job) if waiting else ""
+        if behind:
+            self._wait_with(job, behind)
+            return
         key = (self.state.room_version, tuple(t.memory_budget_bytes for t in job.tasks))
         if self._tried.get(job.id) == key:
-            if self._reservation is None and self.queueing.configured \
-                    and job.state == JobState.PENDING and not self.queueing.blocked(job):
+            if waiting and self._reservation is None and not self.queueing.blocked(job):
                 self._reserve(job)  # still the head, still waiting: its room stays kept
+            said = self._preempt_for(job) if waiting else ""
+            if said and said not in job.message:
+                self._wait_with(job, job.message + said)
             return
-        held_back = self.queueing.blocked(job) if job.state == JobState.PENDING else ""
+        held_back = self.queueing.blocked(job) if waiting else ""
         if held_back and job.spec.elastic and not job.recovery.probe_of \
                 and job.id not in self._probe_of and self._place_narrower(job):
             self._try_schedule(job)  # narrower, its queue may hold it
             return
         if held_back:
-            self._wait_with(job, held_back)
+            self._wait_with(job, held_back + self._preempt_for(job))
             return
         needs = self._needs.get(job.id)
         if needs is None:
@@ -336,14 +346,16 @@ class ControlLoop(ElasticJobs):
             if self._tick_cache is not None:
                 self._tick_failed[(needs, key[1])] = placement
             reserved = ""
-            if self._reservation is None and self.queueing.configured \
-                    and job.state == JobState.PENDING:
+            if waiting and self._reservation is None:
                 reserved = self._reserve(job)
-            self._wait_with(job, placement.reason + reserved)
+            self._wait_with(job, placement.reason + reserved
+                            + (self._preempt_for(job) if waiting else ""))
             return
-        r = self._reservation
-        if r is not None and job.state == JobState.PENDING and policy.delays(
-                r, placement.assignments.values(), policy.expected_duration(job), self.clock()):
+        r = next((r for r in [self._reservation, *self._kept_rooms(job)]
+                  if r is not None and r.job_id != job.id and policy.delays(
+                      r, placement.assignments.values(), policy.expected_duration(job),
+                      self.clock())), None) if waiting else None
+        if r is not None:
             self._wait_with(job, f"waiting behind {r.job_id}, the job ahead of it, whose "
                                  f"room is kept{_when(r.start, self.clock())}: this job would "
                                  "take some of it" + ("" if policy.expected_duration(job) else
@@ -352,6 +364,26 @@ class ControlLoop(ElasticJobs):
             return
         self._place_job(job, placement)
         self.queueing.placed(job)
+        self._placed_again(job)
+
+    def _preempt_for(self, job: Job) -> str:
+        """A waiting ``job`` that does not start: its preemption in flight keeps its room, or
+        one is started where the policy allows (``Preemptions._try_preempt``). Returns what its
+        wait adds ("" when neither)."""
+        pre = self._in_flight(job)
+        if pre is not None:
+            if self._reservation is None or self._reservation.job_id == job.id:
+                self._reservation = policy.Reservation(job.id, pre.agents, None)
+            return (f"; waiting for the job(s) it preempted "
+                    f"({', '.join(r.job.id for r in pre.victims)}) to save and stop")
+        if self._reservation is not None and self._reservation.job_id == job.id \
+                and self._reservation.start is not None \
+                and self._reservation.start <= self.clock() + PREEMPT_DEADLINE_S:
+            return ""  # its room frees before a preemption's would
+        said = self._try_preempt(job, self._reservation)
+        if said and (self._reservation is None or self._reservation.job_id == job.id):
+            self._reservation = policy.Reservation(job.id, self._preempting[job.id].agents, None)
+        return "; " + said if said else ""
 
     def _reserve(self, job: Job) -> str:
         """Keeps room for ``job``, the first waiting job this pass that does not fit: later
@@ -374,7 +406,7 @@ class ControlLoop(ElasticJobs):
 
     def _waits_for_room(self, job: Job) -> bool:
         return super()._waits_for_room(job) and not (
-            job.state == JobState.PENDING and self.queueing.blocked(job))
+            self._waiting(job) and self.queueing.blocked(job))
 
     def _wait_with(self, job: Job, reason: str) -> None:
         """``job`` waits for ``reason``."""

@@ -31,10 +31,11 @@ def share_of(job: Job) -> Share:
 
 
 def held(job: Job) -> Share:
-    """What ``job`` holds now: its tasks that have not ended (a waiting job holds nothing)."""
+    """What ``job`` holds now: its tasks placed on an agent that have not ended (a waiting
+    job holds nothing, nor does a restarting one planned again and not placed yet)."""
     if job.state.value not in HOLDING:
         return Share()
-    live = [t for t in job.tasks if t.state not in _ENDED]
+    live = [t for t in job.tasks if t.worker and t.state not in _ENDED]
     return Share(len(live), sum(t.memory_budget_bytes for t in live))
 
 
@@ -195,3 +196,123 @@ def delays(reservation: Reservation, agents: Iterable[str], duration: float | No
     if reservation.start is None or duration is None:
         return True
     return now + duration > reservation.start
+
+
+# --- preemption ---------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Running:
+    """A running job preemption may stop: where it stands (its queue and priority) and the
+    work it would lose, in worker-seconds (0: it saves a checkpoint on notice; else its
+    workers times the time since its last checkpoint)."""
+
+    job: Job
+    place: Place
+    lost_s: float
+
+
+def may_preempt(job: Job, place: Place, other: Running, queues: Queues,
+                use: Mapping[str, Share]) -> bool:
+    """Whether waiting ``job`` (at ``place``) may preempt ``other``: ``other`` is preemptible and,
+    in the same queue, of lower priority; in another queue, that queue is borrowing (holds
+    more than its nominal share, after what ``use`` says) and ``job``'s queue is under its
+    nominal share with ``job`` (it reclaims), or ``other`` is of lower priority. A queue
+    within its nominal share is never preempted by another queue's jobs: that share is
+    guaranteed."""
+    spec = other.job.spec
+    if spec is None or not spec.preemptible or other.job.id == job.id:
+        return False
+    if other.place.queue == place.queue:
+        return other.place.priority < place.priority
+    q = queues.get(other.place.queue)
+    if q is None or use.get(q.name, Share()).within(q.nominal):
+        return False
+    if other.place.priority < place.priority:
+        return True
+    mine = queues.get(place.queue)
+    return mine is not None and (use.get(mine.name, Share()) + share_of(job)).within(mine.nominal)
+
+
+def _minus(a: Share, b: Share) -> Share:
+    return Share(a.workers - b.workers, a.memory_bytes - b.memory_bytes)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Preemption:
+    """The running jobs to stop so that ``job_id`` starts, and the agents it would take
+    once they are gone."""
+
+    job_id: str
+    victims: tuple[Running, ...]
+    agents: frozenset[str]
+
+    @property
+    def lost_s(self) -> float:
+        return sum(r.lost_s for r in self.victims)
+
+
+def victims(job: Job, where: Place, running: Iterable[Running], free: list[Capacity],
+            queues: Queues, use: Mapping[str, Share]) -> Preemption | None:
+    """The running jobs to preempt so that waiting ``job`` (at ``where``) starts, losing
+    least; None when no set of them would do. ``free``: the agents' free room now (those that
+    meet ``job``'s needs); ``use``: what each queue holds.
+
+    Those it may preempt (``may_preempt``) are taken lowest priority first, then least work
+    lost, then fewest workers, until ``job`` places and its queue may hold it; then each
+    taken, most costly first, is given back where ``job`` still starts without it. A
+    borrowing queue's job is taken only while that queue still borrows."""
+    demands = [TaskDemand(t.role, t.index, t.memory_budget_bytes) for t in job.tasks]
+    mine = queues.get(where.queue)
+    if not demands:
+        return None
+    left = dict(use)
+    pool = sorted((r for r in running if may_preempt(job, where, r, queues, use)),
+                  key=lambda r: (r.place.priority, r.lost_s, len(r.job.tasks),
+                                 -r.job.created_at, r.job.id))
+    if not pool:
+        return None
+
+    def starts(taken: list[Running]) -> frozenset[str] | None:
+        """The agents ``job`` takes once ``taken`` are gone (None: it does not start)."""
+        have = use.get(where.queue, Share())
+        for r in taken:
+            if r.place.queue == where.queue:
+                have = _minus(have, held(r.job))
+        if mine is not None and not (have + share_of(job)).within(mine.limit):
+            return None
+        caps = {c.name: c for c in free}
+        for r in taken:
+            for t in r.job.tasks:
+                c = caps.get(t.worker)
+                if c is not None and t.state not in _ENDED:
+                    caps[t.worker] = dataclasses.replace(
+                        c, free_bytes=min(c.budget_bytes, c.free_bytes + t.memory_budget_bytes),
+                        free_ports=c.free_ports + 1)
+        need = min(d.budget_bytes for d in demands)
+        if sum(1 for c in caps.values()
+               if c.free_bytes >= need and c.free_ports > 0) < len(demands):
+            return None
+        placed = place(demands, list(caps.values()))
+        return frozenset(placed.assignments.values()) if placed.placed else None
+
+    taken: list[Running] = []
+    agents: frozenset[str] | None = None
+    for r in pool:
+        if r.place.queue != where.queue:
+            q = queues.get(r.place.queue)
+            if q is None or left.get(q.name, Share()).within(q.nominal):
+                continue  # that queue no longer borrows: the rest of it is its own
+        taken.append(r)
+        left[r.place.queue] = _minus(left.get(r.place.queue, Share()), held(r.job))
+        agents = starts(taken)
+        if agents is not None:
+            break
+    else:
+        return None
+    for r in sorted(taken, key=lambda r: (-r.lost_s, -len(r.job.tasks))):
+        rest = [x for x in taken if x is not r]
+        fewer = starts(rest) if rest else None
+        if fewer is not None:
+            taken, agents = rest, fewer
+    assert agents is not None
+    return Preemption(job.id, tuple(taken), agents)

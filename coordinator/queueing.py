@@ -81,10 +81,11 @@ class Queueing:
 
     def order(self, waiting: list[Job], now: float) -> list[Job]:
         places = [(j, policy.Place(j.spec.queue if j.spec else "",
-                                   self._priority(j))) for j in waiting]
+                                   self.priority(j))) for j in waiting]
         return policy.order(places, self.queues, self.use, self.fair, now)
 
-    def _priority(self, job: Job) -> int:
+    def priority(self, job: Job) -> int:
+        """``job``'s priority value (its class's, in the file in force)."""
         name = job.spec.priority if job.spec else ""
         # a class the reloaded file dropped ranks lowest
         return self.queues.priority_classes.get(name, min(self.queues.priority_classes.values()))
@@ -122,7 +123,9 @@ class Queueing:
             mine = [j for j in jobs if queue_of.get(j.id) == q.name]
             out.append(QueueView(
                 q.name, q.nominal, q.borrow, use.get(q.name, Share()),
-                waiting=sum(j.state == JobState.PENDING for j in mine),
+                waiting=sum(j.state == JobState.PENDING or (
+                    j.state == JobState.RESTARTING and bool(j.recovery.preempted_by))
+                    for j in mine),
                 running=sum(j.state in (JobState.SCHEDULED, JobState.RUNNING) for j in mine),
                 default=q.default))
         return out

@@ -346,7 +346,7 @@ class TaskInfo(_message.Message):
     def __init__(self, role: _Optional[str] = ..., index: _Optional[int] = ..., worker: _Optional[str] = ..., state: _Optional[_Union[TaskState, str]] = ..., stage: _Optional[int] = ..., memory_budget_bytes: _Optional[int] = ..., peak_memory_bytes: _Optional[int] = ..., in_use_bytes: _Optional[int] = ..., estimated_memory_bytes: _Optional[int] = ..., failure: _Optional[_Union[FailureKind, str]] = ..., exit_code: _Optional[int] = ..., message: _Optional[str] = ..., address: _Optional[str] = ..., weights_sha256: _Optional[str] = ..., model_path: _Optional[str] = ..., replica: _Optional[int] = ..., layers: _Optional[_Iterable[str]] = ..., replica_weights_sha256: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("id", "name", "state", "strategy", "message", "restarts", "created_at", "finished_at", "metrics", "tasks", "spec", "estimated_memory_bytes", "started_at", "output_dir", "outputs", "checkpoint_step", "steps_repeated", "tensorboard_dir", "owner", "training", "probe_of", "resizes", "workers_now", "position", "estimated_start")
+    __slots__ = ("id", "name", "state", "strategy", "message", "restarts", "created_at", "finished_at", "metrics", "tasks", "spec", "estimated_memory_bytes", "started_at", "output_dir", "outputs", "checkpoint_step", "steps_repeated", "tensorboard_dir", "owner", "training", "probe_of", "resizes", "workers_now", "position", "estimated_start", "preemptions")
     ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -372,6 +372,7 @@ class Job(_message.Message):
     WORKERS_NOW_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     ESTIMATED_START_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     id: str
     name: str
     state: JobState
@@ -397,7 +398,8 @@ class Job(_message.Message):
     workers_now: int
     position: int
     estimated_start: float
-    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., strategy: _Optional[str] = ..., message: _Optional[str] = ..., restarts: _Optional[int] = ..., created_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., metrics: _Optional[_Union[JobMetrics, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[TaskInfo, _Mapping]]] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., estimated_memory_bytes: _Optional[int] = ..., started_at: _Optional[float] = ..., output_dir: _Optional[str] = ..., outputs: _Optional[_Iterable[str]] = ..., checkpoint_step: _Optional[int] = ..., steps_repeated: _Optional[int] = ..., tensorboard_dir: _Optional[str] = ..., owner: _Optional[str] = ..., training: _Optional[str] = ..., probe_of: _Optional[str] = ..., resizes: _Optional[int] = ..., workers_now: _Optional[int] = ..., position: _Optional[int] = ..., estimated_start: _Optional[float] = ...) -> None: ...
+    preemptions: int
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., strategy: _Optional[str] = ..., message: _Optional[str] = ..., restarts: _Optional[int] = ..., created_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., metrics: _Optional[_Union[JobMetrics, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[TaskInfo, _Mapping]]] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., estimated_memory_bytes: _Optional[int] = ..., started_at: _Optional[float] = ..., output_dir: _Optional[str] = ..., outputs: _Optional[_Iterable[str]] = ..., checkpoint_step: _Optional[int] = ..., steps_repeated: _Optional[int] = ..., tensorboard_dir: _Optional[str] = ..., owner: _Optional[str] = ..., training: _Optional[str] = ..., probe_of: _Optional[str] = ..., resizes: _Optional[int] = ..., workers_now: _Optional[int] = ..., position: _Optional[int] = ..., estimated_start: _Optional[float] = ..., preemptions: _Optional[int] = ...) -> None: ...
 
 class JobEvent(_message.Message):
     __slots__ = ("seq", "time", "kind", "message", "job")

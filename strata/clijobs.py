@@ -195,7 +195,9 @@ def _print_status(job) -> None:
           + (f"; finished {_local_time(job.finished_at)}" if job.finished_at else ""))
     if job.checkpoint_step or job.restarts:
         print(f"  checkpoint at step {job.checkpoint_step}; restarts {job.restarts}; steps "
-              f"trained again {job.steps_repeated}")
+              f"trained again {job.steps_repeated}"
+              + (f"; preempted {job.recovery.preemptions} time(s)"
+                 if job.recovery.preemptions else ""))
     rows = [[f"{t.role}:{t.index}", t.worker or "-", t.state.value, str(t.stage),
              _fmt_bytes(t.memory_budget_bytes), _fmt_bytes(t.in_use_bytes), _fmt_bytes(t.peak_memory_bytes),
              (t.failure.value if t.failure.value != "NONE" else "")

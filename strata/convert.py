@@ -392,6 +392,7 @@ def job_to_proto(j: Job, with_spec: bool = True) -> pb.Job:
         output_dir=j.output_dir, outputs=list(j.outputs), checkpoint_step=j.checkpoint_step,
         steps_repeated=j.steps_repeated, owner=j.owner, tensorboard_dir=j.tensorboard_dir,
         training=j.training, probe_of=j.recovery.probe_of, resizes=j.recovery.resizes,
+        preemptions=j.recovery.preemptions,
         workers_now=j.spec.workers if j.spec is not None else j.recovery.workers_now,
         position=j.position, estimated_start=j.estimated_start,
     )
@@ -417,7 +418,8 @@ def job_from_proto(m: pb.Job) -> Job:
         output_dir=m.output_dir, outputs=list(m.outputs), checkpoint_step=m.checkpoint_step,
         steps_repeated=m.steps_repeated, owner=m.owner, tensorboard_dir=m.tensorboard_dir,
         training=m.training, recovery=JobRecovery(probe_of=m.probe_of, resizes=m.resizes,
-                                                  workers_now=m.workers_now),
+                                                  workers_now=m.workers_now,
+                                                  preemptions=m.preemptions),
         position=m.position, estimated_start=m.estimated_start,
     )
 

@@ -211,6 +211,10 @@ class JobRecovery:
     resized_at: float = 0.0
     #: the width a job read back without its spec runs at (shown; the spec's ``workers``)
     workers_now: int = 0
+    #: preempted (``coordinator.preemption``): the job it waits behind until placed again
+    #: (empty: none), and its preemptions in all
+    preempted_by: str = ""
+    preemptions: int = 0
 
 
 @dataclasses.dataclass
@@ -408,10 +412,14 @@ def job_to_json(j: Job) -> dict[str, Any]:
         "resizes": j.recovery.resizes, "workers_now": _width(j),
         "queue": (j.spec.queue or None) if j.spec is not None else None,
         "priority": (j.spec.priority or None) if j.spec is not None else None,
-        "position": (j.position or None) if j.state == JobState.PENDING else None,
+        "preemptions": j.recovery.preemptions,
+        "position": (j.position or None) if j.state in _WAITING else None,
         "waiting_for": j.message if j.state in (JobState.PENDING, JobState.RESTARTING) else None,
-        "estimated_start": (j.estimated_start or None) if j.state == JobState.PENDING else None,
+        "estimated_start": (j.estimated_start or None) if j.state in _WAITING else None,
     }
+
+
+_WAITING = frozenset({JobState.PENDING, JobState.RESTARTING})
 
 
 def _width(j: Job) -> int | None:

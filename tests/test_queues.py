@@ -157,7 +157,7 @@ def spec(name: str, workers: int = 2, **extra) -> dict:
     return {"name": name, "workers": workers,
             "model": {"builtin": {"kind": "mlp", "input_shape": [64], "hidden": [64],
                                   "classes": 10}},
-            "data": {"source": "digits", "batch_size": 64}, "training": {"steps": 100},
+            "data": {"source": "digits", "batch_size": 64}, "training": {"steps": 1000},
             "memory": {"per_task_budget": "600MiB"}, **extra}  # a task per agent
 
 
@@ -208,7 +208,8 @@ def test_a_queue_under_its_share_goes_before_a_borrowing_one(qenv):
 
 def test_within_a_queue_priority_then_age_decide(qenv):
     coord, clock = qenv
-    blocker = coord.submit(spec("block", workers=4), owner="alice")
+    # (as high as the urgent job: lower, it would be preempted, ``test_preemption.py``)
+    blocker = coord.submit(spec("block", workers=4, priority="high"), owner="alice")
     coord.tick()
     assert blocker.state == JobState.SCHEDULED
     old = coord.submit(spec("old"), owner="bob")

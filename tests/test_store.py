@@ -58,7 +58,8 @@ def full_job(job_id: str = "a-1") -> Job:
                              replanned=True, probe_of="p-1", capacity_deadline=99.5,
                              memory_retried=True, notice_step=140,
                              notice_deadline=1250.5, resizes=3, resize_from=2,
-                             resize_began=1200.5, resized_at=1100.5, workers_now=4))
+                             resize_began=1200.5, resized_at=1100.5, workers_now=4,
+                             preempted_by="b-2", preemptions=2))
 
 
 def full_task(job_id: str = "a-1", index: int = 1) -> Task:
