@@ -49,6 +49,9 @@ MAX_DELAY_ALLOWANCE = 5.0
 EXPIRY_INTERVAL_S = 60.0
 #: seconds between checks whether an elastic job may grow, when no room has freed meanwhile
 GROW_CHECK_S = 5.0
+#: seconds the head's reservation is kept without being computed again while no room moved
+#: (its expected start comes from the running jobs' rates, which move slowly)
+RESERVATION_REFRESH_S = 5.0
 
 
 def _when(start: float | None, now: float) -> str:
@@ -98,6 +101,11 @@ class ControlLoop(Preemptions):
         self._next_limits = 0.0  # when jobs are next held to their training.time_limit
         #: with queues: the room kept this pass for the first waiting job that does not fit
         self._reservation: policy.Reservation | None = None
+        #: with queues: each queue's room kept this pass for the first job its limit holds
+        #: back (``_keep_queue_room``)
+        self._queue_kept: dict[str, policy.Reservation] = {}
+        #: the last reservation made, at which room version and when (``_reserve``)
+        self._last_reservation: tuple[policy.Reservation | None, int, float] = (None, -1, 0.0)
         #: the queues (``--queues``): order, shares, fair share (``Coordinator`` sets them)
         self.queueing = Queueing()
         self._init_preemption()
@@ -235,33 +243,29 @@ class ControlLoop(Preemptions):
         # a copy: scheduling a job may end another (a failed probe fails its job)
         jobs = list(self.state.ordered())
         self._reservation = None  # the head of the order that does not fit, this pass
+        self._queue_kept = {}  # each queue's first job its limit holds back, this pass
         self._new_pass()
+        waiting: list[Job] = []
         if self.queueing.configured:
             # the policy's order of the waiting jobs (preempted ones among them), after those
             # placed or being restarted
             self.queueing.begin_tick(jobs, now)
-            waiting = self.queueing.order([j for j in jobs if self._waiting(j)], now)
+            others: list[Job] = []
+            for j in jobs:  # (``_waiting``, inline: ten thousand of them)
+                if j.state is JobState.PENDING or (j.state is JobState.RESTARTING
+                                                   and j.recovery.preempted_by):
+                    waiting.append(j)
+                else:
+                    others.append(j)
+            waiting = self.queueing.order(waiting, now)
             for i, j in enumerate(waiting):
                 j.position, j.estimated_start = i + 1, 0.0
-            jobs = [j for j in jobs if not self._waiting(j)] + waiting
+            jobs = others
         for job in jobs:
-            if job.state not in decisions.TICK_STATES:
-                continue
-            since = self._scheduled_at.setdefault(job.id, now) \
-                if job.state == JobState.SCHEDULED else 0.0
-            step = decisions.on_tick(job, now, probing=job.id in self._probe_of,
-                                     scheduled_since=since, start_timeout_s=self.start_timeout_s)
-            if step.action == decisions.FAIL_JOB:
-                self._stop_job(job, JobState.FAILED, step.message)
-            elif step.action == decisions.PLACE:
-                self._try_schedule(job)
-            elif step.action == decisions.AFTER_PROBE:
-                if self._after_probe(job):
-                    self._try_schedule(job)
-            elif step.action == decisions.RESUME:
-                self._resume(job)
-                if job.state == JobState.RESTARTING:
-                    self._try_schedule(job)
+            if job.state in decisions.TICK_STATES:
+                self._tick_job(job, now)
+        if waiting:
+            self._tick_waiting(waiting, now)
         if self._elastic and (self.state.room_version != self._grow_version
                               or now >= self._next_grow):
             self._grow_version, self._next_grow = self.state.room_version, now + GROW_CHECK_S
@@ -272,6 +276,67 @@ class ControlLoop(Preemptions):
                 why = decisions.past_time_limit(job, now)
                 if why:
                     self._stop_job(job, JobState.FAILED, why)
+
+    def _tick_job(self, job: Job, now: float) -> None:
+        """What this pass does with live ``job`` (``decisions.on_tick``)."""
+        since = self._scheduled_at.setdefault(job.id, now) \
+            if job.state == JobState.SCHEDULED else 0.0
+        step = decisions.on_tick(job, now, probing=job.id in self._probe_of,
+                                 scheduled_since=since, start_timeout_s=self.start_timeout_s)
+        if step.action == decisions.FAIL_JOB:
+            self._stop_job(job, JobState.FAILED, step.message)
+        elif step.action == decisions.PLACE:
+            self._try_schedule(job)
+        elif step.action == decisions.AFTER_PROBE:
+            if self._after_probe(job):
+                self._try_schedule(job)
+        elif step.action == decisions.RESUME:
+            self._resume(job)
+            if job.state == JobState.RESTARTING:
+                self._try_schedule(job)
+
+    def _tick_waiting(self, waiting: list[Job], now: float) -> None:
+        """The waiting jobs, in the policy's order. Once the head of the order has its room
+        kept, a job is passed over without a look when no agent has room for its smallest
+        task and no preemption would start for it this pass (it has no deadline to meet and
+        no probe to read): it would only fail to place again. So a pass over ten thousand
+        waiting jobs on a full cluster costs a few comparisons each
+        (``bench/control_plane.py --queues``); such a job keeps its message until room
+        frees."""
+        standing, room, probing = self.queueing.standing, self.state.room, self._probe_of
+        for i, job in enumerate(waiting):
+            if self._reservation is not None:
+                break
+            self._tick_job(job, now)
+        else:
+            return
+        # The head has its room kept. What is left is passed over by its standing (queue,
+        # priority, size), which thousands share: the jobs of a standing whose smallest task
+        # no agent has room for, and for which no preemption would start, are left out in one
+        # sweep (room only shrinks while the pass places jobs); the others are looked at.
+        largest = room.largest_free()
+        skip = {s: s.smallest > largest and self._class_settled(s)
+                for s in set(standing.values())}
+        # a queue's first job its limit holds back keeps the queue's room, skipped or not
+        held = {s for s, sk in skip.items() if sk and s.queue not in self._queue_kept
+                and not self.queueing.has_room(s.queue, Share(s.workers, s.memory_bytes))}
+        for q in {s.queue for s in held}:
+            first = next((j for j in waiting[i:] if standing[j.id] in held
+                          and standing[j.id].queue == q), None)
+            if first is not None:
+                self._keep_queue_room(first)
+        for job in [j for j in waiting[i:]
+                    if not skip[standing[j.id]] or j.recovery.capacity_deadline or j.id in probing
+                    or not (j.state is JobState.PENDING or j.recovery.replanned)]:
+            st = standing.get(job.id)
+            if st is not None and st.smallest > largest \
+                    and (job.state is JobState.PENDING or job.recovery.replanned) \
+                    and not job.recovery.capacity_deadline and job.id not in probing \
+                    and self._preemption_settled(job, st):
+                continue
+            if job.state in decisions.TICK_STATES:
+                self._tick_job(job, now)
+                largest = room.largest_free()  # (it may have placed a job, or stopped one)
 
     def _tick_fresh(self) -> bool:
         """Whether the tick's caches may be used: inside a tick, and dropped first if room
@@ -326,7 +391,8 @@ class ControlLoop(Preemptions):
             self._try_schedule(job)  # narrower, its queue may hold it
             return
         if held_back:
-            self._wait_with(job, held_back + self._preempt_for(job))
+            kept = self._keep_queue_room(job) if waiting else ""
+            self._wait_with(job, held_back + kept + self._preempt_for(job))
             return
         needs = self._needs.get(job.id)
         if needs is None:
@@ -351,16 +417,19 @@ class ControlLoop(Preemptions):
             self._wait_with(job, placement.reason + reserved
                             + (self._preempt_for(job) if waiting else ""))
             return
-        r = next((r for r in [self._reservation, *self._kept_rooms(job)]
+        r = next((r for r in [self._reservation, *self._queue_kept.values(),
+                              *self._kept_rooms(job)]
                   if r is not None and r.job_id != job.id and policy.delays(
                       r, placement.assignments.values(), policy.expected_duration(job),
-                      self.clock())), None) if waiting else None
+                      self.clock(), job.spec.queue)), None) if waiting else None
         if r is not None:
+            room = f"room in queue {r.queue}" if r.queue else "room"
             self._wait_with(job, f"waiting behind {r.job_id}, the job ahead of it, whose "
-                                 f"room is kept{_when(r.start, self.clock())}: this job would "
-                                 "take some of it" + ("" if policy.expected_duration(job) else
-                                                      " (with a training.time_limit that ends "
-                                                      "before, it could run meanwhile)"))
+                                 f"{room} is kept{_when(r.start, self.clock())}: this job "
+                                 "would take some of it" + (
+                                     "" if policy.expected_duration(job) else
+                                     " (with a training.time_limit that ends before, it could "
+                                     "run meanwhile)"))
             return
         self._place_job(job, placement)
         self.queueing.placed(job)
@@ -385,16 +454,40 @@ class ControlLoop(Preemptions):
             self._reservation = policy.Reservation(job.id, self._preempting[job.id].agents, None)
         return "; " + said if said else ""
 
+    def _keep_queue_room(self, job: Job) -> str:
+        """Keeps its queue's room for ``job``, the first waiting job of its queue this pass
+        that the queue's limit holds back: later jobs of that queue start only where they do
+        not delay it (``policy.delays``), so a wide job is not overtaken for ever by a stream
+        of narrow ones of its own queue. Returns the words its wait adds."""
+        assert job.spec is not None
+        q = self.queueing.queues.get(job.spec.queue)
+        if q is None or q.name in self._queue_kept:
+            return ""
+        now = self.clock()
+        running = [(j, policy.expected_end(j, now)) for j in self.state.ordered()
+                   if j.state in policy.HOLDING and j.spec is not None
+                   and j.spec.queue == q.name]
+        kept = self._queue_kept[q.name] = policy.queue_start(job, q, self.queueing.use,
+                                                             running, now)
+        job.estimated_start = kept.start or 0.0
+        return f"; its room in the queue is kept{_when(kept.start, now)}"
+
     def _reserve(self, job: Job) -> str:
         """Keeps room for ``job``, the first waiting job this pass that does not fit: later
         jobs start only where they do not delay it (``policy.delays``). Returns the words its
         wait adds ("; its room is kept: expected to start in about 5 min")."""
         assert job.spec is not None
         now = self.clock()
-        running = [(j, policy.expected_end(j, now)) for j in self.state.ordered()
-                   if j.state in (JobState.SCHEDULED, JobState.RUNNING, JobState.RESTARTING)]
-        self._reservation = policy.reserve(job, self.state.capacities(Needs.of(job.spec)),
-                                           running, now)
+        kept, version, at = self._last_reservation
+        if kept is not None and kept.job_id == job.id and version == self.state.room_version \
+                and now - at < RESERVATION_REFRESH_S:
+            self._reservation = kept  # nothing moved: the same room, the same start
+        else:
+            running = [(j, policy.expected_end(j, now)) for j in self.state.ordered()
+                       if j.state in policy.HOLDING]
+            self._reservation = policy.reserve(job, self.state.capacities(Needs.of(job.spec)),
+                                               running, now)
+            self._last_reservation = (self._reservation, self.state.room_version, now)
         if not self._reservation.agents:
             return ""
         job.estimated_start = self._reservation.start or 0.0

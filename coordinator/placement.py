@@ -83,6 +83,10 @@ class Room:
     def __len__(self) -> int:
         return len(self._caps)
 
+    def largest_free(self) -> int:
+        """The most free budget any agent has (0: none): no task larger places."""
+        return self._order[-1][0] if self._order else 0
+
     def __iter__(self) -> Iterator[Capacity]:
         """In order of free budget (then name)."""
         return (self._caps[name] for _, name in self._order)

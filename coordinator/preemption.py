@@ -24,6 +24,8 @@ from strata.coordinator.queueing import Queueing
 from strata.queues import Share
 from strata.types import Job, JobState
 
+_RUNNING = frozenset({JobState.SCHEDULED, JobState.RUNNING})
+
 #: seconds a preempted job's tasks have to save their checkpoint and stop
 PREEMPT_DEADLINE_S = 60.0
 #: waiting jobs whose victims are looked for, at most, in a pass of the control loop (the
@@ -47,11 +49,15 @@ class Preemptions(ElasticJobs):
         self._preempted_this_pass = False
         self._preempt_tries = 0
         self._pass_running: list[policy.Running] | None = None
-        self._lowest: dict[str, int] = {}
+        self._lowest: dict[str, int] | None = None
+        #: this pass: whether anything may be preempted for a job of a queue, priority and
+        #: size (``_may_find``: many waiting jobs share one)
+        self._may: dict[policy.Standing, bool] = {}
 
     def _new_pass(self) -> None:
         self._preempted_this_pass, self._preempt_tries = False, 0
-        self._pass_running, self._lowest = None, {}
+        self._pass_running, self._lowest = None, None
+        self._may = {}
 
     def _waiting(self, job: Job) -> bool:
         """Whether ``job`` waits in the policy's order: PENDING, or preempted and not placed
@@ -84,34 +90,64 @@ class Preemptions(ElasticJobs):
         return [policy.Reservation(p.job_id, p.agents, None)
                 for p in self._preempting.values() if p.job_id != job.id]
 
-    def _candidates(self, now: float) -> list[policy.Running]:
-        """The running jobs preemption may consider, with the work each would lose (once a
-        pass), and each queue's lowest priority among them (``_lowest``)."""
-        if self._pass_running is not None:
-            return self._pass_running
-        out = []
-        for j in self.state.ordered():
-            if j.state not in (JobState.SCHEDULED, JobState.RUNNING) or j.spec is None \
-                    or not j.spec.preemptible or j.recovery.probe_of or j.id in self._probe_of \
-                    or j.recovery.notice_step:
-                continue
-            r = policy.Running(j, policy.Place(j.spec.queue, self.queueing.priority(j)),
-                               self._lost_s(j, now))
-            out.append(r)
-            low = self._lowest.get(r.place.queue)
-            if low is None or r.place.priority < low:
-                self._lowest[r.place.queue] = r.place.priority
-        self._pass_running = out
-        return out
+    def _preemptible(self) -> list[Job]:
+        """The running jobs preemption may stop: preemptible, no probe, no notice in flight."""
+        return [j for j in self.state.ordered()
+                if j.state in _RUNNING and j.spec is not None and j.spec.preemptible
+                and not j.recovery.probe_of and j.id not in self._probe_of
+                and not j.recovery.notice_step]
 
-    def _may_find(self, job: Job, where: policy.Place) -> bool:
+    def _candidates(self, now: float) -> list[policy.Running]:
+        """The running jobs preemption may stop, with the work each would lose (once a
+        pass)."""
+        if self._pass_running is None:
+            self._pass_running = [
+                policy.Running(j, policy.Place(j.spec.queue if j.spec else "",
+                                               self.queueing.priority(j)),
+                               self._lost_s(j, now)) for j in self._preemptible()]
+        return self._pass_running
+
+    def _lowest_priority(self) -> dict[str, int]:
+        """Each queue's lowest priority among the jobs preemption may stop (once a pass)."""
+        if self._lowest is None:
+            self._lowest = {}
+            for j in self._preemptible():
+                q, p = (j.spec.queue if j.spec else ""), self.queueing.priority(j)
+                if p < self._lowest.get(q, p + 1):
+                    self._lowest[q] = p
+        return self._lowest
+
+    def _class_settled(self, standing: policy.Standing) -> bool:
+        """Whether this pass would not preempt for any waiting job of ``standing``."""
+        if self._preempted_this_pass or self._preempt_tries >= PREEMPT_TRIES_PER_PASS:
+            return True
+        may = self._may.get(standing)
+        return may is False or (may is None and not self._may_find(standing))
+
+    def _preemption_settled(self, job: Job, standing: policy.Standing) -> bool:
+        """Whether this pass would not preempt for waiting ``job``: one already started, the
+        tries are spent, it found nothing at this room already, or nothing may be preempted
+        for one of its standing."""
+        if self._preempted_this_pass or self._preempt_tries >= PREEMPT_TRIES_PER_PASS:
+            return True
+        may = self._may.get(standing)
+        return may is False or (may is None and not self._may_find(standing)) \
+            or self._tried_preempt.get(job.id) == self.state.room_version
+
+    def _may_find(self, st: policy.Standing) -> bool:
         """Whether any running job may be preempted for ``job`` (``policy.may_preempt``, on
         each queue's lowest priority: one look per queue, not per running job)."""
+        found = self._may.get(st)
+        if found is None:
+            found = self._may[st] = self._may_find_now(
+                policy.Place(st.queue, st.priority), Share(st.workers, st.memory_bytes))
+        return found
+
+    def _may_find_now(self, where: policy.Place, share: Share) -> bool:
         queues, use = self.queueing.queues, self.queueing.use
         mine = queues.get(where.queue)
-        under = mine is not None and (use.get(mine.name, Share())
-                                      + policy.share_of(job)).within(mine.nominal)
-        for name, low in self._lowest.items():
+        under = mine is not None and (use.get(mine.name, Share()) + share).within(mine.nominal)
+        for name, low in self._lowest_priority().items():
             if name == where.queue:
                 if low < where.priority:
                     return True
@@ -147,11 +183,11 @@ class Preemptions(ElasticJobs):
         self._tried_preempt[job.id] = version
         now = self.clock()
         where = policy.Place(job.spec.queue, self.queueing.priority(job))
-        running = self._candidates(now)
-        if not self._may_find(job, where):
+        if not self._may_find(policy.Standing.of(job, where)):
             return ""
         self._preempt_tries += 1
-        pre = policy.victims(job, where, running, self.state.capacities(Needs.of(job.spec)),
+        pre = policy.victims(job, where, self._candidates(now),
+                             self.state.capacities(Needs.of(job.spec)),
                              self.queueing.queues, self.queueing.use)
         if pre is None:
             return ""

@@ -15,7 +15,7 @@ from strata.jobspec import JobSpec
 from strata.queues import UNBOUNDED, QueueError, Queues, QueueView, Share
 from strata.units import format_size
 from strata.coordinator import policy
-from strata.types import Job, JobState
+from strata.types import Job, JobState, Task
 
 
 class Queueing:
@@ -27,11 +27,19 @@ class Queueing:
         self.fair = policy.FairShare(self.queues.fair_share_half_life_s)
         self.use: dict[str, Share] = {}
         self._charged_at = 0.0
+        #: each token NAME's groups (``--auth-tokens``: ``TOKEN ROLE NAME GROUPS``), which
+        #: queues name as ``group:NAME`` (set by the service, again on SIGHUP)
+        self.groups: dict[str, tuple[str, ...]] = {}
+        #: this pass: each waiting job's standing (``order``); and kept between passes, with
+        #: the task list it was taken from (a re-plan makes a new one)
+        self.standing: dict[str, policy.Standing] = {}
+        self._standing: dict[str, tuple[list[Task], policy.Standing]] = {}
 
     def reload(self, queues: Queues) -> None:
         """A new file (SIGHUP): its queues from now on; the owners' use carries over."""
         self.configured = True
         self.queues = queues
+        self._standing = {}  # priorities may have changed
         self.fair.half_life_s = queues.fair_share_half_life_s
 
     def resolve(self, spec: JobSpec, owner: str) -> JobSpec:
@@ -43,7 +51,7 @@ class Queueing:
             raise SpecError(field, "this coordinator has no queues file (strata coordinator "
                                    "--queues FILE): leave queue and priority out")
         try:
-            q = self.queues.queue_of(owner, spec.queue)
+            q = self.queues.queue_of(owner, spec.queue, self.groups.get(owner, ()))
             cls, _ = self.queues.priority_of(spec.priority)
         except QueueError as e:
             raise SpecError(e.field, e.message) from None
@@ -68,27 +76,48 @@ class Queueing:
 
     def begin_tick(self, live: Iterable[Job], now: float) -> None:
         """What each queue holds now, and each owner's use charged since the last tick."""
-        jobs = list(live)
-        queue_of = {j.id: j.spec.queue for j in jobs if j.spec is not None}
-        self.use = policy.queue_use(jobs, queue_of)
         dt = now - self._charged_at if self._charged_at else 0.0
         self._charged_at = now
+        use: dict[str, Share] = {}
+        charged: dict[str, int] = {}
+        for j in live:
+            if j.state not in policy.HOLDING:
+                continue  # (most of them, with thousands waiting)
+            h = policy.held(j)
+            if h.workers or h.memory_bytes:
+                q = j.spec.queue if j.spec is not None else ""
+                use[q] = use.get(q, Share()) + h
+                charged[j.owner] = charged.get(j.owner, 0) + h.workers
+        self.use = use
         if dt > 0:
-            for j in jobs:
-                h = policy.held(j)
-                if h.workers:
-                    self.fair.charge(j.owner, h.workers * dt, now)
+            for owner, workers in charged.items():
+                if workers:
+                    self.fair.charge(owner, workers * dt, now)
 
     def order(self, waiting: list[Job], now: float) -> list[Job]:
-        places = [(j, policy.Place(j.spec.queue if j.spec else "",
-                                   self.priority(j))) for j in waiting]
-        return policy.order(places, self.queues, self.use, self.fair, now)
+        """The waiting jobs (oldest first, as the live jobs are kept) in the policy's order;
+        each one's standing is kept in ``standing`` for the rest of the pass."""
+        standing: dict[str, policy.Standing] = {}
+        pairs = []
+        cache = self._standing
+        for j in waiting:
+            kept = cache.get(j.id)
+            if kept is None or kept[0] is not j.tasks:
+                kept = cache[j.id] = (j.tasks, policy.Standing.of(j, policy.Place(
+                    j.spec.queue if j.spec else "", self.priority(j))))
+            standing[j.id] = kept[1]
+            pairs.append((j, kept[1]))
+        if len(self._standing) > 2 * len(standing) + 64:  # those no longer waiting
+            self._standing = {k: v for k, v in self._standing.items() if k in standing}
+        self.standing = standing
+        return policy.order(pairs, self.queues, self.use, self.fair, now, aged=True)
 
     def priority(self, job: Job) -> int:
-        """``job``'s priority value (its class's, in the file in force)."""
-        name = job.spec.priority if job.spec else ""
-        # a class the reloaded file dropped ranks lowest
-        return self.queues.priority_classes.get(name, min(self.queues.priority_classes.values()))
+        """``job``'s priority value (its class's, in the file in force; a class a reloaded
+        file dropped ranks lowest)."""
+        classes = self.queues.priority_classes
+        value = classes.get(job.spec.priority if job.spec else "")
+        return min(classes.values()) if value is None else value
 
     def blocked(self, job: Job) -> str:
         """Why ``job``'s queue cannot take it now ("" when it can)."""
@@ -107,6 +136,11 @@ class Queueing:
             h = policy.held(holding)
             have = Share(have.workers - h.workers, have.memory_bytes - h.memory_bytes)
         return (have + need).within(q.limit)
+
+    def has_room(self, queue: str, need: Share) -> bool:
+        """Whether ``queue`` may hold ``need`` more now."""
+        q = self.queues.get(queue) if self.configured else None
+        return q is None or (self.use.get(q.name, Share()) + need).within(q.limit)
 
     def placed(self, job: Job) -> None:
         """``job`` took its room: its queue holds it from now (within this tick too)."""

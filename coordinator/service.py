@@ -153,6 +153,7 @@ async def serve(listen: str, state_dir: str, *, heartbeat_timeout_s: float = 10.
                         queues=load_queues(queues) if queues else None)
     server = grpc.aio.server(options=server_options())
     auth = _auth(auth_tokens, tls_client_ca)
+    coord.queueing.groups = auth.groups()
     calls = OpenCalls()
     revocations = Revocations(auth, calls, coord)
     health_servicer = _add_services(server, coord, auth, calls, revocations)
@@ -267,6 +268,7 @@ def _handle_signals(auth: Auth, revocations: Revocations, coord: Coordinator,
     def reload_tokens() -> None:
         try:
             gone = auth.reload()
+            coord.queueing.groups = auth.groups()
         except AuthFileError as e:
             log.error("SIGHUP: kept the tokens in force: %s", e)
             return

@@ -1,7 +1,9 @@
 """Bearer tokens with roles: who may call what on the coordinator.
 
-The coordinator reads ``--auth-tokens FILE``: one ``TOKEN ROLE NAME`` per line, ``#`` comments,
-reloaded on SIGHUP. Callers send ``authorization: Bearer TOKEN`` as gRPC metadata (so
+The coordinator reads ``--auth-tokens FILE``: one ``TOKEN ROLE NAME [GROUPS]`` per line, ``#``
+comments, reloaded on SIGHUP. ``GROUPS``, comma-separated, are the teams the NAME belongs to (a
+queues file's members name them as ``group:NAME``: ``strata.queues``); a NAME's groups are
+those of all its lines. Callers send ``authorization: Bearer TOKEN`` as gRPC metadata (so
 ``grpcurl -H`` works); clients and agents take the token from ``STRATA_TOKEN`` (the token
 itself) or ``--token-file``, never from a command-line value (a process list shows those).
 
@@ -82,6 +84,8 @@ class Caller:
     key: str = dataclasses.field(default="", compare=False)
     #: an agent credential that may act under any agent name (``ANY_AGENT_CN``)
     any_agent: bool = dataclasses.field(default=False, compare=False)
+    #: the groups its line names (``TOKEN ROLE NAME GROUPS``): what queues it is a member of
+    groups: tuple[str, ...] = dataclasses.field(default=(), compare=False)
 
     def owns(self, owner: str) -> bool:
         return self.role == "admin" or (bool(owner) and owner == self.name)
@@ -99,17 +103,23 @@ def _digest(token: str) -> bytes:
 
 
 def parse_tokens(text: str, source: str = "--auth-tokens") -> dict[bytes, Caller]:
-    """``TOKEN ROLE NAME`` lines. Raises ``AuthFileError`` naming the line (never the token)."""
+    """``TOKEN ROLE NAME [GROUPS]`` lines. Raises ``AuthFileError`` naming the line (never the
+    token)."""
     out: dict[bytes, Caller] = {}
     for n, raw in enumerate(text.splitlines(), 1):
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
         parts = line.split()
-        if len(parts) != 3:
-            raise AuthFileError(f"{source} line {n}: expected TOKEN ROLE NAME, got "
+        if len(parts) not in (3, 4):
+            raise AuthFileError(f"{source} line {n}: expected TOKEN ROLE NAME [GROUPS], got "
                                 f"{len(parts)} field(s)")
-        token, role, name = parts
+        token, role, name = parts[:3]
+        groups = tuple(sorted(set(parts[3].split(",")))) if len(parts) == 4 else ()
+        bad = next((g for g in groups if not NAME_RE.match(g)), None)
+        if bad is not None:
+            raise AuthFileError(f"{source} line {n}: group {bad[:40]!r}: letters, digits and "
+                                "._@- only, at most 128, comma-separated")
         if not MIN_TOKEN_CHARS <= len(token) <= MAX_TOKEN_CHARS:
             raise AuthFileError(f"{source} line {n}: a token must be {MIN_TOKEN_CHARS}-"
                                 f"{MAX_TOKEN_CHARS} characters")
@@ -122,7 +132,7 @@ def parse_tokens(text: str, source: str = "--auth-tokens") -> dict[bytes, Caller
         d = _digest(token)
         if d in out:
             raise AuthFileError(f"{source} line {n}: the same token appears twice")
-        out[d] = Caller(role, name, key="token:" + d.hex()[:32])
+        out[d] = Caller(role, name, key="token:" + d.hex()[:32], groups=groups)
     return out
 
 
@@ -185,6 +195,13 @@ class Auth:
 
     def __len__(self) -> int:
         return len(self._tokens)
+
+    def groups(self) -> dict[str, tuple[str, ...]]:
+        """Each NAME's groups: those of every line of it."""
+        out: dict[str, set[str]] = {}
+        for c in self._tokens.values():
+            out.setdefault(c.name, set()).update(c.groups)
+        return {name: tuple(sorted(g)) for name, g in out.items() if g}
 
     def set_revoked(self, names: Iterable[str]) -> None:
         self.revoked = set(names)

@@ -100,15 +100,15 @@ class LocalCluster:
             self._new_token(role, name)
         return path
 
-    def _new_token(self, role: str, name: str) -> str:
-        """A fresh token for ``name`` in the tokens file (and ``NAME.token``, mode 0600);
-        the coordinator is told to read the file again (SIGHUP)."""
+    def _new_token(self, role: str, name: str, groups: Sequence[str] = ()) -> str:
+        """A fresh token for ``name`` (in ``groups``) in the tokens file (and ``NAME.token``,
+        mode 0600); the coordinator is told to read the file again (SIGHUP)."""
         import secrets
 
         token = secrets.token_urlsafe(32)
         fd = os.open(self.tokens_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         with os.fdopen(fd, "a") as f:
-            f.write(f"{token} {role} {name}\n")
+            f.write(f"{token} {role} {name}" + (f" {','.join(groups)}" if groups else "") + "\n")
         path = os.path.join(os.path.dirname(self.tokens_file), f"{name}.token")
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:

@@ -4,7 +4,7 @@ reloaded on SIGHUP), parsed and checked, each error naming its field.
 ```yaml
 queues:
   - name: research
-    members: [alice, bob]                 # token NAMEs; "*": everyone not placed elsewhere
+    members: [alice, group:vision]        # token NAMEs, groups; "*": everyone not elsewhere
     nominal: {workers: 2, memory: 2GiB}   # the share it is entitled to
     borrow: {workers: 2, memory: 2GiB}    # idle room it may use beyond it
     default: true                         # the queue of jobs that name none
@@ -12,8 +12,9 @@ priority_classes: {low: 0, normal: 100, high: 1000}
 fair_share_half_life: 1h
 ```
 
-A job names its queue (``queue:``; else its owner's: the first queue listing the owner, else
-the one with ``"*"``, else the ``default``), and a priority class (``priority:``; else
+A job names its queue (``queue:``; else its owner's: the queue listing the owner by NAME, else
+the first listing one of its groups (``group:NAME``: the token file's ``TOKEN ROLE NAME
+GROUPS``), else the one with ``"*"``, else the ``default``), and a priority class (``priority:``; else
 ``DEFAULT_PRIORITY`` when the file has that class, else the lowest). Without a file the cluster
 is one queue, ``default``, everyone's, unbounded. Pure: no coordinator state.
 """
@@ -21,8 +22,9 @@ is one queue, ``default``, everyone's, unbounded. Pure: no coordinator state.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from strata import safeyaml
 from strata.units import parse_size
@@ -33,6 +35,8 @@ DEFAULT_PRIORITY = "normal"
 DEFAULT_CLASSES: Mapping[str, int] = {"low": 0, "normal": 100, "high": 1000}
 DEFAULT_HALF_LIFE_S = 3600.0
 EVERYONE = "*"
+#: a member that names a group of the token file (``TOKEN ROLE NAME GROUPS``), not a NAME
+GROUP = "group:"
 #: a share with no bound (a queue without ``nominal``, the cluster without a file)
 UNBOUNDED = 1 << 62
 
@@ -91,21 +95,31 @@ class Queues:
     fair_share_half_life_s: float = DEFAULT_HALF_LIFE_S
 
     def get(self, name: str) -> Queue | None:
-        return next((q for q in self.queues if q.name == name), None)
+        return self._by_name.get(name)
 
-    def queue_of(self, owner: str, asked: str = "") -> Queue:
-        """The queue a job of ``owner`` runs in: the one it names (``asked``), which must list
-        the owner (or everyone); else the owner's. Raises ``QueueError`` (field ``queue``)."""
+    @functools.cached_property
+    def _by_name(self) -> dict[str, Queue]:
+        """(looked up for every waiting job at every pass: a dict, not a walk)"""
+        return {q.name: q for q in self.queues}
+
+    def queue_of(self, owner: str, asked: str = "", groups: Iterable[str] = ()) -> Queue:
+        """The queue a job of ``owner`` (in ``groups``, from the token file) runs in: the one
+        it names (``asked``), which must list the owner or one of its groups (or everyone);
+        else the queue listing the owner by name, else the first listing one of its groups
+        (``group:NAME``), else everyone's, else the default. Raises ``QueueError`` (field
+        ``queue``)."""
+        tags = [GROUP + g for g in groups]
         if asked:
             q = self.get(asked)
             if q is None:
                 raise QueueError("queue", f"no queue {asked!r} (queues: "
                                           f"{', '.join(x.name for x in self.queues)})")
-            if not self.admits(q, owner):
+            if not self.admits(q, owner, tags):
                 raise QueueError("queue", f"{owner or 'an anonymous caller'} is not a member of "
                                           f"queue {asked!r}")
             return q
-        mine = next((q for q in self.queues if owner and owner in q.members), None)
+        mine = next((q for q in self.queues if owner and owner in q.members), None) or next(
+            (q for q in self.queues if any(t in q.members for t in tags)), None)
         anyone = next((q for q in self.queues if EVERYONE in q.members), None)
         default = next((q for q in self.queues if q.default), None)
         q = mine or anyone or default
@@ -114,10 +128,14 @@ class Queues:
                                       "there is no default queue")
         return q
 
-    def admits(self, q: Queue, owner: str) -> bool:
-        """Whether ``owner`` may submit into ``q``: a member, or ``q`` is everyone's."""
-        return EVERYONE in q.members or (bool(owner) and owner in q.members) or (
-            q.default and not any(owner in x.members for x in self.queues if x is not q))
+    def admits(self, q: Queue, owner: str, tags: Iterable[str] = ()) -> bool:
+        """Whether ``owner`` (with its groups as ``group:NAME`` ``tags``) may submit into
+        ``q``: a member, by name or group, or ``q`` is everyone's, or the default of one in
+        no other queue."""
+        mine = {owner, *tags} if owner else set(tags)
+        return EVERYONE in q.members or bool(mine.intersection(q.members)) or (
+            q.default and not any(mine.intersection(x.members)
+                                  for x in self.queues if x is not q))
 
     def priority_of(self, name: str) -> tuple[str, int]:
         """The class a job runs at, and its value. Raises ``QueueError`` (field ``priority``)."""

@@ -284,3 +284,36 @@ def test_a_preemption_waits_when_room_frees_sooner(qenv):
     high = coord.submit(spec("high", workers=2, priority="high"), owner="bob")
     coord.tick()
     assert not low.recovery.notice_step and high.state == JobState.PENDING
+
+
+def test_a_job_its_queue_holds_back_keeps_the_queues_room(qenv):
+    """A 4-wide job waits for its queue's room (research may hold 4; a 2-wide job of it
+    runs): 1-worker jobs of that queue, which would fit beside it, do not take that room for
+    ever; one whose time limit ends before the running job does runs meanwhile."""
+    coord, clock, _ = qenv
+    running = coord.submit(spec("running", training={"steps": 1000, "time_limit": "10m"}),
+                           owner="alice")
+    coord.tick()
+    _run(coord, running)
+    _steps(coord, running, 10, clock)
+    clock.now += 1
+    gang = coord.submit(spec("gang", workers=4), owner="bob")
+    clock.now += 1
+    small = coord.submit(spec("small", workers=1), owner="alice")
+    clock.now += 1
+    brief = coord.submit(spec("brief", workers=1, training={"steps": 10, "time_limit": "1m"}),
+                         owner="alice")
+    coord.tick()
+    assert gang.state == JobState.PENDING
+    assert "waiting for room in queue research" in gang.message
+    assert "its room in the queue is kept, expected to start in about" in gang.message
+    assert small.state == JobState.PENDING
+    assert small.message.startswith(f"waiting behind {gang.id}, the job ahead of it, whose "
+                                    "room in queue research is kept")
+    assert brief.state == JobState.SCHEDULED  # it ends before the gang could start
+    _run(coord, brief)
+    for j in (running, brief):
+        _end(coord, j)
+    coord.tick()
+    assert gang.state == JobState.SCHEDULED, gang.message
+    assert small.state == JobState.PENDING  # (research holds 4 with the gang)

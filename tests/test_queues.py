@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from strata.coordinator.policy import FairShare, Place, order
+from strata.coordinator.policy import FairShare, Place, Standing, order
 from strata.errors import QuotaExceeded, SpecError
 from strata.queues import UNBOUNDED, QueueError, Share, parse_queues
 from strata.types import Job, JobState, Task, TaskState, job_to_json
@@ -85,6 +85,44 @@ def test_a_jobs_queue_and_priority_resolve_for_its_owner():
         q.priority_of("urgent")
 
 
+GROUPS = """
+queues:
+  - name: vision
+    members: [group:vision, carol]
+  - name: nlp
+    members: [group:nlp]
+  - name: everyone
+    members: ["*"]
+"""
+
+
+def test_a_queue_names_the_token_files_groups():
+    q = parse_queues(GROUPS)
+    assert q.queue_of("erin", groups=["vision"]).name == "vision"
+    assert q.queue_of("erin", groups=["nlp", "other"]).name == "nlp"
+    assert q.queue_of("erin").name == "everyone"
+    # a NAME listed by name wins over its group
+    assert q.queue_of("carol", groups=["nlp"]).name == "vision"
+    assert q.queue_of("erin", "nlp", groups=["nlp"]).name == "nlp"
+    with pytest.raises(QueueError, match="not a member of queue 'nlp'"):
+        q.queue_of("erin", "nlp", groups=["vision"])
+    with pytest.raises(QueueError, match="queues\\[1\\].members"):
+        parse_queues("queues: [{name: a, members: [group:x]}, {name: b, members: [group:x]}]")
+
+
+def test_the_token_files_groups(tmp_path):
+    from strata.auth import Auth, AuthFileError, parse_tokens
+    path = tmp_path / "tokens"
+    path.write_text("a" * 20 + " submitter erin vision,nlp\n"
+                    + "b" * 20 + " submitter erin ops\n"
+                    + "c" * 20 + " submitter frank\n")
+    assert Auth(str(path)).groups() == {"erin": ("nlp", "ops", "vision")}
+    with pytest.raises(AuthFileError, match="line 1: group 'bad/group'"):
+        parse_tokens("a" * 20 + " submitter erin vision,bad/group")
+    with pytest.raises(AuthFileError, match="TOKEN ROLE NAME \\[GROUPS\\], got 5"):
+        parse_tokens("a" * 20 + " submitter erin vision extra")
+
+
 # --- the order, as a table ------------------------------------------------------------------
 
 def _job(name: str, owner: str, created: float, workers: int = 1) -> Job:
@@ -106,9 +144,12 @@ ORDERS = [
     # a queue under its nominal share before one over it, whatever the priority
     ([("a", "alice", 1, "research", 1000, 1), ("c", "carol", 2, "prod", 0, 1)],
      {"research": Share(2, GiB)}, {}, ["c", "a"]),
-    # a job that would take its queue past nominal counts as over it
-    ([("a", "alice", 1, "research", 100, 2), ("c", "carol", 2, "prod", 100, 2)],
-     {"research": Share(1, 0)}, {}, ["c", "a"]),
+    # a queue at its nominal share is not under it
+    ([("a", "alice", 1, "research", 100, 1), ("c", "carol", 2, "prod", 100, 1)],
+     {"research": Share(2, 0)}, {}, ["c", "a"]),
+    # under it, a job's size does not matter: within a queue, the older wide job first
+    ([("a", "alice", 1, "research", 100, 4), ("b", "bob", 2, "research", 100, 1)],
+     {"research": Share(1, 0)}, {}, ["a", "b"]),
     # fair share: the owner who used the cluster less lately first
     ([("a", "alice", 1, "research", 100, 1), ("b", "bob", 2, "research", 100, 1)], {},
      {"alice": 7200.0, "bob": 60.0}, ["b", "a"]),
@@ -124,7 +165,8 @@ def test_the_policys_order(jobs, use, used, expected):
     fair = FairShare(3600.0)
     for owner, seconds in used.items():
         fair.charge(owner, seconds, 0.0)
-    waiting = [(_job(n, o, c, w), Place(q, p)) for n, o, c, q, p, w in jobs]
+    waiting = [(j, Standing.of(j, Place(q, p)))
+               for j, q, p in ((_job(n, o, c, w), q, p) for n, o, c, q, p, w in jobs)]
     assert [j.id for j in order(waiting, queues, use, fair, 10.0)] == expected
 
 
