@@ -27,7 +27,7 @@ demo: $(STAMP)
 
 # The whole suite: lint, types, then every test (the integration tests start real processes).
 test: lint typecheck
-	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -ra --durations=15 $(PYTEST_ARGS)
 
 # The pure tests only: no coordinator, agent or TensorFlow process is started (seconds).
 test-fast: $(TEST_STAMP)

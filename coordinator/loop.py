@@ -104,6 +104,8 @@ class ControlLoop(Preemptions):
         #: with queues: each queue's room kept this pass for the first job its limit holds
         #: back (``_keep_queue_room``)
         self._queue_kept: dict[str, policy.Reservation] = {}
+        #: the jobs given an estimated start by the last pass (the next one clears them)
+        self._estimated: list[Job] = []
         #: the last reservation made, at which room version and when (``_reserve``)
         self._last_reservation: tuple[policy.Reservation | None, int, float] = (None, -1, 0.0)
         #: the queues (``--queues``): order, shares, fair share (``Coordinator`` sets them)
@@ -249,17 +251,24 @@ class ControlLoop(Preemptions):
         if self.queueing.configured:
             # the policy's order of the waiting jobs (preempted ones among them), after those
             # placed or being restarted
-            self.queueing.begin_tick(jobs, now)
             others: list[Job] = []
-            for j in jobs:  # (``_waiting``, inline: ten thousand of them)
-                if j.state is JobState.PENDING or (j.state is JobState.RESTARTING
-                                                   and j.recovery.preempted_by):
+            stopping: list[Job] = []  # preempted, its tasks not all gone: they hold room
+            pending, restarting = JobState.PENDING, JobState.RESTARTING  # (locals: 10,000 jobs)
+            for j in jobs:  # (``_waiting``, inline)
+                if j.state is pending:
                     waiting.append(j)
+                elif j.state is restarting and j.recovery.preempted_by:
+                    waiting.append(j)
+                    stopping.append(j)
                 else:
                     others.append(j)
+            self.queueing.begin_tick(others + stopping, now)
             waiting = self.queueing.order(waiting, now)
-            for i, j in enumerate(waiting):
-                j.position, j.estimated_start = i + 1, 0.0
+            for i, j in enumerate(waiting, 1):
+                j.position = i
+            for j in self._estimated:
+                j.estimated_start = 0.0
+            self._estimated = []
             jobs = others
         for job in jobs:
             if job.state in decisions.TICK_STATES:
@@ -272,7 +281,8 @@ class ControlLoop(Preemptions):
             self._grow(now)
         if now >= self._next_limits:
             self._next_limits = now + GROW_CHECK_S
-            for job in list(self.state.ordered()):
+            # (only jobs that have started: not the thousands waiting)
+            for job in [j for j in self.state.ordered() if j.started_at]:
                 why = decisions.past_time_limit(job, now)
                 if why:
                     self._stop_job(job, JobState.FAILED, why)
@@ -315,19 +325,23 @@ class ControlLoop(Preemptions):
         # no agent has room for, and for which no preemption would start, are left out in one
         # sweep (room only shrinks while the pass places jobs); the others are looked at.
         largest = room.largest_free()
-        skip = {s: s.smallest > largest and self._class_settled(s)
-                for s in set(standing.values())}
+        # (the jobs of a standing share one object, ``Queueing.order``: by identity, ten
+        # thousand look-ups cost a few milliseconds)
+        kinds = {id(s): s for s in standing.values()}
+        skip = {k for k, s in kinds.items() if s.smallest > largest and self._class_settled(s)}
         # a queue's first job its limit holds back keeps the queue's room, skipped or not
-        held = {s for s, sk in skip.items() if sk and s.queue not in self._queue_kept
-                and not self.queueing.has_room(s.queue, Share(s.workers, s.memory_bytes))}
-        for q in {s.queue for s in held}:
-            first = next((j for j in waiting[i:] if standing[j.id] in held
+        held = {k for k in skip if kinds[k].queue not in self._queue_kept
+                and not self.queueing.has_room(kinds[k].queue, Share(kinds[k].workers,
+                                                                     kinds[k].memory_bytes))}
+        for q in {kinds[k].queue for k in held}:
+            first = next((j for j in waiting[i:] if id(standing[j.id]) in held
                           and standing[j.id].queue == q), None)
             if first is not None:
                 self._keep_queue_room(first)
+        pending = JobState.PENDING
         for job in [j for j in waiting[i:]
-                    if not skip[standing[j.id]] or j.recovery.capacity_deadline or j.id in probing
-                    or not (j.state is JobState.PENDING or j.recovery.replanned)]:
+                    if id(standing[j.id]) not in skip or j.state is not pending
+                    or j.recovery.capacity_deadline or j.id in probing]:
             st = standing.get(job.id)
             if st is not None and st.smallest > largest \
                     and (job.state is JobState.PENDING or job.recovery.replanned) \
@@ -470,6 +484,7 @@ class ControlLoop(Preemptions):
         kept = self._queue_kept[q.name] = policy.queue_start(job, q, self.queueing.use,
                                                              running, now)
         job.estimated_start = kept.start or 0.0
+        self._estimated.append(job)
         return f"; its room in the queue is kept{_when(kept.start, now)}"
 
     def _reserve(self, job: Job) -> str:
@@ -491,6 +506,7 @@ class ControlLoop(Preemptions):
         if not self._reservation.agents:
             return ""
         job.estimated_start = self._reservation.start or 0.0
+        self._estimated.append(job)
         return f"; its room is kept{_when(self._reservation.start, now)}"
 
     def _queue_holds(self, spec: JobSpec, plan: JobPlan, holding: Job | None) -> bool:

@@ -114,21 +114,20 @@ def order(waiting: Iterable[tuple[Job, Standing]], queues: Queues, use: Mapping[
     pairs = list(waiting)
     if not aged:
         pairs.sort(key=lambda p: (p[0].created_at, p[0].id))
-    prefix: dict[tuple[Standing, str], tuple[int, int, float]] = {}
-
-    def key(pair: tuple[Job, Standing]) -> tuple[int, int, float]:
-        j, st = pair
-        k = (st, j.owner)
+    # (keyed by the standing's identity: the coordinator's jobs of one standing share one
+    # object, so its tuple is not hashed ten thousand times; equal ones apart cost a look-up)
+    prefix: dict[tuple[int, str], tuple[int, int, float]] = {}
+    keys = []
+    for j, st in pairs:
+        k = (id(st), j.owner)
         p = prefix.get(k)
         if p is None:
             q, have = queues.get(st.queue), use.get(st.queue, Share())
             under = q is not None and have.workers < q.nominal.workers \
                 and have.memory_bytes < q.nominal.memory_bytes
             p = prefix[k] = (0 if under else 1, -st.priority, fair.usage(j.owner, now))
-        return p
-
-    pairs.sort(key=key)
-    return [j for j, _ in pairs]
+        keys.append(p)
+    return [pairs[i][0] for i in sorted(range(len(pairs)), key=keys.__getitem__)]
 
 
 def room_for(job: Job, queue: Queue | None, use: Mapping[str, Share]) -> str:

@@ -34,12 +34,13 @@ class Queueing:
         #: the task list it was taken from (a re-plan makes a new one)
         self.standing: dict[str, policy.Standing] = {}
         self._standing: dict[str, tuple[list[Task], policy.Standing]] = {}
+        self._interned: dict[policy.Standing, policy.Standing] = {}
 
     def reload(self, queues: Queues) -> None:
         """A new file (SIGHUP): its queues from now on; the owners' use carries over."""
         self.configured = True
         self.queues = queues
-        self._standing = {}  # priorities may have changed
+        self._standing, self._interned = {}, {}  # priorities may have changed
         self.fair.half_life_s = queues.fair_share_half_life_s
 
     def resolve(self, spec: JobSpec, owner: str) -> JobSpec:
@@ -80,8 +81,9 @@ class Queueing:
         self._charged_at = now
         use: dict[str, Share] = {}
         charged: dict[str, int] = {}
+        holding = policy.HOLDING
         for j in live:
-            if j.state not in policy.HOLDING:
+            if j.state not in holding:
                 continue  # (most of them, with thousands waiting)
             h = policy.held(j)
             if h.workers or h.memory_bytes:
@@ -103,12 +105,15 @@ class Queueing:
         for j in waiting:
             kept = cache.get(j.id)
             if kept is None or kept[0] is not j.tasks:
-                kept = cache[j.id] = (j.tasks, policy.Standing.of(j, policy.Place(
-                    j.spec.queue if j.spec else "", self.priority(j))))
+                st = policy.Standing.of(j, policy.Place(j.spec.queue if j.spec else "",
+                                                        self.priority(j)))
+                # one object for all the jobs of a standing: compared by identity per pass
+                kept = cache[j.id] = (j.tasks, self._interned.setdefault(st, st))
             standing[j.id] = kept[1]
             pairs.append((j, kept[1]))
         if len(self._standing) > 2 * len(standing) + 64:  # those no longer waiting
             self._standing = {k: v for k, v in self._standing.items() if k in standing}
+            self._interned = {v[1]: v[1] for v in self._standing.values()}
         self.standing = standing
         return policy.order(pairs, self.queues, self.use, self.fair, now, aged=True)
 
