@@ -312,7 +312,9 @@ def restart(job: Job, cause: str, now: float, *, failure: bool,
                                    else job.spec.restart_backoff_s),
               "step_at_failure": max(rec.step_at_failure, job.metrics.step),
               "last_cause": cause, "replanned": False, "notice_step": 0,
-              "notice_deadline": 0.0}
+              "notice_deadline": 0.0,
+              # the run ends: what it trained counts, the time it stops does not
+              "ran_s": trained_for(job, now), "run_began": 0.0}
     left = (f"{failures} of {job.spec.max_restarts}" if failure
             else "not counted against restart.max_restarts")
     resumes = (f"the checkpoint at step {job.checkpoint_step}" if job.checkpoint_step
@@ -361,14 +363,28 @@ def notice(job: Job, deadline_s: float, steps_per_s: float, *, storage: bool) ->
     return NoticePlan(step)
 
 
+_RUNS = frozenset({JobState.SCHEDULED, JobState.RUNNING})
+
+
+def trained_for(job: Job, now: float) -> float:
+    """Seconds ``job`` has trained by ``now``: its ended runs (``recovery.ran_s``) and its
+    current one, from its first step (first run) or its placement (later runs); not the time
+    it spent restarting, preempted or waiting."""
+    rec = job.recovery
+    begin = rec.run_began or job.started_at
+    if job.state in _RUNS and begin:
+        return rec.ran_s + max(0.0, now - begin)
+    return rec.ran_s
+
+
 def past_time_limit(job: Job, now: float) -> str:
-    """Why ``job`` fails now for its ``training.time_limit`` (counted from its first step), or
-    "" while within it."""
+    """Why ``job`` fails now for its ``training.time_limit`` (the time it trained, from its
+    first step, not counting the time it was stopped), or "" while within it."""
     limit = job.spec.training.time_limit_s if job.spec is not None else 0.0
-    if not limit or not job.started_at or job.state.final or now - job.started_at <= limit:
+    if not limit or job.state.final or trained_for(job, now) <= limit:
         return ""
-    return (f"ran past its training.time_limit of {limit:g} s (from its first step), at step "
-            f"{job.metrics.step}")
+    return (f"ran past its training.time_limit of {limit:g} s (training from its first step, "
+            f"not counting the time it was stopped), at step {job.metrics.step}")
 
 
 def may_grow(job: Job, now: float, settle_s: float) -> bool:

@@ -437,6 +437,11 @@ class ControlLoop(Preemptions):
                       r, placement.assignments.values(), policy.expected_duration(job),
                       self.clock(), job.spec.queue)), None) if waiting else None
         if r is not None:
+            if self._reservation is None:
+                # it is the head: the agents it would take now are kept for it from when the
+                # room it waits behind frees (else a later job would take them meanwhile)
+                self._reservation = policy.Reservation(
+                    job.id, frozenset(placement.assignments.values()), r.start)
             room = f"room in queue {r.queue}" if r.queue else "room"
             self._wait_with(job, f"waiting behind {r.job_id}, the job ahead of it, whose "
                                  f"{room} is kept{_when(r.start, self.clock())}: this job "
@@ -542,6 +547,8 @@ class ControlLoop(Preemptions):
             placed[(t.role, t.index)] = self.state.placed(t, live, i)
         message = "placed on " + ", ".join(
             f"{t.role}:{t.index}->{placed[(t.role, t.index)].worker}" for t in job.tasks)
+        if job.started_at:  # a run after a restart: its training time counts from now
+            job.recovery.run_began = self.clock()
         self.store.put_tasks(placed.values())
         self.store.put_job(dataclasses.replace(job, state=JobState.SCHEDULED, message=message))
         cluster: dict[str, list[str]] = {}

@@ -17,6 +17,7 @@ import dataclasses
 import math
 from typing import Iterable, Mapping, NamedTuple
 
+from strata.coordinator.decisions import trained_for
 from strata.coordinator.placement import Capacity, TaskDemand, place
 from strata.queues import Queue, Queues, Share
 from strata.types import Job, JobState, TaskState
@@ -101,7 +102,8 @@ class Standing(NamedTuple):
 
 def order(waiting: Iterable[tuple[Job, Standing]], queues: Queues, use: Mapping[str, Share],
           fair: FairShare, now: float, *, aged: bool = False) -> list[Job]:
-    """The waiting jobs in the order they are considered: a job whose queue holds less than
+    """The waiting jobs in the order they are considered: a job waiting longer than the
+    queues' ``starvation_after`` first (the oldest first); then a job whose queue holds less than
     its nominal share first (a queue's state, not the job's size: within a queue, a wide job
     is not put behind narrow ones), then the higher priority, then the owner with less recent
     use, then the older (then the smaller id). ``aged``: ``waiting`` is in that last order
@@ -116,16 +118,21 @@ def order(waiting: Iterable[tuple[Job, Standing]], queues: Queues, use: Mapping[
         pairs.sort(key=lambda p: (p[0].created_at, p[0].id))
     # (keyed by the standing's identity: the coordinator's jobs of one standing share one
     # object, so its tuple is not hashed ten thousand times; equal ones apart cost a look-up)
-    prefix: dict[tuple[int, str], tuple[int, int, float]] = {}
+    prefix: dict[tuple[int, str], tuple[int, int, int, float]] = {}
     keys = []
+    starved = (0, 0, 0, 0.0)
+    cutoff = now - queues.starvation_after_s if queues.starvation_after_s else float("-inf")
     for j, st in pairs:
+        if j.created_at < cutoff:
+            keys.append(starved)  # waiting too long: first, oldest first (a stable sort)
+            continue
         k = (id(st), j.owner)
         p = prefix.get(k)
         if p is None:
             q, have = queues.get(st.queue), use.get(st.queue, Share())
             under = q is not None and have.workers < q.nominal.workers \
                 and have.memory_bytes < q.nominal.memory_bytes
-            p = prefix[k] = (0 if under else 1, -st.priority, fair.usage(j.owner, now))
+            p = prefix[k] = (1, 0 if under else 1, -st.priority, fair.usage(j.owner, now))
         keys.append(p)
     return [pairs[i][0] for i in sorted(range(len(pairs)), key=keys.__getitem__)]
 
@@ -153,13 +160,14 @@ def _count(n: int) -> str:
 # --- a reservation for the head of the order, and backfill -------------------------------------
 
 def expected_end(job: Job, now: float) -> float | None:
-    """When running ``job`` is expected to end: its first step plus ``training.time_limit``
-    (it fails past it), else its remaining steps at its measured rate; None when neither is
+    """When running ``job`` is expected to end: when it will have trained its
+    ``training.time_limit`` (it fails past it; ``decisions.trained_for``), else its remaining
+    steps at its measured rate, whichever is sooner; None when neither is
     known (a job may then hold its room for ever, as far as the scheduler can tell)."""
     spec = job.spec
     ends: list[float] = []
     if spec is not None and spec.training.time_limit_s and job.started_at:
-        ends.append(job.started_at + spec.training.time_limit_s)
+        ends.append(now + max(0.0, spec.training.time_limit_s - trained_for(job, now)))
     m = job.metrics
     if spec is not None and m.examples_per_sec > 0 and m.total_steps > m.step:
         rate = m.examples_per_sec / max(1, spec.data.batch_size)

@@ -215,6 +215,11 @@ class JobRecovery:
     #: (empty: none), and its preemptions in all
     preempted_by: str = ""
     preemptions: int = 0
+    #: seconds it trained in runs that ended (restarts, preemptions), and when its current
+    #: run was placed (0: its first run, counted from its first step): a time limit counts
+    #: training, not the time it spent stopped (``decisions.trained_for``)
+    ran_s: float = 0.0
+    run_began: float = 0.0
 
 
 @dataclasses.dataclass

@@ -158,6 +158,14 @@ def _save(coord, job):
     return step
 
 
+def _later(coord, clock, seconds):
+    """``seconds`` pass, the agents heard from meanwhile."""
+    clock.now += seconds
+    for name, live in coord.workers.items():
+        if not live.lost:
+            coord.heartbeat(name, live.session, live.memory, [], sorted(live.free_ports))
+
+
 def _end(coord, job):
     for t in job.tasks:
         report(coord, _sessions(coord), t, TaskState.SUCCEEDED)
@@ -317,3 +325,34 @@ def test_a_job_its_queue_holds_back_keeps_the_queues_room(qenv):
     coord.tick()
     assert gang.state == JobState.SCHEDULED, gang.message
     assert small.state == JobState.PENDING  # (research holds 4 with the gang)
+
+
+def test_a_time_limit_counts_training_not_the_time_preempted(qenv):
+    """A job with a 10-minute limit trains 5, is preempted and waits 20: it is not past its
+    limit when it runs again, and its expected end is the 5 minutes it has left."""
+    from strata.coordinator import decisions, policy
+    coord, clock, _ = qenv
+    low = coord.submit(spec("low", workers=4, priority="low",
+                            training={"steps": 1000, "time_limit": "10m"}), owner="alice")
+    coord.tick()
+    _run(coord, low)
+    _steps(coord, low, 10, clock)
+    _later(coord, clock, 300)
+    high = coord.submit(spec("high", workers=4, priority="high"), owner="bob")
+    coord.tick()
+    _save(coord, low)
+    coord.tick()
+    assert high.state == JobState.SCHEDULED
+    assert low.recovery.ran_s == pytest.approx(300, abs=5)
+    _later(coord, clock, 1200)
+    _run(coord, high)
+    _end(coord, high)
+    coord.tick()
+    assert low.state == JobState.SCHEDULED
+    _run(coord, low)
+    _later(coord, clock, 60)
+    assert decisions.trained_for(low, clock.now) == pytest.approx(360, abs=5)
+    assert not decisions.past_time_limit(low, clock.now)
+    assert policy.expected_end(low, clock.now) == pytest.approx(clock.now + 240, abs=5)
+    _later(coord, clock, 300)
+    assert "ran past its training.time_limit" in decisions.past_time_limit(low, clock.now)

@@ -59,7 +59,8 @@ def full_job(job_id: str = "a-1") -> Job:
                              memory_retried=True, notice_step=140,
                              notice_deadline=1250.5, resizes=3, resize_from=2,
                              resize_began=1200.5, resized_at=1100.5, workers_now=4,
-                             preempted_by="b-2", preemptions=2))
+                             preempted_by="b-2", preemptions=2, ran_s=30.5,
+                             run_began=1300.5))
 
 
 def full_task(job_id: str = "a-1", index: int = 1) -> Task:
