@@ -437,11 +437,6 @@ class ControlLoop(Preemptions):
                       r, placement.assignments.values(), policy.expected_duration(job),
                       self.clock(), job.spec.queue)), None) if waiting else None
         if r is not None:
-            if self._reservation is None:
-                # it is the head: the agents it would take now are kept for it from when the
-                # room it waits behind frees (else a later job would take them meanwhile)
-                self._reservation = policy.Reservation(
-                    job.id, frozenset(placement.assignments.values()), r.start)
             room = f"room in queue {r.queue}" if r.queue else "room"
             self._wait_with(job, f"waiting behind {r.job_id}, the job ahead of it, whose "
                                  f"{room} is kept{_when(r.start, self.clock())}: this job "

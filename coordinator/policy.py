@@ -102,8 +102,7 @@ class Standing(NamedTuple):
 
 def order(waiting: Iterable[tuple[Job, Standing]], queues: Queues, use: Mapping[str, Share],
           fair: FairShare, now: float, *, aged: bool = False) -> list[Job]:
-    """The waiting jobs in the order they are considered: a job waiting longer than the
-    queues' ``starvation_after`` first (the oldest first); then a job whose queue holds less than
+    """The waiting jobs in the order they are considered: a job whose queue holds less than
     its nominal share first (a queue's state, not the job's size: within a queue, a wide job
     is not put behind narrow ones), then the higher priority, then the owner with less recent
     use, then the older (then the smaller id). ``aged``: ``waiting`` is in that last order
@@ -118,21 +117,16 @@ def order(waiting: Iterable[tuple[Job, Standing]], queues: Queues, use: Mapping[
         pairs.sort(key=lambda p: (p[0].created_at, p[0].id))
     # (keyed by the standing's identity: the coordinator's jobs of one standing share one
     # object, so its tuple is not hashed ten thousand times; equal ones apart cost a look-up)
-    prefix: dict[tuple[int, str], tuple[int, int, int, float]] = {}
+    prefix: dict[tuple[int, str], tuple[int, int, float]] = {}
     keys = []
-    starved = (0, 0, 0, 0.0)
-    cutoff = now - queues.starvation_after_s if queues.starvation_after_s else float("-inf")
     for j, st in pairs:
-        if j.created_at < cutoff:
-            keys.append(starved)  # waiting too long: first, oldest first (a stable sort)
-            continue
         k = (id(st), j.owner)
         p = prefix.get(k)
         if p is None:
             q, have = queues.get(st.queue), use.get(st.queue, Share())
             under = q is not None and have.workers < q.nominal.workers \
                 and have.memory_bytes < q.nominal.memory_bytes
-            p = prefix[k] = (1, 0 if under else 1, -st.priority, fair.usage(j.owner, now))
+            p = prefix[k] = (0 if under else 1, -st.priority, fair.usage(j.owner, now))
         keys.append(p)
     return [pairs[i][0] for i in sorted(range(len(pairs)), key=keys.__getitem__)]
 

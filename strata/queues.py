@@ -10,7 +10,6 @@ queues:
     default: true                         # the queue of jobs that name none
 priority_classes: {low: 0, normal: 100, high: 1000}
 fair_share_half_life: 1h
-starvation_after: 4h                      # waiting longer, a job comes first (0: never)
 ```
 
 A job names its queue (``queue:``; else its owner's: the queue listing the owner by NAME, else
@@ -35,12 +34,6 @@ DEFAULT_PRIORITY = "normal"
 #: the classes of a cluster without a queues file
 DEFAULT_CLASSES: Mapping[str, int] = {"low": 0, "normal": 100, "high": 1000}
 DEFAULT_HALF_LIFE_S = 3600.0
-#: ``starvation_after``'s default. Why a bound at all: the order puts a queue under its
-#: nominal share first, so a wide job of a queue that borrows all week would never be the head
-#: and keep its room while entitled queues' jobs keep coming (``bench/sched_sim.py``: a
-#: 128-wide job waited 140 h). Why 4 h: well past a typical job's wait (minutes), so shares
-#: and priorities decide nearly always, while no job waits for ever.
-DEFAULT_STARVATION_S = 4 * 3600.0
 EVERYONE = "*"
 #: a member that names a group of the token file (``TOKEN ROLE NAME GROUPS``), not a NAME
 GROUP = "group:"
@@ -100,8 +93,6 @@ class Queues:
     priority_classes: Mapping[str, int] = dataclasses.field(
         default_factory=lambda: dict(DEFAULT_CLASSES))
     fair_share_half_life_s: float = DEFAULT_HALF_LIFE_S
-    #: a job waiting longer than this comes first in the order, oldest first (0: never)
-    starvation_after_s: float = DEFAULT_STARVATION_S
 
     def get(self, name: str) -> Queue | None:
         return self._by_name.get(name)
@@ -188,12 +179,10 @@ def parse_queues(text: str, source: str = "queues file") -> Queues:
         raise QueueError("queues", f"not YAML: {e}") from None
     if not isinstance(raw, Mapping):
         raise QueueError("queues", "must be a mapping with a list under queues:")
-    unknown = set(raw) - {"queues", "priority_classes", "fair_share_half_life",
-                          "starvation_after"}
+    unknown = set(raw) - {"queues", "priority_classes", "fair_share_half_life"}
     if unknown:
         raise QueueError(str(sorted(unknown)[0]), "unknown field (known: queues, "
-                                                  "priority_classes, fair_share_half_life, "
-                                                  "starvation_after)")
+                                                  "priority_classes, fair_share_half_life)")
     items = raw.get("queues")
     if not isinstance(items, list) or not items:
         raise QueueError("queues", "must be a non-empty list of queues")
@@ -212,11 +201,7 @@ def parse_queues(text: str, source: str = "queues file") -> Queues:
                                                          f"{seen[m]!r} already")
             seen[m] = q.name
     classes = _classes(raw.get("priority_classes"))
-    return Queues(queues, classes,
-                  _duration(raw.get("fair_share_half_life"), "fair_share_half_life",
-                            DEFAULT_HALF_LIFE_S),
-                  _duration(raw.get("starvation_after"), "starvation_after",
-                            DEFAULT_STARVATION_S, zero=True))
+    return Queues(queues, classes, _half_life(raw.get("fair_share_half_life")))
 
 
 def _queue(raw: Any, field: str) -> Queue:
@@ -281,18 +266,17 @@ def _classes(raw: Any) -> Mapping[str, int]:
     return out
 
 
-def _duration(raw: Any, field: str, default: float, zero: bool = False) -> float:
-    """A duration (``90m``, ``2h``, seconds); ``zero``: 0 is allowed (off)."""
+def _half_life(raw: Any) -> float:
     if raw is None:
-        return default
+        return DEFAULT_HALF_LIFE_S
     from strata.units import parse_duration
 
     try:
         s = parse_duration(str(raw))
     except ValueError as e:
-        raise QueueError(field, str(e)) from None
-    if not math.isfinite(s) or s < 0 or (s == 0 and not zero):
-        raise QueueError(field, f"must be a {'' if zero else 'positive '}duration, got {raw!r}")
+        raise QueueError("fair_share_half_life", str(e)) from None
+    if not math.isfinite(s) or s <= 0:
+        raise QueueError("fair_share_half_life", f"must be a positive duration, got {raw!r}")
     return s
 
 

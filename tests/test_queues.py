@@ -461,20 +461,3 @@ def test_a_large_gang_is_not_overtaken_for_ever_by_smaller_jobs(tmp_path):
     coord.tick()
     assert gang.state == JobState.SCHEDULED and small.state == JobState.PENDING
 
-
-def test_a_job_waiting_past_starvation_after_comes_first():
-    """A borrowing queue's wide job, behind an entitled queue's stream for hours, comes first
-    once it has waited ``starvation_after``; before, shares and priority decide."""
-    queues = parse_queues(FILE + "starvation_after: 2h\n")
-    assert queues.starvation_after_s == 7200
-    assert parse_queues(FILE).starvation_after_s == 4 * 3600  # the default
-    fair = FairShare(3600.0)
-    wide = _job("wide", "alice", 0.0, workers=4)
-    fresh = _job("fresh", "carol", 7000.0)
-    waiting = [(wide, Standing.of(wide, Place("research", 100))),
-               (fresh, Standing.of(fresh, Place("prod", 1000)))]
-    use = {"research": Share(4, 4 * GiB)}  # research borrows
-    assert [j.id for j in order(waiting, queues, use, fair, 7100.0)] == ["fresh", "wide"]
-    assert [j.id for j in order(waiting, queues, use, fair, 7300.0)] == ["wide", "fresh"]
-    with pytest.raises(QueueError, match="starvation_after"):
-        parse_queues(FILE + "starvation_after: -1h\n")
