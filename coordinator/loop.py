@@ -198,6 +198,7 @@ class ControlLoop(Preemptions):
         for job_id in self.state.retire_over():
             self._tried.pop(job_id, None)
             self._needs.pop(job_id, None)
+            self._tried_preempt.pop(job_id, None)
         if self._notices:
             self._notices_due(now)
         self._expire(now)  # (after: it takes the jobs that are over out of the live ones)

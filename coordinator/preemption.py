@@ -58,6 +58,10 @@ class Preemptions(ElasticJobs):
         self._preempted_this_pass, self._preempt_tries = False, 0
         self._pass_running, self._lowest = None, None
         self._may = {}
+        # a preemptor cancelled, failed or deleted while its victims stop keeps no room
+        for job_id in [k for k in self._preempting
+                       if k not in self.jobs or not self._waiting(self.jobs[k])]:
+            del self._preempting[job_id]
 
     def _waiting(self, job: Job) -> bool:
         """Whether ``job`` waits in the policy's order: PENDING, or preempted and not placed

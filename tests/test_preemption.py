@@ -356,3 +356,21 @@ def test_a_time_limit_counts_training_not_the_time_preempted(qenv):
     assert policy.expected_end(low, clock.now) == pytest.approx(clock.now + 240, abs=5)
     _later(coord, clock, 300)
     assert "ran past its training.time_limit" in decisions.past_time_limit(low, clock.now)
+
+
+def test_a_preemptor_cancelled_while_its_victims_stop_keeps_no_room(qenv):
+    coord, clock, _ = qenv
+    low = coord.submit(spec("low", workers=4, priority="low"), owner="alice")
+    coord.tick()
+    _run(coord, low)
+    _steps(coord, low, 100, clock)
+    high = coord.submit(spec("high", workers=2, priority="high"), owner="bob")
+    coord.tick()
+    assert low.recovery.preempted_by == high.id
+    coord.cancel(high.id)
+    _save(coord, low)
+    other = coord.submit(spec("other", workers=4), owner="bob")
+    coord.tick()
+    # a job after it in the order starts on the room the cancelled job had kept
+    assert other.state == JobState.SCHEDULED, other.message
+    assert low.state == JobState.RESTARTING and high.id not in coord._preempting
