@@ -123,20 +123,15 @@ class Preemptions(ElasticJobs):
 
     def _class_settled(self, standing: policy.Standing) -> bool:
         """Whether this pass would not preempt for any waiting job of ``standing``."""
-        if self._preempted_this_pass or self._preempt_tries >= PREEMPT_TRIES_PER_PASS:
-            return True
-        may = self._may.get(standing)
-        return may is False or (may is None and not self._may_find(standing))
+        return self._preempted_this_pass or self._preempt_tries >= PREEMPT_TRIES_PER_PASS \
+            or not self._may_find(standing)
 
     def _preemption_settled(self, job: Job, standing: policy.Standing) -> bool:
         """Whether this pass would not preempt for waiting ``job``: one already started, the
         tries are spent, it found nothing at this room already, or nothing may be preempted
         for one of its standing."""
-        if self._preempted_this_pass or self._preempt_tries >= PREEMPT_TRIES_PER_PASS:
-            return True
-        may = self._may.get(standing)
-        return may is False or (may is None and not self._may_find(standing)) \
-            or self._tried_preempt.get(job.id) == self.state.room_version
+        return self._tried_preempt.get(job.id) == self.state.room_version \
+            or self._class_settled(standing)
 
     def _may_find(self, st: policy.Standing) -> bool:
         """Whether any running job may be preempted for ``job`` (``policy.may_preempt``, on

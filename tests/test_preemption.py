@@ -158,6 +158,15 @@ def _save(coord, job):
     return step
 
 
+def _running_low(coord, clock):
+    """alice's low-priority job, 4 wide (all of research's room), at step 100."""
+    low = coord.submit(spec("low", workers=4, priority="low"), owner="alice")
+    coord.tick()
+    _run(coord, low)
+    _steps(coord, low, 100, clock)
+    return low
+
+
 def _later(coord, clock, seconds):
     """``seconds`` pass, the agents heard from meanwhile."""
     clock.now += seconds
@@ -173,10 +182,7 @@ def _end(coord, job):
 
 def test_a_higher_priority_job_preempts_and_the_victim_resumes_at_its_step(qenv):
     coord, clock, store = qenv
-    low = coord.submit(spec("low", workers=4, priority="low"), owner="alice")
-    coord.tick()
-    _run(coord, low)
-    _steps(coord, low, 100, clock)
+    low = _running_low(coord, clock)
     clock.now += 1
     high = coord.submit(spec("high", workers=2, priority="high"), owner="bob")
     coord.tick()
@@ -360,10 +366,7 @@ def test_a_time_limit_counts_training_not_the_time_preempted(qenv):
 
 def test_a_preemptor_cancelled_while_its_victims_stop_keeps_no_room(qenv):
     coord, clock, _ = qenv
-    low = coord.submit(spec("low", workers=4, priority="low"), owner="alice")
-    coord.tick()
-    _run(coord, low)
-    _steps(coord, low, 100, clock)
+    low = _running_low(coord, clock)
     high = coord.submit(spec("high", workers=2, priority="high"), owner="bob")
     coord.tick()
     assert low.recovery.preempted_by == high.id
