@@ -302,6 +302,10 @@ def compare(rev: str, argv: list[str], script: str = __file__) -> None:
 if __name__ == "__main__":
     if "--compare" in sys.argv:
         i = sys.argv.index("--compare")
-        compare(sys.argv[i + 1], sys.argv[1:i] + sys.argv[i + 2:])
+        argv = sys.argv[1:i] + sys.argv[i + 2:]
+        if "--queues" in argv:  # (each run's working directory is a temporary one)
+            q = argv.index("--queues") + 1
+            argv[q] = os.path.abspath(argv[q])
+        compare(sys.argv[i + 1], argv)
     else:
         main()

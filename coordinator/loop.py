@@ -25,7 +25,7 @@ from strata.coordinator.blobs import BlobStore
 from strata.coordinator.disk import DiskGuard
 from strata.coordinator.preemption import PREEMPT_DEADLINE_S, Preemptions
 from strata.coordinator.queueing import Queueing
-from strata.coordinator.placement import Capacity, Placement, TaskDemand, place
+from strata.coordinator.placement import Capacity, Placement, Room, TaskDemand, place
 from strata.coordinator.state import ClusterState
 from strata.coordinator.store import Store
 from strata.errors import DiskFull
@@ -49,9 +49,17 @@ MAX_DELAY_ALLOWANCE = 5.0
 EXPIRY_INTERVAL_S = 60.0
 #: seconds between checks whether an elastic job may grow, when no room has freed meanwhile
 GROW_CHECK_S = 5.0
-#: seconds the head's reservation is kept without being computed again while no room moved
-#: (its expected start comes from the running jobs' rates, which move slowly)
+#: seconds a kept room is used without being computed again while no room moved (its
+#: expected start comes from the running jobs' rates, which move slowly)
 RESERVATION_REFRESH_S = 5.0
+_KEPT = "; its room is kept"  # what a waiting job's message adds while its room is kept
+#: waiting jobs whose room is kept at once, at most. A job keeps its room from the pass it is
+#: the head of the order and does not fit until it starts, stops waiting, or its queue's limit
+#: holds it back, wherever the order puts it meanwhile: the order changes from pass to pass
+#: (fair share, queues under their nominal share), and a room that moved with it let the widest
+#: jobs wait for days (``bench/sched_sim.py``). Each room is computed on the agents the others
+#: do not keep, so the rooms never overlap.
+KEPT_ROOMS = 8
 
 
 def _when(start: float | None, now: float) -> str:
@@ -99,15 +107,17 @@ class ControlLoop(Preemptions):
         self._tried: dict[str, tuple[Any, ...]] = {}
         self._grow_version, self._next_grow = -1, 0.0
         self._next_limits = 0.0  # when jobs are next held to their training.time_limit
-        #: with queues: the room kept this pass for the first waiting job that does not fit
+        #: with queues: the room of the first waiting job this pass that does not fit (kept, or
+        #: without agents when ``KEPT_ROOMS`` are kept for others already)
         self._reservation: policy.Reservation | None = None
+        #: with queues: the rooms kept for waiting jobs (``KEPT_ROOMS``), job id -> its room, the
+        #: room version it was computed at and when; oldest first
+        self._kept: dict[str, tuple[policy.Reservation, int, float]] = {}
         #: with queues: each queue's room kept this pass for the first job its limit holds
         #: back (``_keep_queue_room``)
         self._queue_kept: dict[str, policy.Reservation] = {}
         #: the jobs given an estimated start by the last pass (the next one clears them)
         self._estimated: list[Job] = []
-        #: the last reservation made, at which room version and when (``_reserve``)
-        self._last_reservation: tuple[policy.Reservation | None, int, float] = (None, -1, 0.0)
         #: the queues (``--queues``): order, shares, fair share (``Coordinator`` sets them)
         self.queueing = Queueing()
         self._init_preemption()
@@ -270,12 +280,15 @@ class ControlLoop(Preemptions):
             for j in self._estimated:
                 j.estimated_start = 0.0
             self._estimated = []
+            self._keep_rooms(now)
             jobs = others
         for job in jobs:
             if job.state in decisions.TICK_STATES:
                 self._tick_job(job, now)
         if waiting:
             self._tick_waiting(waiting, now)
+            if self._kept:
+                self._refresh_kept(now)
         if self._elastic and (self.state.room_version != self._grow_version
                               or now >= self._next_grow):
             self._grow_version, self._next_grow = self.state.room_version, now + GROW_CHECK_S
@@ -390,13 +403,20 @@ class ControlLoop(Preemptions):
         waiting = self.queueing.configured and self._waiting(job)
         behind = self._behind_preemptor(job) if waiting else ""
         if behind:
+            self._kept.pop(job.id, None)
             self._wait_with(job, behind)
             return
         key = (self.state.room_version, tuple(t.memory_budget_bytes for t in job.tasks))
         if self._tried.get(job.id) == key:
-            if waiting and self._reservation is None and not self.queueing.blocked(job):
-                self._reserve(job)  # still the head, still waiting: its room stays kept
-            said = self._preempt_for(job) if waiting else ""
+            said = ""
+            if waiting and self._reservation is None:
+                if self.queueing.blocked(job):
+                    self._kept.pop(job.id, None)  # its queue's room is kept instead
+                else:  # the head, still waiting: its room is kept (from now, or still)
+                    said = self._reserve(job)
+                    if _KEPT in job.message:
+                        said = ""
+            said += self._preempt_for(job) if waiting else ""
             if said and said not in job.message:
                 self._wait_with(job, job.message + said)
             return
@@ -406,6 +426,7 @@ class ControlLoop(Preemptions):
             self._try_schedule(job)  # narrower, its queue may hold it
             return
         if held_back:
+            self._kept.pop(job.id, None)  # its queue's room is kept instead
             kept = self._keep_queue_room(job) if waiting else ""
             self._wait_with(job, held_back + kept + self._preempt_for(job))
             return
@@ -432,11 +453,9 @@ class ControlLoop(Preemptions):
             self._wait_with(job, placement.reason + reserved
                             + (self._preempt_for(job) if waiting else ""))
             return
-        r = next((r for r in [self._reservation, *self._queue_kept.values(),
-                              *self._kept_rooms(job)]
-                  if r is not None and r.job_id != job.id and policy.delays(
-                      r, placement.assignments.values(), policy.expected_duration(job),
-                      self.clock(), job.spec.queue)), None) if waiting else None
+        r = None
+        if waiting:
+            placement, r = self._off_kept(job, needs, placement)
         if r is not None:
             room = f"room in queue {r.queue}" if r.queue else "room"
             self._wait_with(job, f"waiting behind {r.job_id}, the job ahead of it, whose "
@@ -448,7 +467,58 @@ class ControlLoop(Preemptions):
             return
         self._place_job(job, placement)
         self.queueing.placed(job)
+        self._kept.pop(job.id, None)
         self._placed_again(job)
+
+    def _off_kept(self, job: Job, needs: Needs, placement: Placement,
+                  ) -> tuple[Placement, policy.Reservation | None]:
+        """Where waiting ``job`` starts, placed as ``placement`` first, and the room kept for
+        another job it would delay there (None: it starts). Placed on a room kept for another
+        job, it is placed off the kept rooms where it fits there (a job keeping its own room so
+        goes there, not on another's; one of a higher class leaves a lower one's room be when
+        it can), else off those it honours."""
+        r = self._delayed(job, placement)
+        if (r is not None and not r.queue) or self._on_kept(job, placement):
+            elsewhere = self._place_off_kept(job, needs, every=True)
+            if not elsewhere.assignments and r is not None and not r.queue:
+                elsewhere = self._place_off_kept(job, needs, every=False)
+            if elsewhere.assignments:
+                return elsewhere, self._delayed(job, elsewhere)
+        return placement, r
+
+    def _on_kept(self, job: Job, placement: Placement) -> bool:
+        """Whether ``placement`` takes an agent of a room kept for another job."""
+        agents = placement.assignments.values()
+        return any(k != job.id and not r.agents.isdisjoint(agents)
+                   for k, (r, _, _) in self._kept.items())
+
+    def _place_off_kept(self, job: Job, needs: Needs, *, every: bool) -> Placement:
+        """``job`` placed on the agents of no room kept for another job (``every``), or of no
+        room it keeps off (``_kept_rooms``). The agents left are kept in order for the tick,
+        until room moves, per set of rooms left out (which jobs of a class share)."""
+        kept = super()._kept_rooms(job) + [r for k, (r, _, _) in self._kept.items()
+                                           if k != job.id] if every else self._kept_rooms(job)
+        kept = [k for k in kept if k.agents]
+        key = ("off kept", needs, tuple(sorted((k.job_id, hash(k.agents)) for k in kept)))
+        fresh = self._tick_fresh()
+        room = self._tick_cache.get(key) if fresh and self._tick_cache is not None else None
+        if room is None:
+            avoid = {a for k in kept for a in k.agents}
+            room = Room([c for c in self._capacities(needs) if c.name not in avoid])
+            if fresh and self._tick_cache is not None:
+                self._tick_cache[key] = room
+        return room.place([TaskDemand(t.role, t.index, t.memory_budget_bytes)
+                           for t in job.tasks])
+
+    def _delayed(self, job: Job, placement: Placement) -> policy.Reservation | None:
+        """The room kept for another job that ``job`` placed as ``placement`` would delay
+        (``policy.delays``), or None."""
+        assert job.spec is not None
+        duration, now = policy.expected_duration(job), self.clock()
+        return next((r for r in [*self._queue_kept.values(), *self._kept_rooms(job)]
+                     if r.job_id != job.id and policy.delays(
+                         r, placement.assignments.values(), duration, now, job.spec.queue)),
+                    None)
 
     def _preempt_for(self, job: Job) -> str:
         """A waiting ``job`` that does not start: its preemption in flight keeps its room, or
@@ -464,9 +534,12 @@ class ControlLoop(Preemptions):
                 and self._reservation.start is not None \
                 and self._reservation.start <= self.clock() + PREEMPT_DEADLINE_S:
             return ""  # its room frees before a preemption's would
-        said = self._try_preempt(job, self._reservation)
-        if said and (self._reservation is None or self._reservation.job_id == job.id):
-            self._reservation = policy.Reservation(job.id, self._preempting[job.id].agents, None)
+        said = self._try_preempt(job)
+        if said:
+            self._kept.pop(job.id, None)  # the victims' agents are its room now
+            if self._reservation is None or self._reservation.job_id == job.id:
+                self._reservation = policy.Reservation(job.id, self._preempting[job.id].agents,
+                                                       None)
         return "; " + said if said else ""
 
     def _keep_queue_room(self, job: Job) -> str:
@@ -489,26 +562,100 @@ class ControlLoop(Preemptions):
         return f"; its room in the queue is kept{_when(kept.start, now)}"
 
     def _reserve(self, job: Job) -> str:
-        """Keeps room for ``job``, the first waiting job this pass that does not fit: later
-        jobs start only where they do not delay it (``policy.delays``). Returns the words its
-        wait adds ("; its room is kept: expected to start in about 5 min")."""
-        assert job.spec is not None
+        """``job``, the first waiting job this pass that does not fit, keeps its room: later
+        jobs start only where they do not delay it (``policy.delays``), this pass and the next
+        ones until it starts (``KEPT_ROOMS``). Returns the words its wait adds ("; its room is
+        kept: expected to start in about 5 min")."""
         now = self.clock()
-        kept, version, at = self._last_reservation
-        if kept is not None and kept.job_id == job.id and version == self.state.room_version \
-                and now - at < RESERVATION_REFRESH_S:
-            self._reservation = kept  # nothing moved: the same room, the same start
+        kept = self._kept.get(job.id)
+        if kept is None and len(self._kept) >= KEPT_ROOMS:
+            # the rooms of jobs that came first are kept: this one's is, once one of them starts
+            self._reservation = policy.Reservation(job.id, frozenset(), None)
+            return ""
+        if kept is not None and not self._stale(kept, now):
+            self._reservation = kept[0]  # nothing moved lately: the same room, the same start
         else:
-            running = [(j, policy.expected_end(j, now)) for j in self.state.ordered()
-                       if j.state in policy.HOLDING]
-            self._reservation = policy.reserve(job, self.state.capacities(Needs.of(job.spec)),
-                                               running, now)
-            self._last_reservation = (self._reservation, self.state.room_version, now)
+            self._reservation = self._keep_room(job, now)
         if not self._reservation.agents:
             return ""
         job.estimated_start = self._reservation.start or 0.0
         self._estimated.append(job)
-        return f"; its room is kept{_when(self._reservation.start, now)}"
+        return f"{_KEPT}{_when(self._reservation.start, now)}"
+
+    def _keep_room(self, job: Job, now: float) -> policy.Reservation:
+        """Computes the room kept for waiting ``job``: where and when it would start on the
+        agents kept neither for the jobs that kept theirs before it (the older rooms come first:
+        a job keeps its place among them until it starts) nor for preemptors. A newer room that
+        the new one overlaps is computed again at the pass's end, so rooms do not overlap for
+        long. A job that keeps no room yet and finds none keeps none; one that kept a room keeps
+        its place with none (an agent lost, say) until one is found."""
+        assert job.spec is not None
+        taken: set[str] = set()
+        for k, (r, _, _) in self._kept.items():
+            if k == job.id:
+                break
+            taken |= r.agents
+        taken.update(a for p in self._preempting.values() if p.job_id != job.id
+                     for a in p.agents)
+        caps = self.state.capacities(Needs.of(job.spec))
+        if taken:
+            caps = [c for c in caps if c.name not in taken]
+        running = [(j, policy.expected_end(j, now)) for j in self.state.ordered()
+                   if j.state in policy.HOLDING]
+        r = policy.reserve(job, caps, running, now)
+        if not r.agents and job.id not in self._kept:
+            return r
+        after = False
+        for k, (other, v, at) in self._kept.items():
+            if after and other.agents & r.agents:
+                self._kept[k] = (other, -1, at)  # (computed again at the pass's end)
+            after = after or k == job.id
+        self._kept[job.id] = (r, self.state.room_version, now)
+        return r
+
+    def _stale(self, kept: tuple[policy.Reservation, int, float], now: float) -> bool:
+        """Whether a kept room is to be computed again: an older room overlaps it, or room
+        moved since it was and it is older than ``RESERVATION_REFRESH_S``."""
+        _, version, at = kept
+        return version < 0 or (version != self.state.room_version
+                                and now - at >= RESERVATION_REFRESH_S)
+
+    def _keep_rooms(self, now: float) -> None:
+        """At a pass's start: the rooms kept for jobs that no longer wait (started, ended,
+        deleted, or waiting behind the job that preempted them) are given up; the others say
+        their holder's expected start."""
+        for job_id in list(self._kept):
+            job = self.jobs.get(job_id)
+            if job is None or not self._waiting(job) or self._behind_preemptor(job):
+                del self._kept[job_id]
+                continue
+            job.estimated_start = self._kept[job_id][0].start or 0.0
+            self._estimated.append(job)
+
+    def _refresh_kept(self, now: float) -> None:
+        """At a pass's end, the stale kept rooms (``_stale``) are computed again, oldest
+        first: a kept room follows the cluster (its agents and start as jobs end, start and
+        report their rates). Computed less often (one a pass), stale rooms cost the simulated
+        week a point of utilisation and the widest jobs 37 more hours of waiting
+        (``bench/sched_sim.py``)."""
+        for job_id in list(self._kept):
+            kept = self._kept.get(job_id)
+            job = self.jobs.get(job_id)
+            if kept is not None and job is not None and self._stale(kept, now):
+                job.estimated_start = self._keep_room(job, now).start or 0.0
+
+    def _kept_rooms(self, job: Job) -> list[policy.Reservation]:
+        """The rooms ``job`` keeps off: preemptors' (``Preemptions._kept_rooms``) and those kept
+        for other waiting jobs of its priority class or a higher one (``policy.honours``)."""
+        rooms = super()._kept_rooms(job)
+        if self._kept:
+            where = self.queueing.priority(job)
+            for k, (r, _, _) in self._kept.items():
+                holder = self.jobs.get(k)
+                if k != job.id and holder is not None and policy.honours(
+                        policy.Place("", where), policy.Place("", self.queueing.priority(holder))):
+                    rooms.append(r)
+        return rooms
 
     def _queue_holds(self, spec: JobSpec, plan: JobPlan, holding: Job | None) -> bool:
         return self.queueing.holds(spec, Share(len(plan.tasks), sum(

@@ -179,11 +179,11 @@ def expected_duration(job: Job) -> float | None:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Reservation:
-    """Room kept for ``job_id`` (the head of the order that does not fit now): the agents its
-    placement will take at ``start`` (epoch seconds; None: not known, the room frees when a job
-    whose end is unknown ends). With ``queue``, its queue's room is kept instead (the first
-    job its queue's limit holds back): no later job of that queue takes the share it waits
-    for (``queue_start``)."""
+    """Room kept for ``job_id`` (a waiting job that was the head of the order and did not
+    fit): the agents its placement will take at ``start`` (epoch seconds; None: not known, the
+    room frees when a job whose end is unknown ends). With ``queue``, its queue's room is kept
+    instead (the first job its queue's limit holds back): no later job of that queue takes the
+    share it waits for (``queue_start``)."""
 
     job_id: str
     agents: frozenset[str]
@@ -239,6 +239,13 @@ def queue_start(job: Job, queue: Queue, use: Mapping[str, Share],
         have = _minus(have, held(other))
         at = None if end is None else max(now, end)
     return Reservation(job.id, frozenset(), at, queue=queue.name)
+
+
+def honours(job: Place, holder: Place) -> bool:
+    """Whether a job at ``job`` keeps off the room kept for a waiting job at ``holder``: every
+    job does but one of a higher priority class. A kept room holds back its holder's class and
+    those below, so a class never waits on a lower one's room."""
+    return job.priority <= holder.priority
 
 
 def delays(reservation: Reservation, agents: Iterable[str], duration: float | None,

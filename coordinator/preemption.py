@@ -170,10 +170,10 @@ class Preemptions(ElasticJobs):
             return workers * max(0, job.metrics.step - job.checkpoint_step) / rate
         return workers * max(0.0, now - job.started_at) if job.started_at else 0.0
 
-    def _try_preempt(self, job: Job, reservation: policy.Reservation | None) -> str:
+    def _try_preempt(self, job: Job) -> str:
         """Preempts what waiting ``job`` needs, if anything may be and it would start then,
-        without delaying ``reservation`` (another job's kept room). Returns the words its wait
-        says ("" when nothing was preempted)."""
+        without delaying the rooms kept for other jobs (``_kept_rooms``). Returns the words its
+        wait says ("" when nothing was preempted)."""
         assert job.spec is not None
         version = self.state.room_version
         if self._preempted_this_pass or self._preempt_tries >= PREEMPT_TRIES_PER_PASS \
@@ -191,9 +191,6 @@ class Preemptions(ElasticJobs):
         if pre is None:
             return ""
         duration = policy.expected_duration(job)
-        if reservation is not None and reservation.job_id != job.id \
-                and policy.delays(reservation, pre.agents, duration, now):
-            return ""
         if any(policy.delays(r, pre.agents, duration, now) for r in self._kept_rooms(job)):
             return ""
         self._preempted_this_pass = True

@@ -421,7 +421,9 @@ def test_a_later_job_starts_only_where_it_does_not_delay_the_reservation(agents,
 ONE_QUEUE = "queues: [{name: all, members: ['*'], default: true}]"
 
 
-def test_a_large_gang_is_not_overtaken_for_ever_by_smaller_jobs(tmp_path):
+def _one_queue(tmp_path, agents: str):
+    """A coordinator with one queue for all and an agent of 1 GiB for each letter of
+    ``agents``, on a clock of its own."""
     from strata.coordinator.core import Coordinator
     from strata.coordinator.store import SqliteStore
 
@@ -429,8 +431,13 @@ def test_a_large_gang_is_not_overtaken_for_ever_by_smaller_jobs(tmp_path):
     coord = Coordinator(SqliteStore(str(tmp_path / "s.db")), str(tmp_path), clock=clock,
                         heartbeat_timeout_s=10, monotonic=clock,
                         queues=parse_queues(ONE_QUEUE))
-    for w in "abcd":
+    for w in agents:
         register(coord, w)
+    return coord, clock
+
+
+def test_a_large_gang_is_not_overtaken_for_ever_by_smaller_jobs(tmp_path):
+    coord, clock = _one_queue(tmp_path, "abcd")
     running = coord.submit(spec("running", training={"steps": 1000, "time_limit": "10m"}))
     coord.tick()
     _run(coord, running)
@@ -461,3 +468,67 @@ def test_a_large_gang_is_not_overtaken_for_ever_by_smaller_jobs(tmp_path):
     coord.tick()
     assert gang.state == JobState.SCHEDULED and small.state == JobState.PENDING
 
+
+def test_a_kept_room_stays_with_its_job_when_the_order_changes(tmp_path):
+    """The head that does not fit keeps its room in the passes after, wherever the order puts
+    it: a job that comes first later gets a room of its own on the agents left (none here), a
+    job of its class keeps off the kept room, one of a higher class does not."""
+    coord, clock = _one_queue(tmp_path, "abcd")
+    running = coord.submit(spec("running", workers=2,
+                                training={"steps": 1000, "time_limit": "10m"}), owner="alice")
+    coord.tick()
+    _run(coord, running)
+    report(coord, _sessions(coord), running.tasks[0], TaskState.RUNNING, step=1,
+           total_steps=1000, loss=1.0, first_step_time=clock.now)
+    clock.now += 5
+    coord.tick()  # alice has used the cluster for a while now
+    gang = coord.submit(spec("gang", workers=4), owner="alice")
+    coord.tick()
+    assert gang.state == JobState.PENDING and "its room is kept" in gang.message
+    clock.now += 1
+    # bob has used nothing: his job comes first in the order now, and does not fit either
+    first = coord.submit(spec("first", workers=3, data={"source": "digits", "batch_size": 60}),
+                         owner="bob")
+    clock.now += 1
+    small = coord.submit(spec("small", workers=1), owner="carol")  # would fit a free agent
+    coord.tick()
+    shown = {j.name: job_to_json(j) for j in (gang, first, small)}
+    assert shown["first"]["position"] == 1 and shown["gang"]["position"] == 3
+    assert first.state == JobState.PENDING and "room is kept" not in first.message
+    assert shown["gang"]["estimated_start"] == pytest.approx(clock.now + 593, abs=3)
+    assert small.state == JobState.PENDING
+    assert small.message.startswith(f"waiting behind {gang.id}, the job ahead of it")
+    # a job of a higher class is not held back by the kept room of a lower one
+    urgent = coord.submit(spec("urgent", workers=1, priority="high"), owner="carol")
+    coord.tick()
+    assert urgent.state == JobState.SCHEDULED
+    # the gang starts once the jobs on its room end; its room is given up, the next job's kept
+    _run(coord, urgent)
+    for j in (running, urgent):
+        for t in j.tasks:
+            report(coord, _sessions(coord), t, TaskState.SUCCEEDED)
+    coord.tick()
+    assert gang.state == JobState.SCHEDULED and gang.id not in coord._kept
+    coord.tick()
+    assert list(coord._kept) == [first.id] and "its room is kept" in first.message
+
+
+def test_a_job_that_would_take_a_kept_room_starts_elsewhere(tmp_path):
+    coord, clock = _one_queue(tmp_path, "abcdef")
+    running = coord.submit(spec("running", workers=3, data={"source": "digits", "batch_size": 60},
+                                training={"steps": 1000, "time_limit": "10m"}))
+    coord.tick()
+    gang = coord.submit(spec("gang", workers=4))
+    coord.tick()
+    room = coord._kept[gang.id][0].agents
+    assert len(room) == 4 and {t.worker for t in running.tasks} < room
+    # the best fit for each is the free agent of the gang's room; two are outside it (a job of a
+    # higher class, which the room does not hold back, goes there too while it can)
+    smalls = [coord.submit(spec("urgent", workers=1, priority="high")),
+              coord.submit(spec("small", workers=1))]
+    coord.tick()
+    assert all(j.state == JobState.SCHEDULED and j.tasks[0].worker not in room for j in smalls)
+    other = coord.submit(spec("other", workers=1))  # none is left outside it
+    coord.tick()
+    assert other.state == JobState.PENDING and other.message.startswith(
+        f"waiting behind {gang.id}")
