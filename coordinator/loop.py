@@ -57,8 +57,8 @@ _KEPT = "; its room is kept"  # what a waiting job's message adds while its room
 #: the head of the order and does not fit until it starts, stops waiting, or its queue's limit
 #: holds it back, wherever the order puts it meanwhile: the order changes from pass to pass
 #: (fair share, queues under their nominal share), and a room that moved with it let the widest
-#: jobs wait for days (``bench/sched_sim.py``). Each room is computed on the agents the others
-#: do not keep, so the rooms never overlap.
+#: jobs wait for days (``bench/sched_sim.py``). Each room is computed on the agents the older
+#: ones leave (``_keep_room``), so a later head cannot take an earlier one's room.
 KEPT_ROOMS = 8
 
 
