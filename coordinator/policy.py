@@ -298,6 +298,21 @@ def may_preempt(job: Job, place: Place, other: Running, queues: Queues,
     return mine is not None and (use.get(mine.name, Share()) + share_of(job)).within(mine.nominal)
 
 
+def _add_room(caps: dict[str, Capacity], job: Job, need: int) -> int:
+    """Gives ``job``'s live tasks' room back to their agents in ``caps`` (its budget and a port
+    each); returns how many agents that brought to fit a task of ``need`` bytes."""
+    n = 0
+    for t in job.tasks:
+        c = caps.get(t.worker)
+        if c is not None and t.state not in _ENDED:
+            before = c.free_bytes >= need and c.free_ports > 0
+            c = caps[t.worker] = dataclasses.replace(
+                c, free_bytes=min(c.budget_bytes, c.free_bytes + t.memory_budget_bytes),
+                free_ports=c.free_ports + 1)
+            n += (c.free_bytes >= need and c.free_ports > 0) and not before
+    return n
+
+
 def _minus(a: Share, b: Share) -> Share:
     return Share(a.workers - b.workers, a.memory_bytes - b.memory_bytes)
 
@@ -330,6 +345,7 @@ def victims(job: Job, where: Place, running: Iterable[Running], free: list[Capac
     mine = queues.get(where.queue)
     if not demands:
         return None
+    need = min(d.budget_bytes for d in demands)
     left = dict(use)
     pool = sorted((r for r in running if may_preempt(job, where, r, queues, use)),
                   key=lambda r: (r.place.priority, r.lost_s, len(r.job.tasks),
@@ -347,13 +363,7 @@ def victims(job: Job, where: Place, running: Iterable[Running], free: list[Capac
             return None
         caps = {c.name: c for c in free}
         for r in taken:
-            for t in r.job.tasks:
-                c = caps.get(t.worker)
-                if c is not None and t.state not in _ENDED:
-                    caps[t.worker] = dataclasses.replace(
-                        c, free_bytes=min(c.budget_bytes, c.free_bytes + t.memory_budget_bytes),
-                        free_ports=c.free_ports + 1)
-        need = min(d.budget_bytes for d in demands)
+            _add_room(caps, r.job, need)
         if sum(1 for c in caps.values()
                if c.free_bytes >= need and c.free_ports > 0) < len(demands):
             return None
@@ -365,7 +375,6 @@ def victims(job: Job, where: Place, running: Iterable[Running], free: list[Capac
     taken: list[Running] = []
     agents: frozenset[str] | None = None
     caps = {c.name: c for c in free}
-    need = min(d.budget_bytes for d in demands)
     fitting = sum(1 for c in caps.values() if c.free_bytes >= need and c.free_ports > 0)
     have = use.get(where.queue, Share())
     for r in pool:
@@ -377,14 +386,7 @@ def victims(job: Job, where: Place, running: Iterable[Running], free: list[Capac
         left[r.place.queue] = _minus(left.get(r.place.queue, Share()), held(r.job))
         if r.place.queue == where.queue:
             have = _minus(have, held(r.job))
-        for t in r.job.tasks:
-            c = caps.get(t.worker)
-            if c is not None and t.state not in _ENDED:
-                before = c.free_bytes >= need and c.free_ports > 0
-                c = caps[t.worker] = dataclasses.replace(
-                    c, free_bytes=min(c.budget_bytes, c.free_bytes + t.memory_budget_bytes),
-                    free_ports=c.free_ports + 1)
-                fitting += (c.free_bytes >= need and c.free_ports > 0) and not before
+        fitting += _add_room(caps, r.job, need)
         if fitting < len(demands) or (
                 mine is not None and not (have + share_of(job)).within(mine.limit)):
             continue
