@@ -206,15 +206,7 @@ def reserve(job: Job, free: list[Capacity], running: list[tuple[Job, float | Non
     fitting = sum(1 for c in caps.values() if c.free_bytes >= need and c.free_ports > 0)
     order = sorted(running, key=lambda r: (r[1] is None, r[1] or 0.0))
     for other, end in order:
-        for t in other.tasks:
-            c = caps.get(t.worker)
-            if c is None or t.state in _ENDED:
-                continue
-            before = c.free_bytes >= need and c.free_ports > 0
-            c = caps[t.worker] = dataclasses.replace(
-                c, free_bytes=min(c.budget_bytes, c.free_bytes + t.memory_budget_bytes),
-                free_ports=c.free_ports + 1)
-            fitting += (c.free_bytes >= need) and not before
+        fitting += _add_room(caps, other, need)
         if fitting < len(demands):
             continue
         placed = place(demands, list(caps.values()))
